@@ -1,0 +1,138 @@
+"""The plugin's fixtures. Each is an override point: define a fixture of the same name and scope in a
+conftest.py and the fixtures built on it follow (override ``llmload_loader`` to plug in your own loader).
+
+Heavy libraries are imported inside the fixtures, so a run that uses none of them never pays for them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from pytest_llmload import gpus
+from pytest_llmload.loading import (
+    LoaderChoice,
+    LoaderSpecError,
+    LoaderUnderTest,
+    LoadResult,
+    as_loader_under_test,
+    import_loader,
+)
+from pytest_llmload.offline import offline
+from pytest_llmload.request import LoadRequest
+
+loader_choice_key = pytest.StashKey[LoaderChoice]()
+
+
+@pytest.fixture(scope="session")
+def llmload_offline():
+    """The hub is offline (HF_HUB_OFFLINE=1) and non-loopback connections fail, naming who tried."""
+    with offline():
+        yield
+
+
+@pytest.fixture(scope="session")
+def llmload_checkpoint_factory(tmp_path_factory, llmload_offline) -> Callable[..., Path]:
+    """Build tiny sharded safetensors checkpoints: ``factory(arch="llama"|"qwen2", dtype=..., seed=0) -> Path``.
+
+    Cached per session and per xdist worker (each worker has its own base temp dir).
+    """
+    from pytest_llmload.tiny_models import build_tiny_checkpoint
+
+    cache: dict[tuple, Path] = {}
+    root = tmp_path_factory.mktemp("llmload-checkpoints")
+
+    def factory(arch: str = "llama", *, dtype: str = "float32", seed: int = 0) -> Path:
+        key = (arch, dtype, seed)
+        if key not in cache:
+            cache[key] = build_tiny_checkpoint(root / f"{arch}-{dtype}-seed{seed}", arch, dtype=dtype, seed=seed)
+        return cache[key]
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def llmload_checkpoint(llmload_checkpoint_factory) -> Path:
+    """Path of a tiny Llama checkpoint (float32, several safetensors shards, local tokenizer, no pad token)."""
+    return llmload_checkpoint_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def llmload_loader(request, llmload_offline) -> LoaderUnderTest:
+    """The loader under test (``--llmload-loader``, ``$PYTEST_LLMLOAD_LOADER``, ini ``llmload_loader``,
+    else the built-in reference loader), called as ``llmload_loader(LoadRequest) -> LoadResult``."""
+    choice = request.config.stash.get(loader_choice_key, None)
+    if choice is None:  # the plugin was registered without its configure hook (e.g. imported by hand)
+        from pytest_llmload.loading import REFERENCE_SPEC
+
+        choice = LoaderChoice(REFERENCE_SPEC, "built-in default")
+    try:
+        function = import_loader(choice)
+    except LoaderSpecError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    return as_loader_under_test(function, name=choice.spec, source=choice.source)
+
+
+@pytest.fixture(scope="session")
+def llmload_device() -> str:
+    """``"cuda:0"`` where a GPU is visible, else ``"cpu"``."""
+    return "cuda:0" if gpus.visible_gpu_count() > 0 else "cpu"
+
+
+@pytest.fixture
+def llmload_load(llmload_loader, llmload_checkpoint, llmload_device) -> Callable[..., LoadResult]:
+    """Load through the loader under test: ``llmload_load(purpose="train", lora=True) -> LoadResult``.
+
+    Keyword arguments are :class:`~pytest_llmload.LoadRequest` fields; the model path defaults to the
+    tiny checkpoint and the device to ``llmload_device``.
+    """
+
+    def load(**fields) -> LoadResult:
+        fields.setdefault("model_path", llmload_checkpoint)
+        fields.setdefault("device", llmload_device)
+        return as_loader_under_test(llmload_loader)(LoadRequest(**fields))
+
+    return load
+
+
+@pytest.fixture
+def gpu_model(llmload_load):
+    """The tiny model loaded through the loader under test onto ``cuda:0``; marks the test ``gpu`` and skips
+    it where no GPU is visible."""
+    reason = gpus.skip_reason(1)
+    if reason is not None:
+        pytest.skip(f"gpu_model {reason}")
+    return llmload_load(device="cuda:0").model
+
+
+@pytest.fixture
+def lora_model(llmload_load):
+    """The tiny model, loaded for training through the loader under test and wrapped with a LoRA adapter
+    (peft, on q_proj/v_proj) unless the loader already did; only adapter weights are trainable."""
+    model = llmload_load(purpose="train", lora=True).model
+    from peft import PeftModel
+
+    if not isinstance(model, PeftModel):
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(
+            model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+        )
+    model.train()
+    return model
+
+
+@pytest.fixture
+def llmload_tokenizer(llmload_checkpoint):
+    """The tiny checkpoint's tokenizer (local files only; its pad token is unset, as in write-up 000)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(llmload_checkpoint, local_files_only=True)
+
+
+@pytest.fixture
+def distributed_env():
+    """Run a function on N ranks of a real torch.distributed process group (reserved; see issue 4)."""
+    pytest.skip("distributed_env is not implemented yet")

@@ -1,0 +1,58 @@
+"""pytest-llmload's pytest plugin (entry point ``pytest11: llmload``): options, markers, header, fixtures.
+
+This module is imported on every pytest run of a repo that has the plugin installed, so it imports
+nothing heavy: torch and the Hugging Face stack load only when a fixture asks for them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from pytest_llmload import loading, markers
+from pytest_llmload.fixtures import (  # noqa: F401  (pytest discovers fixtures on the plugin module)
+    distributed_env,
+    gpu_model,
+    llmload_checkpoint,
+    llmload_checkpoint_factory,
+    llmload_device,
+    llmload_load,
+    llmload_loader,
+    llmload_offline,
+    llmload_tokenizer,
+    loader_choice_key,
+    lora_model,
+)
+from pytest_llmload.header import header_lines
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("llmload", "pytest-llmload: Hugging Face model-loading regression checks")
+    group.addoption("--llmload-loader", dest="llmload_loader", metavar="MODULE:FUNCTION", help=loading.LOADER_HELP)
+    parser.addini(loading.INI_KEY, help=loading.LOADER_HELP, default=None)
+    parser.addini(markers.GPU_FIXTURES_INI, help=markers.GPU_FIXTURES_HELP, type="linelist", default=[])
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", markers.NEEDS_GPUS_HELP)
+    config.addinivalue_line("markers", markers.GPU_HELP)
+    try:
+        choice = loading.choose_loader(
+            config.getoption("llmload_loader"), os.environ, config.getini(loading.INI_KEY)
+        )
+    except loading.LoaderSpecError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    config.stash[loader_choice_key] = choice
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    return header_lines(config.stash[loader_choice_key])
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    markers.mark_gpu_tests(config, items)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    markers.enforce_needs_gpus(item)

@@ -1,0 +1,110 @@
+"""The reference loader: every fix from the write-ups, applied. It is the default loader under test.
+
+- 000 (offload hang): never ``offload_state_dict``; set the pad token directly instead of a second
+  ``GenerationConfig.from_pretrained``; local files only.
+- 002 (meta-tensor backward): a model that will be trained is never offloaded; it is loaded whole on one
+  device, and a budget that cannot hold it for training is refused before loading.
+- 004 (device_map under DeepSpeed): no ``device_map`` spread when the process is one rank of a
+  distributed job.
+
+Example::
+
+    from pytest_llmload import LoadRequest
+    from pytest_llmload.reference_loader import load_model_and_tokenizer
+    model, tokenizer = load_model_and_tokenizer(LoadRequest("/path/to/ckpt", purpose="train", lora=True))
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pytest_llmload.request import LoadRequest
+
+LORA_TARGETS = ("q_proj", "v_proj")
+
+
+def _dtype_kwarg(request: LoadRequest) -> dict:
+    """transformers >= 4.56 calls it ``dtype``; earlier versions ``torch_dtype``."""
+    import transformers
+    from packaging.version import Version
+
+    key = "dtype" if Version(transformers.__version__).release >= (4, 56) else "torch_dtype"
+    return {key: request.torch_dtype}
+
+
+def _quantization_kwarg(request: LoadRequest) -> dict:
+    if request.quantization is None:
+        return {}
+    from transformers import BitsAndBytesConfig
+
+    if request.quantization == "4bit":
+        config = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=request.torch_dtype
+        )
+    else:
+        config = BitsAndBytesConfig(load_in_8bit=True)
+    return {"quantization_config": config}
+
+
+def placement_kwargs(request: LoadRequest) -> dict:
+    """Where the weights go: the one decision every write-up is about."""
+    if request.purpose == "train":
+        # 002: a model to be trained is loaded whole on its device, never spread over cpu/disk/meta.
+        return {"device_map": {"": request.device}}
+    if request.max_memory is not None:
+        # 000: let accelerate spread an inference load over the budget, offloading to the folder we were
+        # given, and nothing else (no offload_state_dict temporary round-trip).
+        kwargs: dict[str, Any] = {"device_map": "auto", "max_memory": request.max_memory_dict}
+        if request.offload_folder is not None:
+            kwargs["offload_folder"] = request.offload_folder
+        return kwargs
+    return {"device_map": {"": request.device}}
+
+
+def _apply_lora(model, request: LoadRequest):
+    from peft import LoraConfig, get_peft_model
+
+    if request.quantization is not None:
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=request.gradient_checkpointing
+        )
+    config = LoraConfig(
+        r=8, lora_alpha=16, lora_dropout=0.0, target_modules=list(LORA_TARGETS), task_type="CAUSAL_LM"
+    )
+    return get_peft_model(model, config)
+
+
+def _set_pad_token(model, tokenizer) -> None:
+    """000, fix 3: set pad_token_id directly on tokenizer and model; no second from_pretrained."""
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None and generation_config.pad_token_id is None:
+        generation_config.pad_token_id = tokenizer.pad_token_id
+
+
+def load_model_and_tokenizer(request: LoadRequest):
+    """Load ``request.model_path`` as the write-ups' fixed loaders would; returns ``(model, tokenizer)``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(
+        request.model_path,
+        local_files_only=True,
+        **_dtype_kwarg(request),
+        **_quantization_kwarg(request),
+        **placement_kwargs(request),
+    )
+    tokenizer = AutoTokenizer.from_pretrained(request.model_path, local_files_only=True)
+    _set_pad_token(model, tokenizer)
+
+    if request.gradient_checkpointing:
+        # Non-reentrant checkpointing gives frozen-base LoRA models their gradients without the
+        # enable_input_require_grads() workaround.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if request.lora:
+        model = _apply_lora(model, request)
+    model.train(request.purpose == "train")
+    return model, tokenizer
