@@ -49,7 +49,11 @@ def _quantization_kwarg(request: LoadRequest) -> dict:
 def placement_kwargs(request: LoadRequest) -> dict:
     """Where the weights go: the one decision every write-up is about."""
     if request.purpose == "train":
-        # 002: a model to be trained is loaded whole on its device, never spread over cpu/disk/meta.
+        # 002: a model to be trained is loaded whole on its device, never spread over cpu/disk/meta; a
+        # budget that cannot hold it for training is refused here, before from_pretrained reads a weight.
+        from pytest_llmload.memory import check_training_budget
+
+        check_training_budget(request)
         return {"device_map": {"": request.device}}
     if request.max_memory is not None:
         # 000: let accelerate spread an inference load over the budget, offloading to the folder we were
