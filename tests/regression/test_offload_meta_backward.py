@@ -1,0 +1,191 @@
+"""Write-up 002 (meta-tensor backward): ``device_map="auto"`` + a ``max_memory`` that offloads + LoRA (with or
+without gradient checkpointing) cannot train. Reproduced on CPU with the write-up's error text (the tier
+below the CPU budget is the disk, so the device in the message is ``cpu``), then the check of
+:mod:`pytest_llmload.checks.offload` shown to fail on the write-up's "before" loader and to pass on the
+reference loader and on the other behaviours a downstream loader may have.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from fixtures.loaders import meta_backward_002
+from pytest_llmload import LoadRequest, call_loader
+from pytest_llmload.checks import offload
+from pytest_llmload.memory import TrainingBudgetError
+from pytest_llmload.reference_loader import load_model_and_tokenizer as reference_loader
+
+META_BACKWARD = "Function MmBackward0 returned an invalid gradient at index 1 - expected device meta but got cpu"
+
+
+def offloading_train_request(checkpoint, tmp_path, device="cpu", **fields) -> LoadRequest:
+    """The write-up's request: train under a budget that holds half the weights (embeddings + layer 0)."""
+    return LoadRequest(checkpoint, purpose="train", device=device, max_memory=offload.offload_budget(checkpoint, device),
+                       offload_folder=tmp_path / "offload", **fields)
+
+
+def input_ids(model, device="cpu"):
+    import torch
+
+    return torch.randint(2, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0)).to(device)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("gradient_checkpointing", [False, True], ids=["lora", "lora+checkpointing"])
+def test_lora_over_offloaded_layers_fails_backward_with_the_writeups_error(
+    llmload_checkpoint, tmp_path, gradient_checkpointing
+):
+    request = offloading_train_request(llmload_checkpoint, tmp_path, lora=True,
+                                       gradient_checkpointing=gradient_checkpointing)
+    model = call_loader(meta_backward_002.load, request).model
+    assert set(model.hf_device_map.values()) == {"cpu", "disk"}
+    lora = [(name, p) for name, p in model.named_parameters() if "lora_" in name]
+    on_meta = [name for name, p in lora if p.device.type == "meta"]
+    # Layers 1-3 are on disk: their 12 adapter matrices are created on meta, those of layer 0 on cpu.
+    assert (len(on_meta), len(lora)) == (12, 16), on_meta
+    ids = input_ids(model)
+    loss = model(input_ids=ids, labels=ids).loss  # computed through meta adapters: its value means nothing
+    with pytest.raises(RuntimeError) as excinfo:
+        loss.backward()
+    assert str(excinfo.value) == META_BACKWARD
+
+
+@pytest.mark.timeout(60)
+def test_without_lora_offloaded_parameters_silently_get_no_gradient(llmload_checkpoint, tmp_path):
+    model = call_loader(meta_backward_002.load, offloading_train_request(llmload_checkpoint, tmp_path)).model
+    ids = input_ids(model)
+    model(input_ids=ids, labels=ids).loss.backward()  # no error at all
+    params = dict(model.named_parameters())
+    no_grad = {name for name, p in params.items() if p.requires_grad and p.grad is None}
+    on_meta = {name for name, p in params.items() if p.device.type == "meta"}
+    assert (len(no_grad), len(params)) == (29, 39)
+    assert no_grad == on_meta  # exactly the offloaded ones: layers 1-3, the final norm and the head
+
+
+@pytest.mark.timeout(60)
+def test_train_check_fails_on_the_before_loader(llmload_checkpoint, tmp_path):
+    with pytest.raises(AssertionError) as excinfo:
+        offload.check_train_request_trains(meta_backward_002.load, llmload_checkpoint, tmp_path)
+    message = str(excinfo.value)
+    assert message.startswith("4 of 8 train requests failed")
+    assert message.count(f"forward+backward raised RuntimeError: {META_BACKWARD}") == 2  # LoRA, +/- checkpointing
+    assert message.count("29 of 39 trainable parameters got no gradient") == 2  # no LoRA, +/- checkpointing
+    assert message.count("41 of 55 parameters are on meta") == 2  # LoRA: 29 base + 12 adapter weights
+
+
+@pytest.mark.timeout(60)
+def test_train_check_passes_on_the_reference_loader(llmload_checkpoint, tmp_path):
+    offload.check_train_request_trains(reference_loader, llmload_checkpoint, tmp_path)
+
+
+def loads_whole_anyway(request):
+    """A downstream loader that ignores the budget for training and loads the model whole."""
+    return reference_loader(request.replace(max_memory=None))
+
+
+def refuses_before_loading(request):
+    if request.max_memory is not None:
+        raise MemoryError(f"max_memory {dict(request.max_memory)} cannot hold this model for training")
+    return reference_loader(request)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("loader", [loads_whole_anyway, refuses_before_loading], ids=lambda f: f.__name__)
+def test_train_check_accepts_loading_whole_or_refusing_before_loading(loader, llmload_checkpoint, tmp_path):
+    offload.check_train_request_trains(loader, llmload_checkpoint, tmp_path)
+
+
+def refuses_unclearly(request):
+    if request.max_memory is not None:
+        raise RuntimeError("something went wrong")
+    return reference_loader(request)
+
+
+def refuses_after_loading(request):
+    model, tokenizer = reference_loader(request.replace(max_memory=None))
+    if request.max_memory is not None:
+        raise ValueError("max_memory is too small for training")
+    return model, tokenizer
+
+
+def refuses_everything(request):
+    raise ValueError("this loader does not train (max_memory or not)")
+
+
+def returns_a_frozen_model(request):
+    model, tokenizer = reference_loader(request.replace(max_memory=None, lora=False))
+    model.requires_grad_(False)
+    return model, tokenizer
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("loader", "expected"),
+    [
+        (refuses_unclearly, "raised RuntimeError: something went wrong -- not a refusal that names the memory budget"),
+        (refuses_after_loading, "only after from_pretrained ran 1 time(s)"),
+        (refuses_everything, "[no max_memory, lora=False, gradient_checkpointing=False]\n    raised ValueError"),
+        (returns_a_frozen_model, "no parameter requires grad: the returned model cannot train"),
+    ],
+    ids=lambda v: v.__name__ if callable(v) else "",
+)
+def test_train_check_fails_unclear_late_or_blanket_refusals_and_untrainable_models(
+    loader, expected, llmload_checkpoint, tmp_path
+):
+    variants = [("offloading", True, False), (None, False, False)]  # enough to meet each behaviour
+    with pytest.raises(AssertionError) as excinfo:
+        offload.check_train_request_trains(loader, llmload_checkpoint, tmp_path, variants=variants)
+    assert expected in str(excinfo.value)
+
+
+@pytest.mark.timeout(60)
+def test_reference_loader_refuses_an_unfit_budget_before_loading(llmload_checkpoint, tmp_path, monkeypatch):
+    from transformers import PreTrainedModel
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("from_pretrained was called: the refusal came after loading started")
+
+    monkeypatch.setattr(PreTrainedModel, "from_pretrained", classmethod(no_load))
+    request = offloading_train_request(llmload_checkpoint, tmp_path, lora=True)
+    with pytest.raises(TrainingBudgetError) as excinfo:
+        reference_loader(request)
+    message = str(excinfo.value)
+    assert "the training memory estimate is 5.8 MiB but max_memory={'cpu': 377984} gives cpu 369.1 KiB" in message
+    for row in ("weights", "adapters", "gradients", "optimizer state", "activations", "total"):
+        assert f"\n  {row} " in message, row
+    assert not (tmp_path / "offload").exists()
+
+
+@pytest.mark.timeout(60)
+def test_reference_loader_trains_whole_within_a_budget_that_holds_it(llmload_checkpoint, tmp_path):
+    request = offloading_train_request(llmload_checkpoint, tmp_path, lora=True).replace(max_memory={"cpu": "1GB"})
+    model = call_loader(reference_loader, request).model
+    assert set(getattr(model, "hf_device_map", {}).values()) <= {"cpu"}  # single-device maps are not recorded
+    assert offload._placement_problems(model, "cpu") == []
+    assert offload._train_step_problems(model, "cpu") == []
+
+
+# --- the write-up's own setup, on a GPU runner -------------------------------------------------------------
+
+
+@pytest.mark.needs_gpus(1)
+@pytest.mark.timeout(120)
+def test_gpu_writeups_setup_fails_backward_on_cuda(llmload_checkpoint, tmp_path):
+    """max_memory={0: half the weights, "cpu": plenty} sends layers to the CPU; execution on cuda:0."""
+    request = offloading_train_request(llmload_checkpoint, tmp_path, device="cuda:0", dtype="float16", lora=True,
+                                       gradient_checkpointing=True)
+    model = call_loader(meta_backward_002.load, request).model
+    assert "cpu" in set(map(str, model.hf_device_map.values()))
+    ids = input_ids(model, "cuda:0")
+    loss = model(input_ids=ids, labels=ids).loss
+    with pytest.raises(RuntimeError, match="returned an invalid gradient at index 1 - expected device meta but got cuda:0"):
+        loss.backward()
+
+
+@pytest.mark.needs_gpus(1)
+@pytest.mark.timeout(120)
+def test_gpu_train_check_on_cuda(llmload_checkpoint, tmp_path):
+    offload.check_train_request_trains(reference_loader, llmload_checkpoint, tmp_path / "ref", device="cuda:0")
+    with pytest.raises(AssertionError, match="expected device meta but got cuda:0"):
+        offload.check_train_request_trains(meta_backward_002.load, llmload_checkpoint, tmp_path / "before",
+                                           device="cuda:0")
