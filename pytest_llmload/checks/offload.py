@@ -105,6 +105,7 @@ def deadline(seconds: float, what: str) -> Iterator[None]:
     due sooner is left alone, a later one is re-armed afterwards. Elsewhere the block is only timed, and
     a block that ends late still fails.
     """
+    __tracebackhide__ = True
     start = time.monotonic()
     usable = hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
     outer_remaining, outer_interval = signal.getitimer(signal.ITIMER_REAL) if usable else (0.0, 0.0)
@@ -179,6 +180,7 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 def _audit_hook(event: str, args: tuple) -> None:
     if not _recorders:
         return
+    dir_fd = None
     if event == "open":
         path, mode, flags = args
         if isinstance(mode, str):
@@ -188,13 +190,21 @@ def _audit_hook(event: str, args: tuple) -> None:
             return
     elif event in ("os.mkdir", "os.rmdir", "os.remove", "shutil.rmtree", "shutil.copyfile"):
         path = args[0] if event != "shutil.copyfile" else args[1]
+        dir_fd = args[-1] if event in ("os.mkdir", "os.rmdir", "os.remove") else None
     elif event in ("os.rename", "os.replace", "os.link", "os.symlink"):
-        path = args[1]
+        path, dir_fd = args[1], args[3] if len(args) > 3 else None
     else:
         return
     if path is None or isinstance(path, int):
         return
-    path = os.path.realpath(os.fsdecode(path))
+    path = os.fsdecode(path)
+    if isinstance(dir_fd, int) and dir_fd >= 0 and not os.path.isabs(path):
+        # relative to an open directory (shutil.rmtree works this way): resolve it while the fd is open
+        try:
+            path = os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), path)
+        except OSError:
+            path = f"<directory fd {dir_fd}>/{path}"
+    path = os.path.realpath(path)
     frame, at_import = sys._getframe(1), False
     while frame is not None:
         if frame.f_code.co_filename.startswith("<frozen importlib"):
@@ -473,9 +483,11 @@ def check_load_writes_only_offload_folder(loader: Loader, checkpoint, workdir, *
     if outside or touched_tmp:
         in_tmp = [w for w in outside if w.path.startswith(os.path.realpath(system_tmp) + os.sep)]
         shown = "\n  ".join(f"{w.event} {w.path}" for w in outside[:12])
+        kinds = [w.event for w in outside]
+        summary = ", ".join(f"{k} {kinds.count(k)}" for k in sorted(set(kinds), key=lambda k: (-kinds.count(k), k)))
         raise AssertionError(
-            f"the offloading load wrote outside its offload folder {offload_folder}: {len(outside)} write(s), "
-            f"{len(in_tmp)} of them in the system temp dir (redirected to {system_tmp}); the temp dir "
+            f"the offloading load wrote outside its offload folder {offload_folder}: {len(outside)} write(s) "
+            f"({summary}), {len(in_tmp)} of them in the system temp dir (redirected to {system_tmp}); the temp dir "
             f"{'was' if touched_tmp else 'was not'} modified. A silent temporary round-trip of the weights "
             f"(offload_state_dict=True, write-up 000) looks like a hang on a large model.\n  {shown}"
         )

@@ -1,0 +1,318 @@
+"""Write-up 000 (offload "hang"): ``offload_state_dict=True`` with an offloading load, and a second
+``GenerationConfig.from_pretrained`` for the pad token.
+
+What was measured: transformers <= 4.56 honours ``offload_state_dict`` and round-trips every CPU-bound weight
+through a temporary directory in the system temp dir, with no output (on a 70B model, minutes of silence that
+look like a hang); transformers >= 4.57 drops the keyword silently. The tests show the checks of
+:mod:`pytest_llmload.checks.offload` failing on the write-up's "before" loader where the failure exists, and
+that a real hang fails within its deadline naming the blocked frame, never a hung job.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import textwrap
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+
+from fixtures.loaders import offload_hang_000
+from pytest_llmload import LoadRequest
+from pytest_llmload.checks import offload
+from pytest_llmload.reference_loader import load_model_and_tokenizer as reference_loader
+
+
+def transformers_version():
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__)
+
+
+def honours_offload_state_dict() -> bool:
+    from packaging.version import Version
+
+    return transformers_version() < Version("4.57")
+
+
+IGNORED_REASON = "transformers {} ignores offload_state_dict (dropped silently since 4.57)"
+
+
+# --- offload_state_dict: what each transformers version does -----------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_offload_state_dict_round_trips_through_the_system_temp_dir_or_is_dropped_silently(
+    llmload_checkpoint, tmp_path, caplog
+):
+    from transformers import AutoModelForCausalLM
+
+    system_tmp = tmp_path / "system-tmp"
+    system_tmp.mkdir()
+    max_memory = offload.offload_budget(llmload_checkpoint)
+    with offload._system_tempdir(system_tmp), offload.record_writes() as writes, \
+            warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = AutoModelForCausalLM.from_pretrained(
+            llmload_checkpoint, device_map="auto", max_memory=max_memory, offload_folder=tmp_path / "offload",
+            offload_state_dict=True,
+        )
+    cpu_params = [n for n, p in model.named_parameters() if p.device.type == "cpu"]
+    in_tmp = [w for w in writes if w.path.startswith(str(system_tmp.resolve()) + "/")]
+    temp_dirs = [w.path for w in in_tmp if w.event == "os.mkdir"]
+    dat_files = [w.path for w in in_tmp if w.event == "open" and w.path.endswith(".dat")]
+    if honours_offload_state_dict():
+        # One temporary dir, one .dat per CPU-bound weight (embeddings + layer 0: 10), then removed.
+        assert (len(temp_dirs), len(dat_files), len(cpu_params)) == (1, 10, 10)
+        assert list(system_tmp.iterdir()) == []
+    else:
+        assert (temp_dirs, dat_files) == ([], [])
+        said = [str(w.message) for w in caught] + [caplog.text]
+        assert not any("offload_state_dict" in text for text in said), said  # no warning, no log: silent
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.xfail(
+    not honours_offload_state_dict(),
+    reason=IGNORED_REASON.format(transformers_version())
+    + ": the before loader makes no temporary round-trip here",
+    raises=pytest.fail.Exception,  # "DID NOT RAISE": the check passes on the before loader
+    strict=True,
+)
+def test_writes_check_fails_on_the_before_loader(llmload_checkpoint, tmp_path):
+    with pytest.raises(AssertionError, match=r"wrote outside its offload folder .*: \d+ write\(s\) \(.*os.mkdir 1.*\), "
+                                             r"\d+ of them in the system temp dir"):
+        offload.check_load_writes_only_offload_folder(offload_hang_000.load, llmload_checkpoint, tmp_path)
+
+
+@pytest.mark.timeout(60)
+def test_writes_check_passes_on_the_reference_loader(llmload_checkpoint, tmp_path):
+    offload.check_load_writes_only_offload_folder(reference_loader, llmload_checkpoint, tmp_path)
+
+
+def round_trips_through_tempfile(request):
+    """The <= 4.56 behaviour, by hand: stage the weights in a temporary dir, read them back, remove it."""
+    model, tokenizer = reference_loader(request)
+    staging = tempfile.mkdtemp()
+    for name, param in model.named_parameters():
+        if param.device.type == "cpu":
+            (Path(staging) / f"{name}.dat").write_bytes(param.detach().numpy().tobytes())
+    shutil.rmtree(staging)
+    return model, tokenizer
+
+
+def offloads_beside_its_folder(request):
+    """The write-up's hard-coded ``offload_folder="./offload"``: a folder other than the one it was given."""
+    return reference_loader(request.replace(offload_folder=Path(request.offload_folder).parent / "my-offload"))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("loader", "expected"),
+    [
+        (round_trips_through_tempfile, r"wrote outside its offload folder .*: 23 write\(s\) \(open 10, os.remove 10, "
+                                       r"os.mkdir 1, os.rmdir 1, shutil.rmtree 1\), 23 of them in the system temp dir "
+                                       r".*; the temp dir was modified"),
+        (offloads_beside_its_folder, r"(?s)wrote outside its offload folder .*: 1 write\(s\) \(os.mkdir 1\), 0 of them "
+                                     r"in the system temp dir.*; the temp dir was not modified.*os.mkdir .*/my-offload"),
+    ],
+    ids=lambda v: v.__name__ if callable(v) else "",
+)
+def test_writes_check_fails_on_any_write_outside_the_offload_folder(loader, expected, llmload_checkpoint, tmp_path):
+    with pytest.raises(AssertionError, match=expected):
+        offload.check_load_writes_only_offload_folder(loader, llmload_checkpoint, tmp_path)
+
+
+# --- the offloading inference load: deadline, generate, logits ---------------------------------------------
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("loader", [reference_loader, offload_hang_000.load], ids=["reference", "before-000"])
+def test_offload_inference_check_passes(loader, llmload_checkpoint, tmp_path):
+    """The before loader passes too: on this transformers its offload_state_dict is ignored, on 4.56 the
+    round-trip takes 0.09 s on the tiny model; what the write-up saw as a hang is the writes check's job."""
+    offload.check_offload_inference(loader, llmload_checkpoint, tmp_path, deadline_s=20)
+
+
+def perturbs_a_weight(request):
+    model, tokenizer = reference_loader(request)
+    model.get_input_embeddings().weight.data[:, 0] += 1e-3  # the embeddings stay on cpu under the budget
+    return model, tokenizer
+
+
+def never_offloads(request):
+    return reference_loader(request.replace(max_memory=None))
+
+
+@pytest.mark.timeout(60)
+def test_offload_inference_check_fails_on_wrong_logits(llmload_checkpoint, tmp_path):
+    with pytest.raises(AssertionError, match=r"logits differ from the model loaded whole: max abs diff \d"):
+        offload.check_offload_inference(perturbs_a_weight, llmload_checkpoint, tmp_path, deadline_s=20)
+
+
+@pytest.mark.timeout(60)
+def test_offload_inference_check_fails_a_slow_load_at_its_deadline(llmload_checkpoint, tmp_path):
+    def slow_load(request):
+        time.sleep(30)
+
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match=r"did not return within 0.5 s; blocked in slow_load \(.*test_offload_hang"):
+        offload.check_offload_inference(slow_load, llmload_checkpoint, tmp_path, deadline_s=0.5)
+    assert time.monotonic() - start < 5
+
+
+@pytest.mark.timeout(30)
+def test_deadline_nests_under_pytest_timeout():
+    """The check's alarm re-arms pytest-timeout's signal timer afterwards (this test's own 30 s)."""
+    import signal
+
+    outer = signal.getitimer(signal.ITIMER_REAL)[0]
+    assert 0 < outer <= 30
+    with offload.deadline(5, "a quick block"):
+        inner = signal.getitimer(signal.ITIMER_REAL)[0]
+    after = signal.getitimer(signal.ITIMER_REAL)[0]
+    assert inner <= 5 < after <= outer
+
+
+HANG_TESTS = """
+    import threading
+    from pathlib import Path
+
+    import pytest
+
+    from pytest_llmload.checks.offload import check_offload_inference
+    from pytest_llmload.reference_loader import load_model_and_tokenizer
+
+    CHECKPOINT = Path({checkpoint!r})
+    release = None
+
+
+    @pytest.fixture(autouse=True)
+    def block_the_second_shard(monkeypatch):
+        global release
+        import transformers.modeling_utils as modeling_utils
+        from transformers import AutoTokenizer, LlamaForCausalLM  # imported here, not inside the deadline
+
+        release = threading.Event()
+        real_safe_open = modeling_utils.safe_open
+
+        def safe_open(filename, *args, **kwargs):
+            if "-00002-of-" in str(filename):
+                blocked_shard_read(filename)
+            return real_safe_open(filename, *args, **kwargs)
+
+        monkeypatch.setattr(modeling_utils, "safe_open", safe_open)
+        yield
+        release.set()  # let the blocked read go, and the load finish, so that the process exits cleanly
+        for thread in threading.enumerate():
+            if thread.name == "shard-prefetch":
+                thread.join(30)
+
+
+    def blocked_shard_read(filename):
+        release.wait()  # a shard read that never returns
+
+
+    @pytest.mark.timeout(30, method="signal")
+    def test_check_deadline(tmp_path):
+        check_offload_inference(load_model_and_tokenizer, CHECKPOINT, tmp_path, deadline_s=1)
+
+
+    def prefetching_loader(request):
+        result = []
+        worker = threading.Thread(target=lambda: result.append(load_model_and_tokenizer(request)),
+                                  name="shard-prefetch", daemon=True)
+        worker.start()
+        worker.join()
+        return result[0]
+
+
+    @pytest.mark.timeout(1, method="signal")
+    def test_pytest_timeout(tmp_path):
+        check_offload_inference(prefetching_loader, CHECKPOINT, tmp_path, deadline_s=60)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_hung_load_fails_within_its_deadline_naming_the_blocked_frame(pytester, llmload_checkpoint):
+    """A load whose second shard read blocks forever: the check's own deadline (1 s) and pytest-timeout's
+    (1 s, the read blocked in a worker thread) both fail the test in time, with every thread's stack."""
+    pytester.makepyfile(test_hang=textwrap.dedent(HANG_TESTS.format(checkpoint=str(llmload_checkpoint))))
+    start = time.monotonic()
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--durations=0", "-vv", timeout=110)
+    elapsed = time.monotonic() - start
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines([
+        "*the offloading inference load of * did not return within 1 s; blocked in blocked_shard_read (*test_hang.py:*).",
+        "*Stacks of every thread:",
+        "*~~~ thread MainThread (id *) ~~~",
+        "*in blocked_shard_read",
+    ])
+    # pytest-timeout prints the other threads' stacks; the main thread's is the failure's own traceback.
+    result.stdout.fnmatch_lines([
+        "*_ test_pytest_timeout _*",
+        "*in prefetching_loader",
+        "*worker.join()",
+        "E*Failed: Timeout (>1.0s) from pytest-timeout.",
+        "*+ Timeout +*",
+        "*~ Stack of shard-prefetch (*) ~*",
+        "*in blocked_shard_read",
+        "*release.wait()  # a shard read that never returns",
+    ])
+    durations = {line.split()[-1].split("::")[-1]: float(line.split()[0].rstrip("s"))
+                 for line in result.stdout.lines if line.strip().endswith(("test_check_deadline", "test_pytest_timeout"))
+                 and " call " in line}
+    assert 1 <= durations["test_check_deadline"] < 4 and 1 <= durations["test_pytest_timeout"] < 4, durations
+    assert elapsed < 60
+
+
+# --- the pad token (fix 3) ---------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_pad_token_check_fails_on_the_before_loader(llmload_checkpoint, tmp_path):
+    with pytest.raises(AssertionError) as excinfo:
+        offload.check_pad_token_set_offline(offload_hang_000.load, llmload_checkpoint, tmp_path)
+    message = str(excinfo.value)
+    assert "GenerationConfig.from_pretrained was called again by the loader (1 call(s), from " in message
+    assert "offload_hang_000.py" in message
+    assert "tokenizer.pad_token_id is None" in message
+
+
+@pytest.mark.timeout(60)
+def test_pad_token_check_passes_on_the_reference_loader(llmload_checkpoint, tmp_path, llmload_tokenizer):
+    assert llmload_tokenizer.pad_token_id is None  # the checkpoint has no pad token: the check is not vacuous
+    offload.check_pad_token_set_offline(reference_loader, llmload_checkpoint, tmp_path)
+
+
+def reaches_for_the_hub(request):
+    """Sets the pad token correctly but tries the network first, and swallows the failure."""
+    import urllib.request
+
+    try:
+        urllib.request.urlopen("https://huggingface.co/api/models/tiny", timeout=1)
+    except OSError:
+        pass
+    return reference_loader(request)
+
+
+@pytest.mark.timeout(60)
+def test_pad_token_check_fails_a_loader_that_reaches_for_the_network(llmload_checkpoint, tmp_path):
+    with pytest.raises(AssertionError, match=r"1 network access attempt\(s\): \[\"getaddrinfo 'huggingface.co' from "):
+        offload.check_pad_token_set_offline(reaches_for_the_hub, llmload_checkpoint, tmp_path)
+
+
+# --- the write-up's own setup, on a GPU runner -------------------------------------------------------------
+
+
+@pytest.mark.needs_gpus(1)
+@pytest.mark.timeout(120)
+def test_gpu_offload_inference_on_cuda(llmload_checkpoint, tmp_path):
+    """max_memory={0: half the weights, "cpu": plenty}, offload_folder, execution on cuda:0."""
+    for name, loader in (("reference", reference_loader), ("before", offload_hang_000.load)):
+        offload.check_offload_inference(loader, llmload_checkpoint, tmp_path / name, device="cuda:0", deadline_s=60)
+    offload.check_load_writes_only_offload_folder(reference_loader, llmload_checkpoint, tmp_path / "writes",
+                                                  device="cuda:0")
