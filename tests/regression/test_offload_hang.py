@@ -26,10 +26,12 @@ from pytest_llmload.reference_loader import load_model_and_tokenizer as referenc
 
 
 def transformers_version():
-    import transformers
+    """Read from the installed metadata: collecting this module must not import transformers."""
+    from importlib import metadata
+
     from packaging.version import Version
 
-    return Version(transformers.__version__)
+    return Version(metadata.version("transformers"))
 
 
 def honours_offload_state_dict() -> bool:
@@ -206,7 +208,7 @@ HANG_TESTS = """
 
         monkeypatch.setattr(modeling_utils, "safe_open", safe_open)
         yield
-        release.set()  # let the blocked read go, and the load finish, so that the process exits cleanly
+        release.set()  # end the blocked read (it raises), so that the process exits cleanly
         for thread in threading.enumerate():
             if thread.name == "shard-prefetch":
                 thread.join(30)
@@ -214,6 +216,7 @@ HANG_TESTS = """
 
     def blocked_shard_read(filename):
         release.wait()  # a shard read that never returns
+        raise OSError(f"read of {{filename}} abandoned at teardown")  # a load resumed at exit can abort the process
 
 
     @pytest.mark.timeout(30, method="signal")
@@ -230,7 +233,7 @@ HANG_TESTS = """
         return result[0]
 
 
-    @pytest.mark.timeout(1, method="signal")
+    @pytest.mark.timeout(1, method="signal", func_only=True)
     def test_pytest_timeout(tmp_path):
         check_offload_inference(prefetching_loader, CHECKPOINT, tmp_path, deadline_s=60)
 """
@@ -265,7 +268,7 @@ def test_a_hung_load_fails_within_its_deadline_naming_the_blocked_frame(pytester
     durations = {line.split()[-1].split("::")[-1]: float(line.split()[0].rstrip("s"))
                  for line in result.stdout.lines if line.strip().endswith(("test_check_deadline", "test_pytest_timeout"))
                  and " call " in line}
-    assert 1 <= durations["test_check_deadline"] < 4 and 1 <= durations["test_pytest_timeout"] < 4, durations
+    assert 0.9 <= durations["test_check_deadline"] < 4 and 0.9 <= durations["test_pytest_timeout"] < 4, durations
     assert elapsed < 60
 
 
