@@ -126,7 +126,7 @@ def deadline(seconds: float, what: str) -> Iterator[None]:
         yield
     except _DeadlinePassed:
         raise AssertionError(
-            f"{what} did not return within {seconds:g} s; blocked in {captured['where']}.\n"
+            f"{what} did not return: deadline of {seconds:g} s exceeded, blocked in {captured['where']}.\n"
             f"Stacks of every thread:\n{captured['stacks']}"
         ) from None
     finally:
@@ -141,7 +141,7 @@ def deadline(seconds: float, what: str) -> Iterator[None]:
 def _fail_if_late(start: float, seconds: float, what: str) -> None:
     elapsed = time.monotonic() - start
     if elapsed > seconds:
-        raise AssertionError(f"{what} took {elapsed:.2f} s, past its deadline of {seconds:g} s.")
+        raise AssertionError(f"{what} took {elapsed:.2f} s: deadline of {seconds:g} s exceeded.")
 
 
 # --- spies -----------------------------------------------------------------------------------------------

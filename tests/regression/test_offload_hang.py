@@ -161,7 +161,7 @@ def test_offload_inference_check_fails_a_slow_load_at_its_deadline(llmload_check
         time.sleep(30)
 
     start = time.monotonic()
-    with pytest.raises(AssertionError, match=r"did not return within 0.5 s; blocked in slow_load \(.*test_offload_hang"):
+    with pytest.raises(AssertionError, match=r"did not return: deadline of 0.5 s exceeded, blocked in slow_load \(.*test_offload_hang"):
         offload.check_offload_inference(slow_load, llmload_checkpoint, tmp_path, deadline_s=0.5)
     assert time.monotonic() - start < 5
 
@@ -249,7 +249,8 @@ def test_a_hung_load_fails_within_its_deadline_naming_the_blocked_frame(pytester
     elapsed = time.monotonic() - start
     result.assert_outcomes(failed=2)
     result.stdout.fnmatch_lines([
-        "*the offloading inference load of * did not return within 1 s; blocked in blocked_shard_read (*test_hang.py:*).",
+        "*the offloading inference load of * did not return: deadline of 1 s exceeded, blocked in "
+        "blocked_shard_read (*test_hang.py:*).",
         "*Stacks of every thread:",
         "*~~~ thread MainThread (id *) ~~~",
         "*in blocked_shard_read",
