@@ -120,7 +120,7 @@ def normalise_result(value: Any, *, loader_name: str, request: LoadRequest) -> L
         return LoadResult(value[0], value[1])
     got = f"a {len(value)}-tuple {_describe(value)}" if isinstance(value, tuple) else _describe(value)
     raise LoaderContractError(
-        f"loader {loader_name} returned {got} (type {type(value).__name__}) for a {request.purpose} request of "
+        f"loader {loader_name} returned {got} (type {type(value).__name__}) for a purpose={request.purpose!r} request of "
         f"{request.model_path}; a loader must return a torch.nn.Module (a transformers model) or a "
         "(model, tokenizer) tuple."
     )

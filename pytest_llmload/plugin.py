@@ -52,6 +52,27 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     markers.mark_gpu_tests(config, items)
+    # A configured loader is imported only if a collected test uses it, and then before any test runs:
+    # a spec that does not import is one usage error, not an error repeated on every test.
+    if any("llmload_loader" in getattr(item, "fixturenames", ()) for item in items):
+        _check_loader_imports(config)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # An xdist controller collects nothing; it checks the spec itself so that workers never hit a usage
+    # error (which xdist reports as a crash).
+    config = session.config
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        _check_loader_imports(config)
+
+
+def _check_loader_imports(config: pytest.Config) -> None:
+    choice = config.stash[loader_choice_key]
+    if not choice.is_reference:
+        try:
+            loading.import_loader(choice)
+        except loading.LoaderSpecError as exc:
+            raise pytest.UsageError(str(exc)) from None
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
