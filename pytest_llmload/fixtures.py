@@ -21,7 +21,6 @@ from pytest_llmload.loading import (
     import_loader,
 )
 from pytest_llmload.offline import offline
-from pytest_llmload.request import LoadRequest
 
 loader_choice_key = pytest.StashKey[LoaderChoice]()
 
@@ -88,6 +87,8 @@ def llmload_load(llmload_loader, llmload_checkpoint, llmload_device) -> Callable
     Keyword arguments are :class:`~pytest_llmload.LoadRequest` fields; the model path defaults to the
     tiny checkpoint and the device to ``llmload_device``.
     """
+
+    from pytest_llmload.request import LoadRequest
 
     def load(**fields) -> LoadResult:
         fields.setdefault("model_path", llmload_checkpoint)
