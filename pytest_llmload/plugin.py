@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from pytest_llmload import loading, markers
+from pytest_llmload import known_failure_report, loading, markers
 from pytest_llmload.fixtures import (  # noqa: F401  (pytest discovers fixtures on the plugin module)
     distributed_env,
     gpu_model,
@@ -77,3 +77,14 @@ def _check_loader_imports(config: pytest.Config) -> None:
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     markers.enforce_needs_gpus(item)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    known_failure_report.annotate(item, call, outcome.get_result())
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    for line in known_failure_report.summary_lines(config):
+        terminalreporter.write_line(line)
