@@ -20,20 +20,27 @@ class KnownFailure(NamedTuple):
     occurs: str  # versions and hardware where it has been seen or reproduced
     # Extra words that must also appear in the failure text (e.g. the frame a deadline stopped in).
     context: tuple[str, ...] = ()
+    # A pattern that makes the match certain (e.g. a DataParallel frame), and what its absence means.
+    tell: str | None = None
+    without_tell: str = ""
 
     def matches(self, text: str) -> bool:
         if not any(re.search(pattern, text) for pattern in self.signatures):
             return False
         return all(re.search(pattern, text) for pattern in self.context)
 
-    def explain(self) -> str:
-        return (
-            f"[{self.id}] {self.title}\n"
-            f"  write-up:   {self.write_up}\n"
-            f"  root cause: {self.root_cause}\n"
-            f"  fix:        {self.fix}\n"
-            f"  occurs:     {self.occurs}"
-        )
+    def explain(self, text: str = "") -> str:
+        lines = [
+            f"[{self.id}] {self.title}",
+            f"  write-up:   {self.write_up}",
+            f"  root cause: {self.root_cause}",
+            f"  fix:        {self.fix}",
+            f"  occurs:     {self.occurs}",
+        ]
+        if self.tell is not None:
+            seen = re.search(self.tell, text) is not None
+            lines.append(f"  evidence:   {'the traceback passes through ' + self.tell if seen else self.without_tell}")
+        return "\n".join(lines)
 
 
 CATALOG: tuple[KnownFailure, ...] = (
@@ -95,6 +102,11 @@ CATALOG: tuple[KnownFailure, ...] = (
             "spreads the model (pytest_llmload.trainer_guard does this), or launch one process per GPU instead."
         ),
         occurs="2+ GPUs; transformers Trainer up to 4.57 wraps 4-bit models, later versions skip 4-bit.",
+        tell=r"data_parallel|parallel_apply",
+        without_tell=(
+            "no DataParallel frame in the traceback: the same dtype symptom, so look for another float/bf16 mix "
+            "(autocast off, a module left in float32)."
+        ),
     ),
     KnownFailure(
         id="offload-hang",

@@ -22,10 +22,11 @@ def failure_text(excinfo: pytest.ExceptionInfo) -> str:
 def annotate(item: pytest.Item, call: pytest.CallInfo, report: pytest.TestReport) -> None:
     if not report.failed or call.excinfo is None:
         return
-    found = catalog.match(failure_text(call.excinfo))
+    text = failure_text(call.excinfo)
+    found = catalog.match(text)
     if not found:
         return
-    report.sections.append((SECTION, "\n\n".join(failure.explain() for failure in found)))
+    report.sections.append((SECTION, "\n\n".join(failure.explain(text) for failure in found)))
     counter = item.config.stash.setdefault(matches_key, Counter())
     counter.update(failure.id for failure in found)
 

@@ -33,6 +33,7 @@ def test_dtype_mismatch_from_a_real_bf16_linear_names_dp_dtype(pytester):
         "  write-up:   seeds/003_b296b1821f4bec50.txt",
         "  root cause: Trainer saw n_gpu > 1*",
         "  fix:        Do not let Trainer data-parallelise a placed model*",
+        "  evidence:   no DataParallel frame in the traceback*",
         "*llmload: failures matching known failures: dp-dtype (1)*",
     ])
 
