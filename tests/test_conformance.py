@@ -99,5 +99,5 @@ def test_expected_failure_naming_no_check_is_an_error(downstream):
             pass
     """)
     result = downstream.runpytest()
-    result.stdout.fnmatch_lines(["*ValueError: expected_failed_checks for loader *good_loader names ['check_typo'], "
+    result.stdout.fnmatch_lines(["*ValueError: expected_failed_checks for loader *good_loader names [[]'check_typo'[]], "
                                  "which are not checks; the checks are: check_returns_a_model, check_on_gpu, *"])
