@@ -39,6 +39,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable, Optional
 
@@ -291,11 +292,18 @@ def run_ranks(
             proc = ctx.Process(
                 target=_rank_main,
                 name=f"llmload-rank{rank}",
-                args=(rank, world_size, store.port, backend, fn, tuple(args), dict(kwargs or {}), sender,
-                      workdir, dict(env or {}), init_process_group, timeout, os.getpid() if method == "fork" else None),
+                args=(rank, world_size, store.port, backend, fn, tuple(args), dict(kwargs or {}), sender, workdir,
+                      dict(env or {}), init_process_group, timeout, os.getpid() if method == "fork" else None),
                 daemon=True,
             )
-            proc.start()
+            with warnings.catch_warnings():
+                # Python 3.12+ warns on every fork from a process with threads (torch starts one at
+                # import). The hazards that are real here (OpenMP, inherited singletons) are handled in
+                # _rank_main; a warning per rank would only break runs with -W error.
+                warnings.filterwarnings(
+                    "ignore", message=r".*fork\(\) may lead to deadlocks", category=DeprecationWarning
+                )
+                proc.start()
             sender.close()
             procs.append(proc)
             conns.append(receiver)
@@ -587,7 +595,6 @@ class DistributedEnv:
     def __init__(self, gpu_count: Callable[[], int], skip: Callable[[str], Any]):
         self._gpu_count = gpu_count
         self._skip = skip
-        self.last_outcomes: list[RankOutcome] = []
 
     def default_backend(self) -> str:
         """``nccl`` where a GPU is visible, else ``gloo``."""
@@ -624,9 +631,5 @@ class DistributedEnv:
             if importlib.util.find_spec("deepspeed") is None:
                 self._skip("distributed_env(deepspeed=True): deepspeed is not installed")
             preload(DEEPSPEED_PRELOAD)
-        try:
-            return run_ranks(fn, world_size, args=args, kwargs=kwargs, backend=backend, timeout=timeout, env=env,
-                             init_process_group=init_process_group)
-        except DistributedRunFailed as exc:
-            self.last_outcomes = exc.outcomes
-            raise
+        return run_ranks(fn, world_size, args=args, kwargs=kwargs, backend=backend, timeout=timeout, env=env,
+                         init_process_group=init_process_group)

@@ -17,6 +17,11 @@ the figures::
     def test_my_loader_trains_on_every_rank(llmload_checkpoint, tmp_path):
         distributed.check_distributed_train_step(my_loader, llmload_checkpoint, tmp_path)
 
+Each rank loads ``LoadRequest(checkpoint, purpose="train", deepspeed=<mode is DeepSpeed>)`` under a launcher's
+environment, prepares model and optimizer, and takes one AdamW step on a batch of its own. "The same loss on every
+rank" is measured on a probe batch shared by all ranks, before the step and after it: equal after the step means
+the gradients were all-reduced and the ranks still hold the same weights; different from before, that it trained.
+
 On a CPU-only machine ``device_map="auto"`` alone does not spread a model (there is one device), so there the
 check catches loaders that spread it anyway (a memory budget, an explicit map); on a multi-GPU runner,
 ``backend="nccl"``, it also catches a bare ``"auto"``.
@@ -38,7 +43,6 @@ from pytest_llmload.request import LoadRequest
 Loader = Callable[[LoadRequest], Any]
 
 MODES = ("deepspeed", "ddp")
-ACCELERATE_DEVICE_MAP_ERROR = "You can't train a model that has been loaded with `device_map='auto'` in any distributed mode."
 # DeepSpeed ZeRO-2 with the torch optimizer accelerate is given (hence "untested optimizer"); the micro batch
 # size is the batch of the step below, since no dataloader goes through prepare().
 BATCH = 2
@@ -65,7 +69,7 @@ def check_distributed_train_step(
     modes: Sequence[str] = MODES,
     timeout: float = 120.0,
 ) -> None:
-    """Seed 004: on each rank of a 2-rank group a purpose="train" load prepares under accelerate DeepSpeed ZeRO-2 and DDP and trains a step, same loss on every rank (needs deepspeed; DS_ACCELERATOR=cpu on CPU)."""
+    """Seed 004: on 2 ranks a train load prepares under accelerate DeepSpeed ZeRO-2 and DDP; a step, equal losses (needs deepspeed)."""
     unknown = [mode for mode in modes if mode not in MODES]
     if unknown or not modes:
         raise ValueError(f"check_distributed_train_step(modes={tuple(modes)!r}): choose from {MODES}.")
