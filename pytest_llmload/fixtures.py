@@ -134,6 +134,26 @@ def llmload_tokenizer(llmload_checkpoint):
 
 
 @pytest.fixture
-def distributed_env():
-    """Run a function on N ranks of a real torch.distributed process group (reserved; see issue 4)."""
-    pytest.skip("distributed_env is not implemented yet")
+def distributed_env(llmload_offline):
+    """Run a function on N ranks of a real torch.distributed process group and get each rank's result.
+
+    ``distributed_env.run(fn, world_size=2, *, args=(), kwargs=None, backend=None, deepspeed=False,
+    timeout=60, env=None) -> [result of rank 0, result of rank 1, ...]``. The ranks are forked from the test
+    process (GPU ranks from a forkserver), with ``WORLD_SIZE``/``RANK``/``LOCAL_RANK``/``MASTER_ADDR``/
+    ``MASTER_PORT`` set and the default process group up: gloo on CPU, nccl (one GPU per rank) where a GPU
+    is visible. Too few GPUs for the ranks skips the test with the counts. A rank that raises fails the test
+    with its traceback; one still running at ``timeout`` with every rank's thread stacks; one that dies with
+    its exit code or signal. Functions and results must pickle on GPU (forkserver); on CPU only results::
+
+        def all_reduce_ranks():
+            import torch, torch.distributed as dist
+            t = torch.tensor([dist.get_rank() + 1.0])
+            dist.all_reduce(t)
+            return t.item()
+
+        def test_all_reduce(distributed_env):
+            assert distributed_env.run(all_reduce_ranks, world_size=2, backend="gloo") == [3.0, 3.0]
+    """
+    from pytest_llmload.distributed import DistributedEnv
+
+    return DistributedEnv(gpus.visible_gpu_count, pytest.skip)
