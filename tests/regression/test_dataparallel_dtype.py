@@ -101,6 +101,36 @@ def test_check_passes_with_the_fix(llmload_checkpoint, tmp_path, caplog, record_
     ), "the guard did not log why it changed n_gpu"
 
 
+def _load_with_an_lm_head_outside_autocast(request):
+    """The write-up's loader, with a bf16 lm_head that runs outside autocast on float input: the state the
+    write-up blames on DataParallel's workers, produced here on purpose to test the check's report."""
+    import torch
+
+    model, tokenizer = seed003_dp_before.load(request)
+    head = model.get_output_embeddings().to(torch.bfloat16)
+    forward = head.forward
+
+    def forward_without_autocast(hidden_states):
+        with torch.autocast("cpu", enabled=False):
+            return forward(hidden_states.float())
+
+    head.forward = forward_without_autocast
+    return model, tokenizer
+
+
+@pytest.mark.timeout(120)
+def test_check_reports_a_first_step_dtype_error(llmload_checkpoint, tmp_path):
+    # The text of the write-up's error: torch 2.13 on CPU raises it from the 3-d matmul of the lm_head
+    # ("m1 and m2"; CUDA says "mat1 and mat2").
+    error = r"expected m(at)?1 and m(at)?2 to have the same dtype, but got: float != c10::BFloat16"
+    with pytest.raises(AssertionError, match=f"mixed dtypes at the lm_head: RuntimeError: {error}") as failure:
+        check_trainer_does_not_wrap_placed_model(
+            _load_with_an_lm_head_outside_autocast, llmload_checkpoint, tmp_path, prepare_args=_guard()
+        )
+    headline = str(failure.value).splitlines()[0]
+    assert "wrapped the model" not in headline and "counts n_gpu" not in headline, headline
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("quantization", ["4bit", None], ids=["4bit-lora", "bf16-lora"])
 def test_what_a_stock_trainer_does_with_the_write_up_model(stage1, tmp_path, quantization, record_property):
