@@ -100,7 +100,8 @@ def placement_of(model: Any) -> Placement:
     elif getattr(base, "is_loaded_in_8bit", False):
         reasons.append("loaded in 8-bit (bitsandbytes)")
     elif getattr(base, "quantization_method", None) is not None:
-        reasons.append(f"quantized ({_device_name(getattr(base, 'quantization_method'))})")
+        method = base.quantization_method
+        reasons.append(f"quantized ({getattr(method, 'value', method)})")
     if len(devices) <= 1 and hasattr(base, "modules"):
         if any(hasattr(m, "_hf_hook") for m in base.modules()):
             reasons.append("has accelerate dispatch hooks")

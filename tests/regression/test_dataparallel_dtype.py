@@ -4,19 +4,23 @@ On CPU, "more than one GPU" is set where Trainer reads it (``TrainingArguments.n
 code decides the rest. What it decides depends on the installed transformers, and each test says which
 behaviour it saw:
 
-- 4.57: ``_wrap_model`` wraps whenever ``n_gpu > 1`` except 8-bit models (trainer.py:2077), so the
-  write-up's 4-bit model is wrapped, and from_pretrained always sets ``hf_device_map``.
+- 4.57: ``_wrap_model`` wraps whenever ``n_gpu > 1`` except 8-bit models (trainer.py:2077-2078), so the
+  write-up's 4-bit model is wrapped; from_pretrained sets ``hf_device_map`` for any ``device_map``
+  (modeling_utils.py:5115-5140, accelerate big_modeling.py:516).
 - 5.23: ``_wrap_model`` also skips 4-bit (trainer.py:2667-2672), but the batch is still ``n_gpu`` times
-  the per-device batch and the loss is scaled by ``n_gpu``; from_pretrained sets ``hf_device_map`` only
-  for a map over more than one device (modeling_utils.py:4455-4457).
-- Both reset ``n_gpu`` to 1 only when ``hf_device_map`` names more than one device other than cpu/disk.
+  the per-device batch (trainer.py:627) and the loss is scaled by ``n_gpu`` (trainer.py:2207), x2.000
+  measured; from_pretrained sets ``hf_device_map`` only for a map over more than one device
+  (modeling_utils.py:4455-4457).
+- Both reset ``n_gpu`` to 1 only when ``hf_device_map`` names more than one device other than cpu/disk,
+  or one that is not ``args.device`` (4.57 trainer.py:500-507 and 615-616; 5.23 trainer.py:460-465 and
+  507-508); ``n_gpu`` itself is ``torch.cuda.device_count()`` (training_args.py 4.57:2344, 5.23:1949).
 
 The mechanism the write-up names (DataParallel worker threads without the caller's autocast, so float
 activations reach a bf16 ``lm_head``) has no test here: it cannot fail for real on this machine. On CPU,
 ``nn.DataParallel`` keeps no device ids and calls the module directly, with no worker threads
 (torch 2.13 data_parallel.py:145-149, 174-175), and ``parallel_apply`` refuses to run without an
 accelerator (parallel_apply.py:71-73). Where it does run, it re-enters autocast in each worker with the
-caller's enabled flag (parallel_apply.py:78-79, 109) though not its dtype, so "no autocast" is not the
+caller's enabled flag (parallel_apply.py:77-80, 109) though not its dtype, so "no autocast" is not the
 whole story either; trl 1.16 gives another reason (replicas run a forward bound to the original model,
 sft_trainer.py:1115-1123). The two-GPU test below asserts the error itself where it can happen.
 """
