@@ -1,11 +1,27 @@
 """pytest-llmload: catch the ways Hugging Face model loading breaks when a model is spread over devices.
 
-Importing this package is cheap: torch and the Hugging Face stack are imported only by the code that
-loads a model.
+Importing this package is cheap: pytest imports it on every run through the plugin entry point, so its
+public names are resolved on first use (PEP 562), and torch and the Hugging Face stack are imported only
+by the code that loads a model.
 """
 
-from pytest_llmload.loading import LoaderContractError, LoaderSpecError, LoadResult, call_loader
-from pytest_llmload.request import LoadRequest
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
-__all__ = ["LoadRequest", "LoadResult", "LoaderContractError", "LoaderSpecError", "call_loader", "__version__"]
+
+_PUBLIC = {
+    "LoadRequest": "pytest_llmload.request",
+    "LoadResult": "pytest_llmload.loading",
+    "LoaderContractError": "pytest_llmload.loading",
+    "LoaderSpecError": "pytest_llmload.loading",
+    "call_loader": "pytest_llmload.loading",
+}
+__all__ = [*_PUBLIC, "__version__"]
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module 'pytest_llmload' has no attribute {name!r}")

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
-import subprocess
 import sys
 
 _DRIVER_PROC = "/proc/driver/nvidia/gpus"
@@ -49,6 +47,9 @@ def gpu_names() -> list[str]:
     count = visible_gpu_count()
     if count == 0:
         return []
+    import shutil  # not at module level: a CPU run never gets here, and plugin load stays cheap
+    import subprocess
+
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return ["unknown GPU"] * count

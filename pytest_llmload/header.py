@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from importlib import metadata
 
 from pytest_llmload import gpus
@@ -10,11 +12,30 @@ from pytest_llmload.loading import LoaderChoice
 STACK = ("torch", "transformers", "accelerate", "peft", "bitsandbytes", "deepspeed")
 
 
+def _dist_info_versions() -> dict[str, str]:
+    """Versions from ``*.dist-info`` directory names: one listdir per sys.path entry, no metadata parsing."""
+    found: dict[str, str] = {}
+    for entry in sys.path:
+        try:
+            names = os.listdir(entry or ".")
+        except OSError:
+            continue
+        for name in names:
+            if name.endswith(".dist-info") and "-" in name:
+                project, _, version = name[: -len(".dist-info")].partition("-")
+                found.setdefault(project.lower().replace("_", "-"), version)
+    return found
+
+
 def installed_versions(names=STACK) -> dict[str, str]:
-    """``{distribution: version}`` for those installed, read from metadata without importing them."""
+    """``{distribution: version}`` for those installed, without importing them (plugin load must stay cheap)."""
+    scanned = _dist_info_versions()
     versions = {}
     for name in names:
-        try:
+        if name in scanned:
+            versions[name] = scanned[name]
+            continue
+        try:  # egg-info and other layouts: ask importlib.metadata
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             continue

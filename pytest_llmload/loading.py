@@ -7,14 +7,14 @@ fixture, which bypasses all of these.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import os
 import re
 import sys
-from typing import Any, Callable, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
-from pytest_llmload.request import LoadRequest
+if TYPE_CHECKING:
+    from pytest_llmload.request import LoadRequest
 
 ENV_VAR = "PYTEST_LLMLOAD_LOADER"
 INI_KEY = "llmload_loader"
@@ -37,8 +37,7 @@ class LoaderContractError(TypeError):
     """A loader that returned something other than a model or ``(model, tokenizer)``."""
 
 
-@dataclasses.dataclass(frozen=True)
-class LoaderChoice:
+class LoaderChoice(NamedTuple):
     """A loader spec and where it came from (``--llmload-loader``, ``$PYTEST_LLMLOAD_LOADER``, ...)."""
 
     spec: str
@@ -67,7 +66,7 @@ def check_spec_syntax(choice: LoaderChoice) -> None:
         )
 
 
-def import_loader(choice: LoaderChoice) -> Callable[[LoadRequest], Any]:
+def import_loader(choice: LoaderChoice) -> Callable[["LoadRequest"], Any]:
     """Import ``module:attr.path`` and return the callable, or raise :class:`LoaderSpecError` saying why."""
     check_spec_syntax(choice)
     module_name, _, attr_path = choice.spec.partition(":")
@@ -106,7 +105,7 @@ def _describe(value: Any) -> str:
     return (text[:80] + "...") if len(text) > 80 else text
 
 
-def normalise_result(value: Any, *, loader_name: str, request: LoadRequest) -> LoadResult:
+def normalise_result(value: Any, *, loader_name: str, request: "LoadRequest") -> LoadResult:
     """Check a loader's return value against the contract and wrap it as a :class:`LoadResult`."""
     torch = sys.modules.get("torch")
     module_type = torch.nn.Module if torch is not None else None
@@ -120,25 +119,24 @@ def normalise_result(value: Any, *, loader_name: str, request: LoadRequest) -> L
         return LoadResult(value[0], value[1])
     got = f"a {len(value)}-tuple {_describe(value)}" if isinstance(value, tuple) else _describe(value)
     raise LoaderContractError(
-        f"loader {loader_name} returned {got} (type {type(value).__name__}) for a {request.purpose} request of "
+        f"loader {loader_name} returned {got} (type {type(value).__name__}) for a purpose={request.purpose!r} request of "
         f"{request.model_path}; a loader must return a torch.nn.Module (a transformers model) or a "
         "(model, tokenizer) tuple."
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class LoaderUnderTest:
+class LoaderUnderTest(NamedTuple):
     """A loader together with its name, called under the contract: ``loader(request) -> LoadResult``."""
 
-    function: Callable[[LoadRequest], Any]
+    function: Callable[["LoadRequest"], Any]
     name: str
     source: str = "fixture"
 
-    def __call__(self, request: LoadRequest) -> LoadResult:
+    def __call__(self, request: "LoadRequest") -> LoadResult:
         return call_loader(self.function, request, loader_name=self.name)
 
 
-def call_loader(loader: Callable[[LoadRequest], Any], request: LoadRequest, *, loader_name: str = "") -> LoadResult:
+def call_loader(loader: Callable[["LoadRequest"], Any], request: "LoadRequest", *, loader_name: str = "") -> LoadResult:
     """Call ``loader(request)`` and normalise what it returns; raises :class:`LoaderContractError`."""
     if isinstance(loader, LoaderUnderTest):
         return loader(request)

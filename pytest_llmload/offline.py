@@ -52,6 +52,7 @@ def network_guard() -> Iterator[None]:
     """Close the network to everything but loopback for the duration; nests safely."""
     original_connect = socket.socket.connect
     original_connect_ex = socket.socket.connect_ex
+    original_getaddrinfo = socket.getaddrinfo
 
     def refuse(address) -> None:
         raise NetworkAccessBlocked(
@@ -70,13 +71,21 @@ def network_guard() -> Iterator[None]:
             refuse(address)
         return original_connect_ex(sock, address)
 
+    def guarded_getaddrinfo(host, port, *args, **kwargs):
+        # Name lookup comes before connect: a DNS query is already the network.
+        if host is not None and not _is_local((host.decode() if isinstance(host, bytes) else host, port)):
+            refuse((host, port))
+        return original_getaddrinfo(host, port, *args, **kwargs)
+
     socket.socket.connect = guarded_connect
     socket.socket.connect_ex = guarded_connect_ex
+    socket.getaddrinfo = guarded_getaddrinfo
     try:
         yield
     finally:
         socket.socket.connect = original_connect
         socket.socket.connect_ex = original_connect_ex
+        socket.getaddrinfo = original_getaddrinfo
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from pytest_llmload import loading, markers
+from pytest_llmload import known_failure_report, loading, markers, progress
 from pytest_llmload.fixtures import (  # noqa: F401  (pytest discovers fixtures on the plugin module)
     distributed_env,
     gpu_model,
@@ -32,6 +32,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--llmload-loader", dest="llmload_loader", metavar="MODULE:FUNCTION", help=loading.LOADER_HELP)
     parser.addini(loading.INI_KEY, help=loading.LOADER_HELP, default=None)
     parser.addini(markers.GPU_FIXTURES_INI, help=markers.GPU_FIXTURES_HELP, type="linelist", default=[])
+    parser.addini(
+        "llmload_expected_failed_checks", type="linelist", default=[],
+        help="known gaps of the configured loader, one 'check_name: reason' a line: the shipped suite "
+        "(pytest --pyargs pytest_llmload.suite) runs them as strict xfails.",
+    )
+    group.addoption(
+        "--llmload-progress", dest="llmload_progress", metavar="PATH",
+        help="append one JSON line per test outcome to PATH (used by 'python -m pytest_llmload').",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -44,6 +53,17 @@ def pytest_configure(config: pytest.Config) -> None:
     except loading.LoaderSpecError as exc:
         raise pytest.UsageError(str(exc)) from None
     config.stash[loader_choice_key] = choice
+    if config.getoption("llmload_progress") and not hasattr(config, "workerinput"):
+        writer = progress.ProgressWriter(config.getoption("llmload_progress"))
+        config.stash[progress.progress_key] = writer
+        config.pluginmanager.register(writer, "llmload-progress")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    writer = config.stash.get(progress.progress_key, None)
+    if writer is not None:
+        config.pluginmanager.unregister(writer)
+        writer.close()
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -52,7 +72,39 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     markers.mark_gpu_tests(config, items)
+    # A configured loader is imported only if a collected test uses it, and then before any test runs:
+    # a spec that does not import is one usage error, not an error repeated on every test.
+    if any("llmload_loader" in getattr(item, "fixturenames", ()) for item in items):
+        _check_loader_imports(config)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # An xdist controller collects nothing; it checks the spec itself so that workers never hit a usage
+    # error (which xdist reports as a crash).
+    config = session.config
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        _check_loader_imports(config)
+
+
+def _check_loader_imports(config: pytest.Config) -> None:
+    choice = config.stash[loader_choice_key]
+    if not choice.is_reference:
+        try:
+            loading.import_loader(choice)
+        except loading.LoaderSpecError as exc:
+            raise pytest.UsageError(str(exc)) from None
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     markers.enforce_needs_gpus(item)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    known_failure_report.annotate(item, call, outcome.get_result())
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    for line in known_failure_report.summary_lines(config):
+        terminalreporter.write_line(line)

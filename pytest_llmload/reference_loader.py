@@ -16,8 +16,10 @@ Example::
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+from pytest_llmload.distributed import is_distributed, local_rank
 from pytest_llmload.request import LoadRequest
 
 LORA_TARGETS = ("q_proj", "v_proj")
@@ -48,6 +50,14 @@ def _quantization_kwarg(request: LoadRequest) -> dict:
 
 def placement_kwargs(request: LoadRequest) -> dict:
     """Where the weights go: the one decision every write-up is about."""
+    if is_distributed(os.environ, deepspeed=request.deepspeed):
+        # 004: one rank of a distributed job loads the whole model itself, never spread by a device_map
+        # (accelerate refuses to prepare a model whose hf_device_map has several entries in any distributed
+        # mode). On CPU, and under DeepSpeed (which places and partitions the weights), no device_map at
+        # all; on GPU the whole model goes to this rank's own device.
+        if request.device.startswith("cuda") and not request.deepspeed:
+            return {"device_map": {"": f"cuda:{local_rank(os.environ)}"}}
+        return {}
     if request.purpose == "train":
         # 002: a model to be trained is loaded whole on its device, never spread over cpu/disk/meta; a
         # budget that cannot hold it for training is refused here, before from_pretrained reads a weight.

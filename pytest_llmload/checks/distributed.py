@@ -1,0 +1,188 @@
+"""Conformance check for write-up 004: a model loaded by one rank of a distributed job must be trainable by it.
+
+The write-up's loader always passed ``device_map="auto"``; under DeepSpeed, ``accelerator.prepare()`` then
+raised ``You can't train a model that has been loaded with `device_map='auto'` in any distributed mode``.
+accelerate raises it (``Accelerator.prepare`` and ``prepare_model``) for any ``nn.Module`` for which
+``Accelerator.verify_device_map`` is true, i.e. some submodule has an ``hf_device_map`` with more than one
+entry, whenever ``distributed_type`` is not ``NO`` and ``ACCELERATE_BYPASS_DEVICE_MAP`` is not ``true``.
+
+The check is ``check_<name>(loader, checkpoint, workdir, *, ...)`` like the others: ``loader`` takes a
+:class:`~pytest_llmload.LoadRequest`, ``checkpoint`` is a local tiny checkpoint (``llmload_checkpoint``),
+``workdir`` an empty scratch directory (``tmp_path``); it returns ``None`` or raises ``AssertionError`` with
+the figures::
+
+    from pytest_llmload.checks import distributed
+
+    @pytest.mark.timeout(120)
+    def test_my_loader_trains_on_every_rank(llmload_checkpoint, tmp_path):
+        distributed.check_distributed_train_step(my_loader, llmload_checkpoint, tmp_path)
+
+Each rank loads ``LoadRequest(checkpoint, purpose="train", deepspeed=<mode is DeepSpeed>)`` under a launcher's
+environment, prepares model and optimizer, and takes one AdamW step on a batch of its own. "The same loss on every
+rank" is measured on a probe batch shared by all ranks, before the step and after it: equal after the step means
+the gradients were all-reduced and the ranks still hold the same weights; different from before, that it trained.
+
+On a CPU-only machine ``device_map="auto"`` alone does not spread a model (there is one device), so there the
+check catches loaders that spread it anyway (a memory budget, an explicit map); on a multi-GPU runner,
+``backend="nccl"``, it also catches a bare ``"auto"``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Callable
+
+from pytest_llmload import distributed
+from pytest_llmload.loading import call_loader
+from pytest_llmload.request import LoadRequest
+
+Loader = Callable[[LoadRequest], Any]
+
+MODES = ("deepspeed", "ddp")
+# DeepSpeed ZeRO-2 with the torch optimizer accelerate is given (hence "untested optimizer"); the micro batch
+# size is the batch of the step below, since no dataloader goes through prepare().
+BATCH = 2
+SEQUENCE = 16
+DEEPSPEED_CONFIG = {
+    "train_micro_batch_size_per_gpu": BATCH,
+    "gradient_accumulation_steps": 1,
+    "zero_optimization": {"stage": 2},
+    "zero_allow_untested_optimizer": True,
+    "steps_per_print": 2**31 - 1,
+}
+LEARNING_RATE = 1e-2
+# Ranks run the same float32 code on the same weights; after an all-reduced step they must agree closely.
+REL_TOL = 1e-5
+
+
+def check_distributed_train_step(
+    loader: Loader,
+    checkpoint: os.PathLike | str,
+    workdir: os.PathLike | str,
+    *,
+    backend: str = "gloo",
+    world_size: int = 2,
+    modes: Sequence[str] = MODES,
+    timeout: float = 120.0,
+) -> None:
+    """Seed 004: on 2 ranks a train load prepares under accelerate DeepSpeed ZeRO-2 and DDP; a step, equal losses (needs deepspeed)."""
+    unknown = [mode for mode in modes if mode not in MODES]
+    if unknown or not modes:
+        raise ValueError(f"check_distributed_train_step(modes={tuple(modes)!r}): choose from {MODES}.")
+    if "deepspeed" in modes and _missing("deepspeed"):
+        raise RuntimeError(
+            "check_distributed_train_step: mode 'deepspeed' needs the deepspeed package (pip install deepspeed; "
+            "DS_ACCELERATOR=cpu on a CPU-only machine); pass modes=('ddp',) to check without it."
+        )
+    distributed.preload(
+        (distributed.DEEPSPEED_PRELOAD if "deepspeed" in modes else distributed.HF_PRELOAD) + _model_module(checkpoint)
+    )
+    problems = []
+    for mode in modes:
+        results = distributed.run_ranks(
+            _load_prepare_and_step, world_size, args=(loader, os.fspath(checkpoint), os.fspath(workdir), mode, backend),
+            backend=backend, timeout=timeout,
+        )
+        problems += [f"{mode}: {problem}" for problem in _judge(results)]
+    if problems:
+        raise AssertionError(
+            f"write-up 004: the loader's model does not train on every rank of a {world_size}-rank {backend} group "
+            f"({len(problems)} problem{'s' if len(problems) > 1 else ''}):\n  " + "\n  ".join(problems)
+            + "\nLoad without device_map (or with the whole model on the rank's device) when WORLD_SIZE, RANK or "
+            "LOCAL_RANK say the process is one rank of a distributed job."
+        )
+
+
+def _missing(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is None
+
+
+def _model_module(checkpoint) -> tuple[str, ...]:
+    """The transformers modeling module of the checkpoint's architecture, imported lazily otherwise."""
+    try:
+        model_type = json.loads((Path(checkpoint) / "config.json").read_text())["model_type"]
+    except (OSError, ValueError, KeyError):
+        return ()
+    return (f"transformers.models.{model_type}.modeling_{model_type}",)
+
+
+def _judge(results: list[dict]) -> list[str]:
+    problems = []
+    for rank, result in enumerate(results):
+        if "prepare_error" in result:
+            entries = result["device_map"]
+            where = (f"hf_device_map has {len(entries)} entries: {entries}" if entries
+                     else "the model has no hf_device_map")
+            problems.append(f"rank {rank}: accelerator.prepare() raised {result['prepare_error']} ({where})")
+    if problems:
+        return problems
+    for rank, result in enumerate(results):
+        bad = {k: v for k, v in result.items() if k.endswith("loss") and not math.isfinite(v)}
+        if bad:
+            problems.append(f"rank {rank}: non-finite losses {bad}")
+    first = results[0]
+    for key, what in (("probe_loss_before", "the loss before the step"),
+                      ("probe_loss_after", "the loss after the step (weights out of sync)")):
+        values = [result[key] for result in results]
+        if not all(math.isclose(v, values[0], rel_tol=REL_TOL) for v in values):
+            problems.append(f"{what} differs between ranks: {values}")
+    if math.isclose(first["probe_loss_after"], first["probe_loss_before"], rel_tol=1e-7):
+        problems.append(f"the step did not change the loss ({first['probe_loss_before']}): nothing trained")
+    return problems
+
+
+def _load_prepare_and_step(loader: Loader, checkpoint: str, workdir: str, mode: str, backend: str) -> dict:
+    """On one rank: load through ``loader``, prepare with accelerate, one step; the losses, or prepare's error.
+
+    The step's batch differs per rank and the probe batch is the same on all: equal probe losses after the
+    step show that the gradients were all-reduced and the ranks still hold the same weights.
+    """
+    import torch
+    import torch.distributed as dist
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+
+    rank = dist.get_rank()
+    device = f"cuda:{distributed.local_rank(os.environ)}" if backend == "nccl" else "cpu"
+    request = LoadRequest(
+        checkpoint, purpose="train", device=device, deepspeed=mode == "deepspeed",
+        offload_folder=Path(workdir) / f"offload-{mode}-rank{rank}",
+    )
+    model = call_loader(loader, request).model
+    device_map = {name: str(where) for name, where in (getattr(model, "hf_device_map", None) or {}).items()}
+    if mode == "deepspeed":
+        from accelerate.utils import DeepSpeedPlugin
+
+        accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=dict(DEEPSPEED_CONFIG)))
+        expected = DistributedType.DEEPSPEED
+    else:
+        accelerator = Accelerator(cpu=backend == "gloo")
+        expected = DistributedType.MULTI_CPU if backend == "gloo" else DistributedType.MULTI_GPU
+    if accelerator.distributed_type != expected:  # the harness is wrong, not the loader
+        raise RuntimeError(f"accelerate chose {accelerator.distributed_type}, expected {expected} on rank {rank}")
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE)
+    try:
+        model, optimizer = accelerator.prepare(model, optimizer)
+    except Exception as exc:  # noqa: BLE001 - whatever prepare() refuses is the finding
+        return {"device_map": device_map, "prepare_error": f"{type(exc).__name__}: {exc}"}
+
+    vocab = accelerator.unwrap_model(model).config.vocab_size
+    probe = torch.randint(2, vocab, (BATCH, SEQUENCE), generator=torch.Generator().manual_seed(0))
+    batch = torch.randint(2, vocab, (BATCH, SEQUENCE), generator=torch.Generator().manual_seed(1 + rank))
+    probe, batch = probe.to(accelerator.device), batch.to(accelerator.device)
+    with torch.no_grad():
+        before = model(input_ids=probe, labels=probe).loss.item()
+    loss = model(input_ids=batch, labels=batch).loss
+    accelerator.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    with torch.no_grad():
+        after = model(input_ids=probe, labels=probe).loss.item()
+    return {"device_map": device_map, "distributed_type": str(accelerator.distributed_type),
+            "probe_loss_before": before, "step_loss": loss.item(), "probe_loss_after": after}

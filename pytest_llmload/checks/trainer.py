@@ -1,0 +1,113 @@
+"""Checks from write-up 003: a model loaded for training, handed to a stock ``transformers.Trainer`` that
+sees more than one GPU.
+
+The check runs on CPU. "More than one GPU" is set where Trainer reads it, ``TrainingArguments.n_gpu``
+(see :func:`pytest_llmload.trainer_guard.observe_trainer`); everything after that is Trainer's own code.
+A training script's fix goes in ``prepare_args(args, model)``, called between the two, where the
+write-up put ``training_args._n_gpu = 1``.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from pytest_llmload.loading import call_loader
+from pytest_llmload.request import LoadRequest
+
+logger = logging.getLogger(__name__)
+
+STAGE1_SHARDS = 4
+# The first step's loss may differ a little from the model's own (dropout, bf16 rounding); a Trainer that
+# counts n_gpu devices it does not use scales it by n_gpu.
+LOSS_RATIO_TOLERANCE = 0.25
+
+
+def write_stage1_checkpoint(checkpoint: Path, dest: Path) -> Path:
+    """Write-up 003's stage 1: the full model saved in bf16 as sharded safetensors, with its tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, local_files_only=True).to(torch.bfloat16)
+    total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    model.save_pretrained(dest, max_shard_size=total_bytes // STAGE1_SHARDS + 1, safe_serialization=True)
+    AutoTokenizer.from_pretrained(checkpoint, local_files_only=True).save_pretrained(dest)
+    return dest
+
+
+def _upstream_reading(obs) -> str:
+    """Which of the known upstream behaviours the observation is."""
+    quantized = any("bit" in r or "quantized" in r for r in obs.placement.reasons)
+    if obs.is_model_parallel:
+        return "Trainer saw the placement in hf_device_map and set n_gpu to 1 itself"
+    if obs.data_parallel:
+        if quantized:
+            return "this transformers wraps quantized (4-bit) models in nn.DataParallel (its _wrap_model skips 8-bit only)"
+        return "this transformers wraps the model in nn.DataParallel: hf_device_map names no second accelerator"
+    if obs.n_gpu > 1 and quantized:
+        return (
+            "this transformers skips nn.DataParallel for 4-bit/8-bit models but still counts n_gpu: the batch, "
+            "the step count and the loss scale follow n_gpu"
+        )
+    return "Trainer did not treat the run as data-parallel"
+
+
+def check_trainer_does_not_wrap_placed_model(
+    loader: Callable[[LoadRequest], Any],
+    checkpoint: Path,
+    workdir: Path,
+    *,
+    prepare_args: Optional[Callable[[Any, Any], Any]] = None,
+    simulated_n_gpu: int = 2,
+) -> None:
+    """Seed 003: a train/4-bit/LoRA model from a local bf16 (stage-1) checkpoint, given to a stock Trainer with 2 GPUs, is not wrapped in nn.DataParallel and its first step runs with consistent dtypes; needs bitsandbytes 4-bit (its CPU backend will do)."""
+    from pytest_llmload.trainer_guard import observe_trainer
+
+    workdir = Path(workdir)
+    stage1 = workdir / "stage1"
+    if stage1.exists():
+        shutil.rmtree(stage1)
+    write_stage1_checkpoint(Path(checkpoint), stage1)
+
+    request = LoadRequest(stage1, purpose="train", dtype="bfloat16", device="cpu", quantization="4bit", lora=True)
+    model = call_loader(loader, request).model
+    obs = observe_trainer(model, workdir / "trainer", simulated_n_gpu=simulated_n_gpu, prepare_args=prepare_args)
+    reading = _upstream_reading(obs)
+    logger.info("seed 003: %s -- %s", obs.describe(), reading)
+
+    problems = []
+    if obs.data_parallel:
+        problems.append("Trainer wrapped the model in nn.DataParallel")
+    if obs.n_gpu > 1 or obs.train_batch_size != obs.per_device_batch:
+        unused = "" if obs.data_parallel else " for a model it does not replicate"
+        problems.append(
+            f"Trainer counts n_gpu={obs.n_gpu}{unused}: {obs.per_device_batch} rows per device became "
+            f"{obs.train_batch_size} per step, so the step count divides by {obs.n_gpu} (the write-up's 136 -> 68)"
+        )
+    if obs.dtype_error or obs.dtype_mismatches:
+        problems.append(
+            f"the first step mixed dtypes at the lm_head: {obs.error or obs.dtype_mismatches}"
+        )
+    elif obs.error:
+        problems.append(f"the first step failed: {obs.error}")
+    elif obs.first_step_loss is None:
+        problems.append("the first step logged no loss")
+    elif obs.first_step_grad_norm is not None and not obs.first_step_grad_norm > 0:
+        problems.append(f"the first step's gradient norm is {obs.first_step_grad_norm}: nothing was trained")
+    ratio = obs.loss_ratio
+    # Under nn.DataParallel on CPU the module runs unsplit, so its loss figure means nothing off CPU.
+    if not obs.data_parallel and ratio is not None and abs(ratio - 1) > LOSS_RATIO_TOLERANCE:
+        problems.append(f"the first step's loss is x{ratio:.3f} the model's own loss on the same rows")
+    if problems:
+        hint = (
+            "" if prepare_args is not None else
+            " Fix it in the training script: call pytest_llmload.trainer_guard.prepare_training_args_for_placed_model"
+            "(args, model) before building the Trainer (write-up 003: training_args._n_gpu = 1), and pass that "
+            "hook to this check as prepare_args."
+        )
+        raise AssertionError(
+            f"seed 003 (DataParallel over a placed model): {'; '.join(problems)}.\n"
+            f"Upstream behaviour seen: {reading}.\n{obs.describe()}.{hint}"
+        )

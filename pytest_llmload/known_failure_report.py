@@ -1,0 +1,39 @@
+"""Name the known failure when a test fails with one of its signatures: in this repo's tests and in any
+repo that has the plugin installed, not only in the shipped checks."""
+
+from __future__ import annotations
+
+import traceback
+from collections import Counter
+
+import pytest
+
+from pytest_llmload import catalog
+
+SECTION = "llmload: known failure"
+matches_key = pytest.StashKey[Counter]()
+
+
+def failure_text(excinfo: pytest.ExceptionInfo) -> str:
+    """The exception, its chain and every frame's name: what the signatures are searched in."""
+    return "".join(traceback.format_exception(excinfo.type, excinfo.value, excinfo.tb))
+
+
+def annotate(item: pytest.Item, call: pytest.CallInfo, report: pytest.TestReport) -> None:
+    if not report.failed or call.excinfo is None:
+        return
+    text = failure_text(call.excinfo)
+    found = catalog.match(text)
+    if not found:
+        return
+    report.sections.append((SECTION, "\n\n".join(failure.explain(text) for failure in found)))
+    counter = item.config.stash.setdefault(matches_key, Counter())
+    counter.update(failure.id for failure in found)
+
+
+def summary_lines(config: pytest.Config) -> list[str]:
+    counter = config.stash.get(matches_key, None)
+    if not counter:
+        return []
+    named = ", ".join(f"{failure_id} ({count})" for failure_id, count in counter.most_common())
+    return [f"llmload: failures matching known failures: {named}; see the '{SECTION}' sections above."]

@@ -1,0 +1,172 @@
+"""The main job: run every shipped check against one loader and print one row per check.
+
+The parent stays light (it never imports torch): pytest runs the shipped suite in a child process, whose
+full output goes to a log file, and the parent prints each check's row as its result arrives.
+Exit codes: 0 nothing failed, 1 a check failed, 2 usage error (a loader that does not import, say).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+from pytest_llmload.loading import ENV_VAR, OPTION, LoaderSpecError, choose_loader
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+HEARTBEAT_SECONDS = 10.0
+FAILED_OUTCOMES = ("failed", "error", "xpassed")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="llmload",
+        description="Run pytest-llmload's regression checks against a model loader and print one row per check.",
+        epilog="Extra arguments after '--' go to pytest (e.g. -- -x --tb=long). "
+        f"The loader defaults to ${ENV_VAR}, then the built-in reference loader.",
+    )
+    parser.add_argument("--loader", metavar="MODULE:FUNCTION",
+                        help="the loader under test: a callable taking a pytest_llmload.LoadRequest")
+    parser.add_argument("-k", dest="keyword", metavar="EXPR", help="only checks matching this pytest -k expression")
+    parser.add_argument("--log", metavar="PATH", help="where pytest's full output goes (default: a temp file)")
+    parser.add_argument("--list", action="store_true", help="list the checks and the failures they guard, then exit")
+    parser.add_argument("pytest_args", nargs="*", help=argparse.SUPPRESS)
+    return parser
+
+
+def pytest_command(loader: Optional[str], keyword: Optional[str], progress: Path, extra: list[str]) -> list[str]:
+    argv = [sys.executable, "-m", "pytest", "--pyargs", "pytest_llmload.suite", "-p", "no:cacheprovider",
+            "-o", "python_files=test_*.py", "--tb=short", "-q", "--llmload-progress", str(progress)]
+    if loader:
+        argv += [OPTION, loader]
+    if keyword:
+        argv += ["-k", keyword]
+    return argv + extra
+
+
+def _row(done: int, total: int, record: dict) -> str:
+    width = len(str(total)) if total else 2
+    outcome = record["outcome"].upper() if record["outcome"] in FAILED_OUTCOMES else record["outcome"]
+    return f"[{done:>{width}}/{total or '?'}] {record['check']:<48} {outcome:<8} {record['seconds']:7.2f}s"
+
+
+def _first_line(text: str) -> str:
+    for line in text.splitlines():
+        if line.startswith("E "):
+            return line[1:].strip()
+    return (text.strip().splitlines() or [""])[-1].strip()
+
+
+def _follow(child: subprocess.Popen, progress: Path, out) -> tuple[list[dict], int]:
+    """Print a row per result as the child writes them; a heartbeat while one check runs long."""
+    results: list[dict] = []
+    total, offset, running, last_beat = 0, 0, None, time.monotonic()
+    while True:
+        finished = child.poll() is not None
+        if progress.exists():
+            with progress.open(encoding="utf-8") as handle:
+                handle.seek(offset)
+                chunk = handle.read()
+            complete, _, _partial = chunk.rpartition("\n")
+            offset += len(complete) + (1 if complete else 0)
+            for line in filter(None, complete.splitlines()):
+                record = json.loads(line)
+                if record["event"] == "collected":
+                    total = record["count"]
+                    print(f"llmload: {total} checks collected", file=out, flush=True)
+                elif record["event"] == "start":
+                    running, last_beat = (record["check"], time.monotonic()), time.monotonic()
+                elif record["event"] == "result":
+                    results.append(record)
+                    running = None
+                    print(_row(len(results), total, record), file=out, flush=True)
+        if finished:
+            return results, total
+        if running and time.monotonic() - last_beat > HEARTBEAT_SECONDS:
+            last_beat = time.monotonic()
+            print(f"    ... {running[0]} still running ({time.monotonic() - running[1]:.0f}s)", file=out, flush=True)
+        time.sleep(0.2)
+
+
+def summary_table(results: list[dict]) -> list[str]:
+    from pytest_llmload.catalog import BY_ID
+
+    rows = [("check", "guards against", "result", "time")]
+    for record in results:
+        failure = _failure_of(record["check"])
+        guards = f"{failure} ({BY_ID[failure].write_up.split('/')[-1][:3]})" if failure in BY_ID else failure
+        outcome = record["outcome"].upper() if record["outcome"] in FAILED_OUTCOMES else record["outcome"]
+        if record["outcome"] in ("skipped", "xfailed") and record["reason"]:
+            outcome += f" ({record['reason']})"
+        rows.append((record["check"], guards, outcome, f"{record['seconds']:.2f}s"))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = [f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]:>7}" for r in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    return lines
+
+
+def _failure_of(check: str) -> str:
+    try:
+        from pytest_llmload.checks import REGISTRY
+    except ImportError:
+        return ""
+    return next((c.failure for c in REGISTRY if c.name == check), "")
+
+
+def run(argv: Optional[list[str]] = None, out=None) -> int:
+    out = out or sys.stdout
+    args = build_parser().parse_args(argv)
+    if args.list:
+        from pytest_llmload.conformance import describe_checks
+
+        for record in describe_checks():
+            print(f"{record['check']:<48} {record['failure']:<24} {record['summary']}", file=out)
+        return EXIT_OK
+    try:
+        choice = choose_loader(args.loader, os.environ, None)
+    except LoaderSpecError as exc:
+        print(f"llmload: error: {str(exc).replace(OPTION, '--loader')}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"llmload: checking loader {choice.spec} (from {choice.source.replace(OPTION, '--loader')})", file=out)
+
+    workdir = Path(tempfile.mkdtemp(prefix="llmload-main-"))
+    progress = workdir / "progress.jsonl"
+    log_path = Path(args.log) if args.log else workdir / "pytest.log"
+    command = pytest_command(args.loader, args.keyword, progress, args.pytest_args)
+    started = time.monotonic()
+    with log_path.open("w", encoding="utf-8") as log:
+        child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            results, _total = _follow(child, progress, out)
+        except KeyboardInterrupt:
+            child.terminate()
+            child.wait(timeout=30)
+            raise
+    code = child.wait()
+    log_text = log_path.read_text(encoding="utf-8", errors="replace")
+
+    if code in (3, 4) or (code != 0 and not results):  # internal or usage error, or nothing ran
+        errors = [line for line in log_text.splitlines() if line.startswith("ERROR")] or log_text.splitlines()[-15:]
+        for line in errors:
+            print(f"llmload: {line.replace(OPTION, '--loader')}", file=sys.stderr)
+        print(f"llmload: pytest exited {code}; full output: {log_path}", file=sys.stderr)
+        return EXIT_USAGE if code in (4, 5) or not results else EXIT_FAILED
+    print("", file=out)
+    for line in summary_table(results):
+        print(line, file=out)
+    failed = [r for r in results if r["outcome"] in FAILED_OUTCOMES]
+    counts = {}
+    for record in results:
+        counts[record["outcome"]] = counts.get(record["outcome"], 0) + 1
+    print("", file=out)
+    for record in failed:
+        print(f"FAILED {record['check']}: {_first_line(record['reason'])}", file=out)
+    summary = ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items()))
+    print(f"llmload: {summary} in {time.monotonic() - started:.1f}s; pytest output: {log_path}", file=out)
+    return EXIT_FAILED if failed or code not in (0, 5) else EXIT_OK

@@ -1,0 +1,58 @@
+"""A machine-readable record of a run, one JSON line per test, for the main job's live table.
+
+Enabled by ``--llmload-progress PATH``; the main job (``python -m pytest_llmload``) reads the file while
+pytest writes it, so a long check shows progress instead of silence. It hangs off the log hooks, which run
+in the controlling process under xdist too.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+
+progress_key = pytest.StashKey["ProgressWriter"]()
+_PARAM_ID = re.compile(r"\[(?:[^\]-]*-)?(check_[^\]]+)\]$")
+
+
+def check_name(nodeid: str) -> str:
+    """``check_x`` from ``...::test_loader_check[check_x]`` or ``...[loader-check_x]``; else the test name."""
+    found = _PARAM_ID.search(nodeid)
+    return found.group(1) if found else nodeid.rpartition("::")[2]
+
+
+class ProgressWriter:
+    def __init__(self, path: str) -> None:
+        self._file = open(path, "a", buffering=1, encoding="utf-8")  # line-buffered: the reader sees each line
+        self._started: dict[str, float] = {}
+
+    def write(self, **record) -> None:
+        self._file.write(json.dumps(record) + "\n")
+
+    # Registered as a plugin object: these are its hooks.
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        self.write(event="collected", count=len(session.items))
+
+    def pytest_runtest_logstart(self, nodeid: str, location) -> None:
+        self._started[nodeid] = time.perf_counter()
+        self.write(event="start", nodeid=nodeid, check=check_name(nodeid))
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        """One record per test, from the phase that decided its outcome (a later teardown error adds one)."""
+        if report.when != "call" and report.outcome == "passed":
+            return
+        outcome, reason = report.outcome, ""
+        if hasattr(report, "wasxfail"):
+            outcome, reason = ("xfailed" if report.skipped else "xpassed"), report.wasxfail
+        elif report.skipped and isinstance(report.longrepr, tuple):
+            reason = report.longrepr[2].removeprefix("Skipped: ")
+        elif report.failed:
+            outcome, reason = ("failed" if report.when == "call" else "error"), report.longreprtext
+        started = self._started.get(report.nodeid, time.perf_counter())
+        self.write(event="result", nodeid=report.nodeid, check=check_name(report.nodeid), outcome=outcome,
+                   reason=reason, seconds=round(time.perf_counter() - started, 3))
+
+    def close(self) -> None:
+        self._file.close()

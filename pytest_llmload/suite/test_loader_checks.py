@@ -1,0 +1,15 @@
+"""Every regression check against the loader under test (the ``llmload_loader`` fixture)."""
+
+from pytest_llmload.conformance import check_params, parse_expected_failures
+
+EXPECTED_INI = "llmload_expected_failed_checks"
+
+
+def pytest_generate_tests(metafunc):
+    if "check" in metafunc.fixturenames:
+        expected = parse_expected_failures(metafunc.config.getini(EXPECTED_INI), f"ini '{EXPECTED_INI}'")
+        metafunc.parametrize("check", check_params(expected_failed_checks=expected))
+
+
+def test_loader_check(check, llmload_loader, llmload_checkpoint, tmp_path):
+    check(llmload_loader, llmload_checkpoint, tmp_path)

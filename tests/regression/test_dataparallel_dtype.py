@@ -1,0 +1,235 @@
+"""Write-up 003: Trainer wraps a placed 4-bit LoRA model in nn.DataParallel; fix ``training_args._n_gpu = 1``.
+
+On CPU, "more than one GPU" is set where Trainer reads it (``TrainingArguments.n_gpu``); Trainer's own
+code decides the rest. What it decides depends on the installed transformers, and each test says which
+behaviour it saw:
+
+- 4.57: ``_wrap_model`` wraps whenever ``n_gpu > 1`` except 8-bit models (trainer.py:2077-2078), so the
+  write-up's 4-bit model is wrapped; from_pretrained sets ``hf_device_map`` for any ``device_map``
+  (modeling_utils.py:5115-5140, accelerate big_modeling.py:516).
+- 5.23: ``_wrap_model`` also skips 4-bit (trainer.py:2667-2672), but the batch is still ``n_gpu`` times
+  the per-device batch (trainer.py:627) and the loss is scaled by ``n_gpu`` (trainer.py:2207), x2.000
+  measured; from_pretrained sets ``hf_device_map`` only for a map over more than one device
+  (modeling_utils.py:4455-4457).
+- Both reset ``n_gpu`` to 1 only when ``hf_device_map`` names more than one device other than cpu/disk,
+  or one that is not ``args.device`` (4.57 trainer.py:500-507 and 615-616; 5.23 trainer.py:460-465 and
+  507-508); ``n_gpu`` itself is ``torch.cuda.device_count()`` (training_args.py 4.57:2344, 5.23:1949).
+
+The mechanism the write-up names (DataParallel worker threads without the caller's autocast, so float
+activations reach a bf16 ``lm_head``) has no test here: it cannot fail for real on this machine. On CPU,
+``nn.DataParallel`` keeps no device ids and calls the module directly, with no worker threads
+(torch 2.13 data_parallel.py:145-149, 174-175), and ``parallel_apply`` refuses to run without an
+accelerator (parallel_apply.py:71-73). Where it does run, it re-enters autocast in each worker with the
+caller's enabled flag (parallel_apply.py:77-80, 109) though not its dtype, so "no autocast" is not the
+whole story either; trl 1.16 gives another reason (replicas run a forward bound to the original model,
+sft_trainer.py:1115-1123). The two-GPU test below asserts the error itself where it can happen.
+"""
+
+from __future__ import annotations
+
+import doctest
+import importlib.util
+import inspect
+import logging
+
+import pytest
+
+from fixtures.loaders import seed003_dp_before
+from pytest_llmload import LoadRequest
+from pytest_llmload.checks.trainer import (
+    _upstream_reading,
+    check_trainer_does_not_wrap_placed_model,
+    write_stage1_checkpoint,
+)
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("bitsandbytes") is None, reason="write-up 003 loads in 4-bit: needs bitsandbytes"
+)
+
+
+def _guard():
+    from pytest_llmload.trainer_guard import prepare_training_args_for_placed_model
+
+    return prepare_training_args_for_placed_model
+
+
+def _trainer_skips_4bit() -> bool:
+    """What the installed Trainer's own source says: does ``_wrap_model`` skip 4-bit models?"""
+    from transformers import Trainer
+
+    return "is_loaded_in_4bit" in inspect.getsource(Trainer._wrap_model)
+
+
+@pytest.fixture(scope="module")
+def stage1(llmload_checkpoint, tmp_path_factory):
+    """The write-up's stage 1: the full model saved in bf16."""
+    return write_stage1_checkpoint(llmload_checkpoint, tmp_path_factory.mktemp("seed003") / "stage1")
+
+
+def _before_model(stage1, quantization="4bit"):
+    request = LoadRequest(stage1, purpose="train", dtype="bfloat16", quantization=quantization, lora=True)
+    return seed003_dp_before.load(request)[0]
+
+
+@pytest.mark.timeout(120)
+def test_check_fails_on_the_write_up_setup(llmload_checkpoint, tmp_path, caplog, record_property):
+    caplog.set_level(logging.INFO, logger="pytest_llmload")
+    with pytest.raises(AssertionError) as failure:
+        check_trainer_does_not_wrap_placed_model(seed003_dp_before.load, llmload_checkpoint, tmp_path)
+    message = str(failure.value)
+    record_property("upstream", message.splitlines()[1])
+    print(message)
+    # Either way the run is data-parallel in Trainer's eyes: the write-up's step-count tell.
+    assert "rows per device became 4 per step" in message
+    if _trainer_skips_4bit():  # transformers 5.x
+        assert "wrapped the model in nn.DataParallel" not in message
+        assert "skips nn.DataParallel for 4-bit/8-bit models but still counts n_gpu" in message
+        assert "loss is x2.000" in message
+    else:  # transformers 4.57
+        assert "Trainer wrapped the model in nn.DataParallel" in message
+        assert "wraps quantized (4-bit) models in nn.DataParallel" in message
+
+
+@pytest.mark.timeout(120)
+def test_check_passes_with_the_fix(llmload_checkpoint, tmp_path, caplog, record_property):
+    caplog.set_level(logging.INFO, logger="pytest_llmload")
+    check_trainer_does_not_wrap_placed_model(
+        seed003_dp_before.load, llmload_checkpoint, tmp_path, prepare_args=_guard()
+    )
+    (seen,) = [r.getMessage() for r in caplog.records if r.name == "pytest_llmload.checks.trainer"]
+    record_property("upstream", seen)
+    assert "n_gpu used=1; not wrapped; batch 2 per device -> 2 per step" in seen
+    assert any(
+        "loaded in 4-bit (bitsandbytes), so TrainingArguments.n_gpu is set from 2 to 1" in r.getMessage()
+        for r in caplog.records
+    ), "the guard did not log why it changed n_gpu"
+
+
+def _load_with_an_lm_head_outside_autocast(request):
+    """The write-up's loader, with a bf16 lm_head that runs outside autocast on float input: the state the
+    write-up blames on DataParallel's workers, produced here on purpose to test the check's report."""
+    import torch
+
+    model, tokenizer = seed003_dp_before.load(request)
+    head = model.get_output_embeddings().to(torch.bfloat16)
+    forward = head.forward
+
+    def forward_without_autocast(hidden_states):
+        with torch.autocast("cpu", enabled=False):
+            return forward(hidden_states.float())
+
+    head.forward = forward_without_autocast
+    return model, tokenizer
+
+
+@pytest.mark.timeout(120)
+def test_check_reports_a_first_step_dtype_error(llmload_checkpoint, tmp_path):
+    # The text of the write-up's error: torch 2.13 on CPU raises it from the 3-d matmul of the lm_head
+    # ("m1 and m2"; CUDA says "mat1 and mat2").
+    error = r"expected m(at)?1 and m(at)?2 to have the same dtype, but got: float != c10::BFloat16"
+    with pytest.raises(AssertionError, match=f"mixed dtypes at the lm_head: RuntimeError: {error}") as failure:
+        check_trainer_does_not_wrap_placed_model(
+            _load_with_an_lm_head_outside_autocast, llmload_checkpoint, tmp_path, prepare_args=_guard()
+        )
+    headline = str(failure.value).splitlines()[0]
+    assert "wrapped the model" not in headline and "counts n_gpu" not in headline, headline
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("quantization", ["4bit", None], ids=["4bit-lora", "bf16-lora"])
+def test_what_a_stock_trainer_does_with_the_write_up_model(stage1, tmp_path, quantization, record_property):
+    """Trainer's own decisions for the write-up's stage-2 model with 2 GPUs, without and with the guard."""
+    from pytest_llmload.trainer_guard import observe_trainer
+
+    stock = observe_trainer(_before_model(stage1, quantization), tmp_path / "stock")
+    record_property("upstream", f"{stock.describe()} -- {_upstream_reading(stock)}")
+    print(stock.describe())
+    assert not stock.is_model_parallel, "on CPU hf_device_map names no accelerator, so Trainer sees no model parallelism"
+    assert (stock.n_gpu, stock.train_batch_size) == (2, 4)
+    expect_wrapped = quantization is None or not _trainer_skips_4bit()
+    assert stock.data_parallel == expect_wrapped, stock.describe()
+    assert stock.error is None and not stock.dtype_mismatches, stock.describe()
+
+    guarded = observe_trainer(_before_model(stage1, quantization), tmp_path / "guarded", prepare_args=_guard())
+    if quantization == "4bit":
+        assert (guarded.n_gpu, guarded.train_batch_size, guarded.data_parallel) == (1, 2, False), guarded.describe()
+        assert guarded.loss_ratio == pytest.approx(1, abs=0.1), guarded.describe()
+        assert guarded.first_step_grad_norm and guarded.first_step_grad_norm > 0, guarded.describe()
+    else:
+        # One device, not quantized: nn.DataParallel can replicate it, and the guard leaves it to Trainer.
+        assert (guarded.n_gpu, guarded.data_parallel) == (2, True), guarded.describe()
+
+
+@pytest.mark.timeout(60)
+def test_guard_trainer_fixes_an_already_built_trainer(stage1, tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    from pytest_llmload.trainer_guard import guard_trainer
+
+    model = _before_model(stage1)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=3, use_cpu=True, report_to=[])
+    args._n_gpu = 2
+    trainer = Trainer(model=model, args=args)
+    assert (trainer.args.n_gpu, trainer._train_batch_size) == (2, 6)
+    assert guard_trainer(trainer) is True
+    assert (trainer.args.n_gpu, trainer._train_batch_size) == (1, 3)
+    assert guard_trainer(trainer) is False  # n_gpu is 1 now: nothing to do
+
+
+@pytest.mark.timeout(60)
+def test_guard_sees_a_model_spread_over_cpu_and_disk(llmload_checkpoint, tmp_path):
+    """A spread Trainer itself ignores (it drops cpu and disk from hf_device_map) is still placed."""
+    from transformers import AutoModelForCausalLM, TrainingArguments
+
+    from pytest_llmload.trainer_guard import placement_of
+
+    model = AutoModelForCausalLM.from_pretrained(
+        llmload_checkpoint,
+        device_map={"model.embed_tokens": "cpu", "model.layers": "cpu", "model.norm": "cpu",
+                    "model.rotary_emb": "cpu", "lm_head": "disk"},
+        offload_folder=tmp_path / "offload",
+    )
+    assert str(placement_of(model)).startswith("spread by device_map over cpu, disk")
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[])
+    args._n_gpu = 2
+    assert _guard()(args, model) is True and args.n_gpu == 1
+
+
+@pytest.mark.timeout(120)
+def test_docstring_example_runs(llmload_checkpoint):
+    # The checkpoint fixture imports the stack first: DeepSpeed prints a line on stdout when transformers
+    # first imports it, and that line is not the example's output.
+    from pytest_llmload import trainer_guard
+
+    result = doctest.testmod(trainer_guard, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0, result
+
+
+# -- the real thing: two GPUs, no simulation ------------------------------------------------------
+
+
+@pytest.mark.needs_gpus(2)
+@pytest.mark.timeout(300)
+def test_two_gpus_fixed_setup_trains_a_step(stage1, tmp_path, record_property):
+    from pytest_llmload.trainer_guard import observe_trainer
+
+    model = _before_model(stage1)
+    obs = observe_trainer(model, tmp_path, simulated_n_gpu=None, prepare_args=_guard())
+    record_property("upstream", obs.describe())
+    assert not obs.data_parallel and obs.n_gpu == 1, obs.describe()
+    assert obs.error is None and not obs.dtype_mismatches, obs.describe()
+    assert obs.first_step_loss is not None and obs.first_step_grad_norm, obs.describe()
+
+
+@pytest.mark.needs_gpus(2)
+@pytest.mark.timeout(300)
+def test_two_gpus_write_up_setup_fails_with_the_dtype_error(stage1, tmp_path, record_property):
+    from pytest_llmload.trainer_guard import observe_trainer
+
+    model = _before_model(stage1)
+    obs = observe_trainer(model, tmp_path, simulated_n_gpu=None)
+    record_property("upstream", f"{obs.describe()} -- {_upstream_reading(obs)}")
+    if not obs.data_parallel:
+        pytest.skip(f"this transformers does not wrap the write-up's setup ({_upstream_reading(obs)}): {obs.describe()}")
+    assert obs.dtype_error, f"wrapped in nn.DataParallel but no dtype error: {obs.describe()}"
+    assert "expected mat1 and mat2 to have the same dtype" in obs.error, obs.error

@@ -1,0 +1,154 @@
+"""Choosing the loader under test, and what a user sees when the choice is wrong."""
+
+import pytest
+
+from pytest_llmload.loading import REFERENCE_SPEC
+
+pytestmark = pytest.mark.timeout(120)
+
+LOADERS = """
+def loader_a(request):
+    raise AssertionError("not called in these tests")
+
+def loader_b(request):
+    raise AssertionError("not called in these tests")
+
+not_callable = 42
+"""
+
+
+@pytest.fixture
+def loaders(pytester, monkeypatch):
+    pytester.makepyfile(my_loaders=LOADERS)
+    monkeypatch.syspath_prepend(pytester.path)
+    monkeypatch.delenv("PYTEST_LLMLOAD_LOADER", raising=False)
+    pytester.makepyfile(
+        "from pytest_llmload.loading import as_loader_under_test\n"
+        "def test_uses_loader(llmload_loader):\n"
+        "    loader = as_loader_under_test(llmload_loader)\n"
+        "    print('LOADER', loader.name, loader.source)\n"
+    )
+    return pytester
+
+
+def header_loader_line(result):
+    return [line for line in result.stdout.lines if line.startswith("llmload: loader")]
+
+
+def test_default_is_the_reference_loader(loaders):
+    result = loaders.runpytest("-s")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines([f"llmload: loader {REFERENCE_SPEC} (from built-in default)",
+                                 f"*LOADER {REFERENCE_SPEC} built-in default"])
+
+
+@pytest.mark.parametrize(
+    ("option", "env", "ini", "expected"),
+    [
+        ("my_loaders:loader_a", "my_loaders:loader_b", "my_loaders:loader_b", "my_loaders:loader_a (from --llmload-loader)"),
+        (None, "my_loaders:loader_a", "my_loaders:loader_b", "my_loaders:loader_a (from $PYTEST_LLMLOAD_LOADER)"),
+        (None, None, "my_loaders:loader_a", "my_loaders:loader_a (from ini 'llmload_loader')"),
+    ],
+    ids=["option-beats-env-and-ini", "env-beats-ini", "ini-alone"],
+)
+def test_precedence_option_env_ini(loaders, monkeypatch, option, env, ini, expected):
+    if env:
+        monkeypatch.setenv("PYTEST_LLMLOAD_LOADER", env)
+    if ini:
+        loaders.makeini(f"[pytest]\nllmload_loader = {ini}\n")
+    args = ["--llmload-loader", option] if option else []
+    result = loaders.runpytest(*args)
+    result.assert_outcomes(passed=1)
+    assert header_loader_line(result) == [f"llmload: loader {expected}"]
+
+
+def test_conftest_fixture_override_wins(loaders):
+    loaders.makeconftest("""
+        import pytest
+        from my_loaders import loader_b
+
+        @pytest.fixture(scope="session")
+        def llmload_loader():
+            return loader_b
+    """)
+    result = loaders.runpytest("-s", "--llmload-loader", "my_loaders:loader_a")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*LOADER my_loaders:loader_b fixture"])
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("my_loaders", "loader spec 'my_loaders' from --llmload-loader is not of the form 'module:function'*"),
+        ("nope_missing_pkg:load", "loader spec 'nope_missing_pkg:load' from --llmload-loader: module "
+                                  "'nope_missing_pkg' does not import (ModuleNotFoundError: *)*"),
+        ("my_loaders:absent", "loader spec 'my_loaders:absent' from --llmload-loader: module 'my_loaders' "
+                              "has no attribute 'absent'. Name the function that takes a LoadRequest."),
+        ("my_loaders:not_callable", "loader spec 'my_loaders:not_callable' from --llmload-loader names a int, "
+                                    "not a callable.*"),
+    ],
+    ids=["malformed", "does-not-import", "no-such-attribute", "not-callable"],
+)
+def test_bad_spec_is_one_usage_error(loaders, spec, message):
+    result = loaders.runpytest("--llmload-loader", spec)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"ERROR: {message}"])
+
+
+def test_bad_spec_from_env_names_the_env_var(loaders, monkeypatch):
+    monkeypatch.setenv("PYTEST_LLMLOAD_LOADER", "my_loaders:absent")
+    result = loaders.runpytest()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: loader spec 'my_loaders:absent' from $PYTEST_LLMLOAD_LOADER: *"])
+
+
+def test_bad_spec_is_not_imported_when_no_test_uses_a_loader(loaders, monkeypatch):
+    monkeypatch.setenv("PYTEST_LLMLOAD_LOADER", "nope_missing_pkg:load")
+    for existing in loaders.path.glob("test_*.py"):
+        existing.unlink()
+    loaders.makepyfile(test_plain="def test_plain():\n    pass\n")
+    loaders.runpytest().assert_outcomes(passed=1)
+
+
+def test_bad_spec_under_xdist_is_a_usage_error_not_a_crash(loaders):
+    result = loaders.runpytest_subprocess("-n", "2", "--llmload-loader", "nope_missing_pkg:load")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: loader spec 'nope_missing_pkg:load' from --llmload-loader: *"])
+    assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
+
+
+@pytest.mark.parametrize(
+    ("returned", "described"),
+    [
+        ("None", "returned None (type NoneType)"),
+        ("'a string'", "returned 'a string' (type str)"),
+        ("(1, 2, 3)", "returned a 3-tuple (1, 2, 3) (type tuple)"),
+        ("{'model': 1}", "returned {'model': 1} (type dict)"),
+    ],
+)
+def test_loader_returning_the_wrong_thing(pytester, returned, described):
+    pytester.makeconftest(f"""
+        import pytest
+
+        def wrong(request):
+            return {returned}
+
+        @pytest.fixture(scope="session")
+        def llmload_loader():
+            return wrong
+    """)
+    pytester.makepyfile("def test_load(llmload_load):\n    llmload_load()\n")
+    result = pytester.runpytest()
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        f"E *LoaderContractError: loader conftest:wrong {described} for a purpose='inference' request of *; a loader must "
+        "return a torch.nn.Module (a transformers model) or a (model, tokenizer) tuple."
+    ])
+
+
+def test_overridden_fixture_that_is_not_callable(pytester):
+    pytester.makeconftest("import pytest\n@pytest.fixture(scope='session')\ndef llmload_loader():\n    return 'nope'\n")
+    pytester.makepyfile("def test_load(llmload_load):\n    llmload_load()\n")
+    result = pytester.runpytest()
+    result.stdout.fnmatch_lines(["*LoaderSpecError: the loader from fixture is a str ('nope'), not a callable; "
+                                 "the llmload_loader fixture must return a function*"])

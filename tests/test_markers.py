@@ -1,0 +1,113 @@
+"""needs_gpus / gpu markers, tested as a user meets them: through a pytest run (pytester)."""
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+MARKED = """
+import pytest
+
+@pytest.mark.needs_gpus(2)
+def test_two_gpus():
+    pass
+
+@pytest.mark.needs_gpus(1)
+class TestOnOneGpu:
+    def test_method(self):
+        pass
+
+def test_uses_gpu_fixture(gpu_model):
+    pass
+
+def test_cpu():
+    pass
+"""
+
+
+def test_needs_gpus_skips_with_counts_and_visible_set(pytester, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    pytester.makepyfile(MARKED)
+    result = pytester.runpytest("-rs", "-k", "two_gpus")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["SKIPPED*test_needs_gpus_skips_with_counts_and_visible_set.py:3: "
+                                 "needs 2 GPUs, 0 visible (CUDA_VISIBLE_DEVICES=0)"])
+
+
+def test_needs_gpus_reason_says_when_visible_set_is_unset(pytester, monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    pytester.makepyfile(MARKED)
+    result = pytester.runpytest("-rs", "-k", "TestOnOneGpu")
+    result.stdout.fnmatch_lines(["*needs 1 GPU, 0 visible (CUDA_VISIBLE_DEVICES unset)"])
+
+
+def test_gpu_marker_selects_exactly_the_gpu_tests(pytester):
+    pytester.makepyfile(MARKED)
+    gpu = pytester.runpytest("-m", "gpu", "--collect-only", "-q")
+    gpu.stdout.fnmatch_lines(["*::test_two_gpus", "*::TestOnOneGpu::test_method", "*::test_uses_gpu_fixture",
+                              "3/4 tests collected (1 deselected)*"])
+    cpu = pytester.runpytest("-m", "not gpu", "--collect-only", "-q")
+    cpu.stdout.fnmatch_lines(["*::test_cpu", "1/4 tests collected (3 deselected)*"])
+
+
+def test_extra_gpu_fixtures_from_ini_are_marked_gpu(pytester):
+    pytester.makeini("[pytest]\nllmload_gpu_fixtures = my_cuda_thing\n")
+    pytester.makeconftest("import pytest\n@pytest.fixture\ndef my_cuda_thing():\n    return 1\n")
+    pytester.makepyfile("def test_a(my_cuda_thing): pass\ndef test_b(): pass\n")
+    result = pytester.runpytest("-m", "gpu", "--collect-only", "-q")
+    result.stdout.fnmatch_lines(["*::test_a", "1/2 tests collected (1 deselected)*"])
+
+
+@pytest.mark.parametrize(
+    ("written", "why"),
+    [
+        ('"two"', "got 'two'"),
+        ("0", "got 0"),
+        ("-1", "got -1"),
+        ("True", "got True"),
+        ("2.0", "got 2.0"),
+        ("n=2, x=1", "needs_gpus() got an unexpected keyword argument 'x'"),
+        ("", "needs_gpus() missing 1 required positional argument: 'n'"),
+        ("1, 2", "needs_gpus() takes 1 positional argument but 2 were given"),
+    ],
+)
+def test_invalid_needs_gpus_is_an_error_of_that_test(pytester, written, why):
+    pytester.makepyfile(f"""
+        import pytest
+
+        @pytest.mark.needs_gpus({written})
+        def test_misused():
+            pass
+
+        def test_untouched():
+            pass
+    """)
+    result = pytester.runpytest()
+    result.assert_outcomes(passed=1, errors=1)
+    shown = written.replace('"', "'")
+    result.stdout.fnmatch_lines([
+        f"*::test_misused: @pytest.mark.needs_gpus({shown}) is invalid*{why}*"
+        "expected one positive int, the number of GPUs the test needs, e.g. @pytest.mark.needs_gpus(2)."
+    ])
+
+
+def test_bare_marker_without_call_is_an_error(pytester):
+    pytester.makepyfile("import pytest\n@pytest.mark.needs_gpus\ndef test_x(): pass\n")
+    result = pytester.runpytest()
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*test_x: @pytest.mark.needs_gpus() is invalid (needs_gpus() missing 1*"])
+
+
+def test_keyword_n_is_accepted(pytester):
+    pytester.makepyfile("import pytest\n@pytest.mark.needs_gpus(n=3)\ndef test_x(): pass\n")
+    result = pytester.runpytest("-rs")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["*needs 3 GPUs, 0 visible*"])
+
+
+def test_markers_are_registered_for_strict_mode(pytester):
+    pytester.makeini("[pytest]\naddopts = --strict-markers\n")
+    pytester.makepyfile("import pytest\n@pytest.mark.gpu\n@pytest.mark.needs_gpus(1)\ndef test_x(): pass\n")
+    pytester.runpytest().assert_outcomes(skipped=1)
+    listing = pytester.runpytest("--markers")
+    listing.stdout.fnmatch_lines(["@pytest.mark.needs_gpus(n): skip unless at least n CUDA devices*",
+                                  "@pytest.mark.gpu: the test needs a GPU*"])

@@ -1,0 +1,31 @@
+"""A run that uses no llmload fixture must not import the heavy stack (checked in a fresh interpreter)."""
+
+import pytest
+
+pytestmark = pytest.mark.timeout(180)
+
+HEAVY = ("torch", "transformers", "accelerate", "peft", "bitsandbytes", "deepspeed")
+
+PROBE = f"""
+import sys
+
+def pytest_unconfigure(config):
+    print("HEAVY IMPORTED:", sorted(m for m in {HEAVY!r} if m in sys.modules))
+"""
+
+
+def test_plain_run_with_plugin_imports_nothing_heavy(pytester):
+    pytester.makeconftest(PROBE)
+    pytester.makepyfile("import pytest\n\n@pytest.mark.needs_gpus(1)\ndef test_gpu(): pass\n\ndef test_plain(): pass\n")
+    result = pytester.runpytest_subprocess("-p", "llmload")
+    result.assert_outcomes(passed=1, skipped=1)
+    result.stdout.fnmatch_lines(["llmload: loader *", "HEAVY IMPORTED: []"])
+
+
+def test_the_probe_sees_torch_when_a_fixture_needs_it(pytester):
+    # The same probe must be able to fail: a run that uses a fixture does import the stack.
+    pytester.makeconftest(PROBE)
+    pytester.makepyfile("def test_ckpt(llmload_checkpoint): pass\n")
+    result = pytester.runpytest_subprocess()
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["HEAVY IMPORTED: [[]*'torch'*'transformers'*[]]"])
