@@ -26,8 +26,6 @@ from typing import Optional, Union
 from pytest_llmload.request import LoadRequest
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-_SAFETENSORS_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-                            "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 # The reference loader's adapter (pytest_llmload.reference_loader): rank 8 on q_proj/v_proj; peft keeps
 # adapter weights in float32 (autocast_adapter_dtype) whatever the base dtype.
 DEFAULT_LORA_RANK = 8
@@ -68,11 +66,13 @@ def parse_size(size: Union[int, str]) -> int:
 
 def format_bytes(n: float) -> str:
     """``format_bytes(1536) == '1.5 KiB'``."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    if abs(n) < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
         n /= 1024
-    raise AssertionError("unreachable")
+        if abs(n) < 1024 or unit == "GiB":
+            break
+    return f"{n:.1f} {unit}"
 
 
 def budget_for_device(max_memory: Mapping, device: str) -> Optional[int]:

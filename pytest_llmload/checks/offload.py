@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import signal
 import socket
@@ -29,6 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from pytest_llmload.conformance import Check
 from pytest_llmload.loading import call_loader
 from pytest_llmload.memory import checkpoint_tensors
 from pytest_llmload.offline import _culprit
@@ -384,11 +386,13 @@ TRAIN_VARIANTS = tuple((budget, lora, gc) for budget in ("offloading", None) for
 
 def check_train_request_trains(loader: Loader, checkpoint, workdir, *, device: str = "cpu",
                                variants=TRAIN_VARIANTS) -> None:
-    """002 (meta-backward): a train request, with or without LoRA and gradient checkpointing, under a
-    ``max_memory`` that would offload part of the model and under none, either is refused with a clear
-    error before loading (offloading budget only) or yields a model with no parameter on meta or
-    offloaded, whose trainable parameters all get a finite gradient on a real device after one forward
-    and backward. ``variants`` are ``(budget, lora, gradient_checkpointing)`` triples, budget
+    """Guards 002 (meta-backward): a train request gives a model that trains, nothing on meta, or a clear early refusal.
+
+    With or without LoRA and gradient checkpointing, under a ``max_memory`` that would offload part of the
+    model and under none, the loader either refuses with a clear error before loading (offloading budget
+    only: the message names the memory budget and no ``from_pretrained`` ran) or returns a model with no
+    parameter on meta or offloaded whose trainable parameters all get a finite gradient on a real device
+    after one forward and backward. ``variants`` are ``(budget, lora, gradient_checkpointing)`` triples, budget
     ``"offloading"`` or ``None`` (default: all eight). Needs peft for the LoRA variants."""
     from transformers import PreTrainedModel
 
@@ -426,10 +430,12 @@ def check_train_request_trains(loader: Loader, checkpoint, workdir, *, device: s
 
 def check_offload_inference(loader: Loader, checkpoint, workdir, *, device: str = "cpu",
                             deadline_s: float = 30.0, new_tokens: int = 4) -> None:
-    """000 (offload hang): an inference load under a ``max_memory`` that forces cpu + disk (or gpu + cpu)
-    returns within ``deadline_s`` (a hang fails naming the blocked frame, with every thread's stack),
-    ``generate`` makes ``new_tokens`` tokens, and the logits equal those of the model loaded whole
-    (``torch.testing.assert_close`` float32 defaults: rtol 1.3e-6, atol 1e-5)."""
+    """Guards 000 (offload-hang): an offloading inference load returns in time, generates, and its logits are right.
+
+    The ``max_memory`` forces cpu + disk (gpu + cpu on ``cuda:N``). The load returns within ``deadline_s``
+    (a hang fails naming the blocked frame, with every thread's stack), ``generate`` makes ``new_tokens``
+    tokens as the model loaded whole does, and the logits equal that model's (``torch.testing.assert_close``
+    float32 defaults: rtol 1.3e-6, atol 1e-5)."""
     import torch
 
     request = LoadRequest(checkpoint, purpose="inference", device=device,
@@ -465,9 +471,10 @@ def check_offload_inference(loader: Loader, checkpoint, workdir, *, device: str 
 
 
 def check_load_writes_only_offload_folder(loader: Loader, checkpoint, workdir, *, device: str = "cpu") -> None:
-    """000 (offload hang): an offloading inference load writes nothing outside the ``offload_folder`` it
-    is given: no silent temporary round-trip in the system temp dir (``offload_state_dict=True`` on
-    transformers <= 4.56). Watches Python's audit events and a temp dir substituted for the system one."""
+    """Guards 000 (offload-hang): an offloading load writes nothing outside its offload_folder (no temp round-trip).
+
+    ``offload_state_dict=True`` on transformers <= 4.56 silently round-trips every CPU-bound weight through
+    the system temp dir. Watches Python's audit events and a temp dir substituted for the system one."""
     workdir = Path(workdir)
     offload_folder = workdir / "offload"
     system_tmp = workdir / "system-tmp"
@@ -494,10 +501,11 @@ def check_load_writes_only_offload_folder(loader: Loader, checkpoint, workdir, *
 
 
 def check_pad_token_set_offline(loader: Loader, checkpoint, workdir, *, device: str = "cpu") -> None:
-    """000 (GenerationConfig, fix 3): for a checkpoint without a pad token, the loaded model's
-    ``generation_config.pad_token_id`` and the tokenizer's ``pad_token_id`` are set and equal, with no
-    second ``GenerationConfig.from_pretrained`` call and no network access. Needs the loader to return
-    ``(model, tokenizer)``."""
+    """Guards 000 (offload-hang, fix 3): pad token set on model and tokenizer, offline, no second config load.
+
+    For a checkpoint without a pad token, ``model.generation_config.pad_token_id`` and the tokenizer's
+    ``pad_token_id`` are set and equal, with no second ``GenerationConfig.from_pretrained`` call and no
+    network access (even one the loader swallows). Needs the loader to return ``(model, tokenizer)``."""
     from transformers import GenerationConfig
 
     request = LoadRequest(checkpoint, purpose="inference", device=device)
@@ -524,8 +532,22 @@ def check_pad_token_set_offline(loader: Loader, checkpoint, workdir, *, device: 
         raise AssertionError("pad token not set as write-up 000's fix 3 does:\n  " + "\n  ".join(problems))
 
 
-CHECKS = (check_train_request_trains, check_offload_inference, check_load_writes_only_offload_folder,
-          check_pad_token_set_offline)
+def _on_cuda(check: Callable, label: str) -> dict:
+    variant = functools.partial(check, device="cuda:0")
+    variant.__doc__ = check.__doc__.replace(":", " on cuda:0 (the write-up's own setup):", 1)
+    return {"function": variant, "label": label}
+
+
+# The checks for the conformance registry (pytest_llmload.conformance.Check), with the catalog ids they guard.
+CHECKS = (
+    Check(check_train_request_trains, failure="meta-backward"),
+    Check(check_offload_inference, failure="offload-hang"),
+    Check(check_load_writes_only_offload_folder, failure="offload-hang"),
+    Check(check_pad_token_set_offline, failure="offload-hang"),
+    Check(**_on_cuda(check_train_request_trains, "check_train_request_trains_cuda"), failure="meta-backward",
+          needs_gpus=1),
+    Check(**_on_cuda(check_offload_inference, "check_offload_inference_cuda"), failure="offload-hang", needs_gpus=1),
+)
 
 __all__ = ["CHECKS", "TRAIN_VARIANTS", "check_load_writes_only_offload_folder", "check_offload_inference",
            "check_pad_token_set_offline", "check_train_request_trains", "deadline", "offload_budget",
