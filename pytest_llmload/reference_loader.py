@@ -50,7 +50,15 @@ def _quantization_kwarg(request: LoadRequest) -> dict:
 
 def placement_kwargs(request: LoadRequest) -> dict:
     """Where the weights go: the one decision every write-up is about."""
-    if is_distributed(os.environ, deepspeed=request.deepspeed):
+    distributed = is_distributed(os.environ, deepspeed=request.deepspeed)
+    if request.purpose == "train" and not request.deepspeed:
+        # 002: a model to be trained is never spread over cpu/disk/meta, so a budget that cannot hold it for
+        # training is refused here, before from_pretrained reads a weight. A DDP rank holds the whole model
+        # too; under DeepSpeed, ZeRO partitions gradients and optimizer state, so this estimate would be high.
+        from pytest_llmload.memory import check_training_budget
+
+        check_training_budget(request)
+    if distributed:
         # 004: one rank of a distributed job loads the whole model itself, never spread by a device_map
         # (accelerate refuses to prepare a model whose hf_device_map has several entries in any distributed
         # mode). On CPU, and under DeepSpeed (which places and partitions the weights), no device_map at
@@ -59,11 +67,6 @@ def placement_kwargs(request: LoadRequest) -> dict:
             return {"device_map": {"": f"cuda:{local_rank(os.environ)}"}}
         return {}
     if request.purpose == "train":
-        # 002: a model to be trained is loaded whole on its device, never spread over cpu/disk/meta; a
-        # budget that cannot hold it for training is refused here, before from_pretrained reads a weight.
-        from pytest_llmload.memory import check_training_budget
-
-        check_training_budget(request)
         return {"device_map": {"": request.device}}
     if request.max_memory is not None:
         # 000: let accelerate spread an inference load over the budget, offloading to the folder we were

@@ -1,4 +1,35 @@
-"""The conformance checks: plain functions ``check_<name>(loader, checkpoint, workdir)`` that a downstream
-repo runs against its own loader. Each raises ``AssertionError`` with the figures when the loader
-reproduces a known failure. Grouped by write-up: ``offload``, ``distributed``, ``trainer``.
+"""The conformance checks, in one place.
+
+Each check is a plain function ``check_<name>(loader, checkpoint, workdir)`` that raises ``AssertionError``
+with the figures when the loader reproduces a known failure; its docstring's first line says which failure
+it guards against and what it needs. ``REGISTRY`` lists them as :class:`~pytest_llmload.conformance.Check`
+records (the failure's catalog id, GPUs, ranks, transformers range), in the order the main job runs them.
+Families: ``offload`` (write-ups 000 and 002), ``trainer`` (003), ``distributed`` (004).
 """
+
+from __future__ import annotations
+
+import functools
+
+from pytest_llmload.checks import distributed, offload, trainer
+from pytest_llmload.conformance import Check
+from pytest_llmload.trainer_guard import prepare_training_args_for_placed_model
+
+
+def _with_training_script_fix(check):
+    # Write-up 003's fix lives in the training script, not the loader: the check gives the loader's model
+    # to a 2-GPU Trainer whose arguments went through the fix, as a training script using this package does.
+    # Without it, stock Trainer fails every 4-bit model (tests/regression/test_dataparallel_dtype.py).
+    variant = functools.partial(check, prepare_args=prepare_training_args_for_placed_model)
+    variant.__doc__ = check.__doc__
+    return variant
+
+
+REGISTRY: tuple[Check, ...] = (
+    *offload.CHECKS,
+    Check(_with_training_script_fix(trainer.check_trainer_does_not_wrap_placed_model),
+          failure="dp-dtype", label="check_trainer_does_not_wrap_placed_model", timeout=180),
+    Check(distributed.check_distributed_train_step, failure="distributed-device-map", world_size=2, timeout=180),
+)
+
+__all__ = ["REGISTRY", "distributed", "offload", "trainer"]
