@@ -52,7 +52,11 @@ def build_tokenizer(vocab_size: int):
         show_progress=False,
     )
     tok.train_from_iterator(_CORPUS, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS)
+    # The inputs of a causal LM, as Llama's and Qwen2's tokenizers declare them. transformers < 5 defaults
+    # to ["input_ids", "token_type_ids", "attention_mask"], and generate(**tokenizer(...)) then refuses
+    # the token_type_ids the model does not take.
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS,
+                                   model_input_names=["input_ids", "attention_mask"])
 
 
 def build_tiny_checkpoint(
