@@ -6,7 +6,8 @@ behaviour it saw:
 
 - 4.57: ``_wrap_model`` wraps whenever ``n_gpu > 1`` except 8-bit models (trainer.py:2077-2078), so the
   write-up's 4-bit model is wrapped; from_pretrained sets ``hf_device_map`` for any ``device_map``
-  (modeling_utils.py:5115-5140, accelerate big_modeling.py:516).
+  (modeling_utils.py:5115-5140, accelerate big_modeling.py:516). 4.56 and 4.46 do the same (4.46
+  trainer.py:1886); 4.56 was seen to wrap here, 4.46 cannot load a 4-bit model on CPU (below).
 - 5.23: ``_wrap_model`` also skips 4-bit (trainer.py:2667-2672), but the batch is still ``n_gpu`` times
   the per-device batch (trainer.py:627) and the loss is scaled by ``n_gpu`` (trainer.py:2207), x2.000
   measured; from_pretrained sets ``hf_device_map`` only for a map over more than one device
@@ -14,6 +15,11 @@ behaviour it saw:
 - Both reset ``n_gpu`` to 1 only when ``hf_device_map`` names more than one device other than cpu/disk,
   or one that is not ``args.device`` (4.57 trainer.py:500-507 and 615-616; 5.23 trainer.py:460-465 and
   507-508); ``n_gpu`` itself is ``torch.cuda.device_count()`` (training_args.py 4.57:2344, 5.23:1949).
+
+On CPU the write-up's 4-bit model needs bitsandbytes' CPU backend (bitsandbytes >= 0.47 here) and a
+transformers that lets it run: 4.46 accepts 4-bit on CPU only with intel_extension_for_pytorch
+(integrations/bitsandbytes.py:498), which has no build for torch 2.13. Tests that load it skip there with
+transformers' own refusal in the reason, and say whether that Trainer would wrap the model.
 
 The mechanism the write-up names (DataParallel worker threads without the caller's autocast, so float
 activations reach a bf16 ``lm_head``) has no test here: it cannot fail for real on this machine. On CPU,
@@ -53,6 +59,26 @@ def _guard():
     return prepare_training_args_for_placed_model
 
 
+def _require_4bit_here() -> None:
+    """Skip unless bitsandbytes 4-bit loads on this machine, naming transformers' refusal and what its
+    Trainer would do with the write-up's model where it does load (on a GPU)."""
+    from importlib import metadata
+
+    from transformers.integrations import validate_bnb_backend_availability
+
+    try:
+        validate_bnb_backend_availability(raise_exception=True)
+    except RuntimeError as refusal:
+        first_sentence = str(refusal).split(". ")[0]
+        behaviour = ("skips 4-bit models in nn.DataParallel but counts n_gpu" if _trainer_skips_4bit()
+                     else "wraps 4-bit models in nn.DataParallel (it skips 8-bit only)")
+        pytest.skip(
+            f"write-up 003 loads in 4-bit: transformers {metadata.version('transformers')} with bitsandbytes "
+            f"{metadata.version('bitsandbytes')} refuses 4-bit on this machine ({first_sentence}); needs 1 GPU. "
+            f"Not reproduced here; by its source this Trainer {behaviour}"
+        )
+
+
 def _trainer_skips_4bit() -> bool:
     """What the installed Trainer's own source says: does ``_wrap_model`` skip 4-bit models?"""
     from transformers import Trainer
@@ -73,6 +99,7 @@ def _before_model(stage1, quantization="4bit"):
 
 @pytest.mark.timeout(120)
 def test_check_fails_on_the_write_up_setup(llmload_checkpoint, tmp_path, caplog, record_property):
+    _require_4bit_here()
     caplog.set_level(logging.INFO, logger="pytest_llmload")
     with pytest.raises(AssertionError) as failure:
         check_trainer_does_not_wrap_placed_model(seed003_dp_before.load, llmload_checkpoint, tmp_path)
@@ -85,13 +112,14 @@ def test_check_fails_on_the_write_up_setup(llmload_checkpoint, tmp_path, caplog,
         assert "wrapped the model in nn.DataParallel" not in message
         assert "skips nn.DataParallel for 4-bit/8-bit models but still counts n_gpu" in message
         assert "loss is x2.000" in message
-    else:  # transformers 4.57
+    else:  # transformers <= 4.57 (seen on 4.56 and 4.57)
         assert "Trainer wrapped the model in nn.DataParallel" in message
         assert "wraps quantized (4-bit) models in nn.DataParallel" in message
 
 
 @pytest.mark.timeout(120)
 def test_check_passes_with_the_fix(llmload_checkpoint, tmp_path, caplog, record_property):
+    _require_4bit_here()
     caplog.set_level(logging.INFO, logger="pytest_llmload")
     check_trainer_does_not_wrap_placed_model(
         seed003_dp_before.load, llmload_checkpoint, tmp_path, prepare_args=_guard()
@@ -124,6 +152,7 @@ def _load_with_an_lm_head_outside_autocast(request):
 
 @pytest.mark.timeout(120)
 def test_check_reports_a_first_step_dtype_error(llmload_checkpoint, tmp_path):
+    _require_4bit_here()
     # The text of the write-up's error: torch 2.13 on CPU raises it from the 3-d matmul of the lm_head
     # ("m1 and m2"; CUDA says "mat1 and mat2").
     error = r"expected m(at)?1 and m(at)?2 to have the same dtype, but got: float != c10::BFloat16"
@@ -141,6 +170,8 @@ def test_what_a_stock_trainer_does_with_the_write_up_model(stage1, tmp_path, qua
     """Trainer's own decisions for the write-up's stage-2 model with 2 GPUs, without and with the guard."""
     from pytest_llmload.trainer_guard import observe_trainer
 
+    if quantization == "4bit":
+        _require_4bit_here()
     stock = observe_trainer(_before_model(stage1, quantization), tmp_path / "stock")
     record_property("upstream", f"{stock.describe()} -- {_upstream_reading(stock)}")
     print(stock.describe())
@@ -162,6 +193,7 @@ def test_what_a_stock_trainer_does_with_the_write_up_model(stage1, tmp_path, qua
 
 @pytest.mark.timeout(60)
 def test_guard_trainer_fixes_an_already_built_trainer(stage1, tmp_path):
+    _require_4bit_here()
     from transformers import Trainer, TrainingArguments
 
     from pytest_llmload.trainer_guard import guard_trainer
@@ -197,6 +229,7 @@ def test_guard_sees_a_model_spread_over_cpu_and_disk(llmload_checkpoint, tmp_pat
 
 @pytest.mark.timeout(120)
 def test_docstring_example_runs(llmload_checkpoint):
+    _require_4bit_here()
     # The checkpoint fixture imports the stack first: DeepSpeed prints a line on stdout when transformers
     # first imports it, and that line is not the example's output.
     from pytest_llmload import trainer_guard
