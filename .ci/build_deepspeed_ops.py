@@ -4,11 +4,15 @@ DeepSpeed JIT-compiles it (C++, ninja) in the first ``init_distributed`` of a CP
 loaded 2-core machine, inside the distributed tests' 60 s deadline, with every rank waiting on the build
 lock. Built once here into ``$TORCH_EXTENSIONS_DIR``, each rank only loads it. Without DeepSpeed, or where
 its op builder says the op does not apply, there is nothing to do.
+
+Run it with the PATH that pytest will have (the env activated): torch builds with the first ``ninja`` on
+PATH, and a ninja of another version rejects the build log ("build log version is too old") and rebuilds.
 """
 
 import glob
 import importlib.util
 import os
+import shutil
 import sys
 import time
 
@@ -41,7 +45,7 @@ def main() -> int:
     start = time.monotonic()
     builder.load()
     print(f"build_deepspeed_ops: DeepSpeed {deepspeed.__version__} {builder.NAME} ready in {where} "
-          f"({time.monotonic() - start:.1f} s)")
+          f"({time.monotonic() - start:.1f} s, ninja {shutil.which('ninja')})")
     return 0
 
 
