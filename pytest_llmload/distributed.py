@@ -154,6 +154,25 @@ def preload(modules: Sequence[str]) -> None:
             continue
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
+    if "deepspeed" in modules and "deepspeed" in sys.modules:
+        prebuild_deepspeed_ops()
+
+
+def prebuild_deepspeed_ops() -> None:
+    """Build (or load the cached build of) DeepSpeed's CPU shared-memory comm op here, before forking.
+
+    Every DeepSpeed process group JIT-compiles that C++ op on first use, under a lock file in
+    ``TORCH_EXTENSIONS_DIR`` (about 30 s on 2 cores). Built in a rank, every rank waits on the lock, and a rank
+    killed at its deadline mid-build leaves the lock behind: every later DeepSpeed run on the machine then
+    hangs. DeepSpeed keeps loaded ops in ``OpBuilder._loaded_ops``, so a forked rank reuses the parent's.
+    The build directory defaults to one per Python environment: two venvs sharing ``~/.cache`` (tox, CI)
+    would otherwise rebuild the op over each other.
+    """
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+    with contextlib.suppress(ImportError):
+        from deepspeed.comm.torch import build_shm_op
+
+        build_shm_op()  # returns None where the accelerator has no such op (CUDA)
 
 
 @dataclasses.dataclass
