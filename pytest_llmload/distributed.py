@@ -492,6 +492,7 @@ def _rank_main(rank, world_size, port, backend, fn, args, kwargs, conn, workdir,
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     faulthandler.enable(file=sys.stderr, all_threads=True)  # a segfault leaves its stack in the rank's output
     _set_launcher_env(rank, world_size, port, backend, env)
+    succeeded = False
     try:
         import torch
 
@@ -514,6 +515,7 @@ def _rank_main(rank, world_size, port, backend, fn, args, kwargs, conn, workdir,
             payload = pickle.dumps(("ok", value))
         except Exception as exc:  # noqa: BLE001
             raise TypeError(f"rank {rank} returned a {type(value).__name__} that cannot be pickled: {exc}") from None
+        succeeded = True
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the test, KeyboardInterrupt too
         payload = pickle.dumps(("raised", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
     with contextlib.suppress(Exception):
@@ -525,6 +527,11 @@ def _rank_main(rank, world_size, port, backend, fn, args, kwargs, conn, workdir,
         import torch.distributed as dist
 
         if dist.is_initialized():
+            if succeeded:
+                # Stay connected until every peer is done too: a rank that exits as soon as its own work is
+                # done can close its gloo pairs while a slower peer is still in connectFullMesh ("Connection
+                # closed by peer" on a run where nothing failed). A peer that failed makes this raise at once.
+                dist.barrier()
             dist.destroy_process_group()
     os._exit(0)  # never run the test process's atexit handlers or pytest's teardown in a rank
 
