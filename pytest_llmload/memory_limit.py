@@ -11,10 +11,13 @@ What is measured, during the test's call (not its fixtures' setup, as pytest-mem
   caching allocator (``torch.cuda.max_memory_allocated``) above what was allocated when the call started;
   the test fails when any device passes the limit.
 - on CPU: the peak of what torch's CPU allocator handed out during the call, from the profiler's memory
-  events (``torch.profiler.profile(profile_memory=True)``): every tensor torch allocates, including an op's
-  temporaries, and not memory torch did not allocate: weights that ``from_pretrained`` maps straight from
-  safetensors files, numpy-backed tensors, Python objects. The profiler is a few percent slower and costs
-  about a second once per process to start; it is started before the call.
+  events (``torch.profiler.profile(profile_memory=True)``): every tensor torch allocates in the test's
+  thread (and torch's own intra-op threads), an op's temporaries included. Not seen: memory torch did not
+  allocate (weights ``from_pretrained`` maps straight from safetensors files, numpy-backed tensors, Python
+  objects) and allocations in other Python threads (transformers 5 converts weights' dtypes in a loading
+  thread pool). So on CPU the marker budgets compute (forward, backward, optimizer, generate), not a load.
+  The profiler slows a tiny-model load by about a fifth and costs about a second once per process to start
+  (done during setup, outside the measured call).
 
 It skips with the reason where it cannot measure (no torch; ``device="cuda"`` and no GPU; a torch whose
 profiler reports no memory events; another profiler already running). Sizes read as ``max_memory`` does:
