@@ -283,6 +283,7 @@ def phase_table(phases: Sequence[Phase], marked: Sequence[Optional[Phase]] = ())
         row.append("running" if p.running else (f"raised {p.error}" if p.error else ""))
         rows.append(row)
     widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
+    widths[0] = 1  # the marker column keeps its place whether or not a row is marked
     lines = ["  ".join(cell.ljust(width) if c < len(header) - 1 else cell for c, (cell, width) in
                        enumerate(zip(row, widths))).rstrip() for row in rows]
     return "\n".join(lines)
