@@ -26,6 +26,10 @@ from pytest_llmload.fixtures import (  # noqa: F401  (pytest discovers fixtures 
 )
 from pytest_llmload.header import header_lines
 
+# Phase timings, device-map summaries, the session summary, and the limit_torch_memory marker: each module
+# registers its own options, markers and hooks.
+pytest_plugins = ["pytest_llmload.diagnostics", "pytest_llmload.memory_limit"]
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("llmload", "pytest-llmload: Hugging Face model-loading regression checks")
