@@ -136,8 +136,9 @@ CATALOG: tuple[KnownFailure, ...] = (
             "large max_new_tokens it runs for minutes with no output, which looks like a hang."
         ),
         fix=(
-            "Time each phase (tokenize, to-device, generate, decode) and record memory, cap max_new_tokens, and "
-            "give the model enough GPU memory that nothing is offloaded for interactive use."
+            "Time each phase (tokenize, to-device, generate, decode) and record memory (pytest_llmload.phases: "
+            "see this report's 'llmload: phases' section), cap max_new_tokens, and give the model enough GPU "
+            "memory that nothing is offloaded for interactive use."
         ),
         occurs="any version; models larger than GPU memory with cpu/disk offload.",
     ),

@@ -71,7 +71,9 @@ def all_checks() -> Iterator[Check]:
 
 
 def _loader_id(loader: LoaderUnderTest) -> str:
-    return loader.name.rpartition(":")[2] or loader.name
+    """``mod.function`` from ``pkg.mod:function``: short, and distinct when many modules call it ``load``."""
+    module, sep, function = loader.name.rpartition(":")
+    return f"{module.rpartition('.')[2]}.{function.rpartition('.')[2]}" if sep else loader.name
 
 
 def _resolve(loader: Union[str, Callable, LoaderUnderTest]) -> LoaderUnderTest:

@@ -154,6 +154,25 @@ def preload(modules: Sequence[str]) -> None:
             continue
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
+    if "deepspeed" in modules and "deepspeed" in sys.modules:
+        prebuild_deepspeed_ops()
+
+
+def prebuild_deepspeed_ops() -> None:
+    """Build (or load the cached build of) DeepSpeed's CPU shared-memory comm op here, before forking.
+
+    Every DeepSpeed process group JIT-compiles that C++ op on first use, under a lock file in
+    ``TORCH_EXTENSIONS_DIR`` (about 30 s on 2 cores). Built in a rank, every rank waits on the lock, and a rank
+    killed at its deadline mid-build leaves the lock behind: every later DeepSpeed run on the machine then
+    hangs. DeepSpeed keeps loaded ops in ``OpBuilder._loaded_ops``, so a forked rank reuses the parent's.
+    The build directory defaults to one per Python environment: two venvs sharing ``~/.cache`` (tox, CI)
+    would otherwise rebuild the op over each other.
+    """
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+    with contextlib.suppress(ImportError):
+        from deepspeed.comm.torch import build_shm_op
+
+        build_shm_op()  # returns None where the accelerator has no such op (CUDA)
 
 
 @dataclasses.dataclass
@@ -473,6 +492,7 @@ def _rank_main(rank, world_size, port, backend, fn, args, kwargs, conn, workdir,
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     faulthandler.enable(file=sys.stderr, all_threads=True)  # a segfault leaves its stack in the rank's output
     _set_launcher_env(rank, world_size, port, backend, env)
+    succeeded = False
     try:
         import torch
 
@@ -495,6 +515,7 @@ def _rank_main(rank, world_size, port, backend, fn, args, kwargs, conn, workdir,
             payload = pickle.dumps(("ok", value))
         except Exception as exc:  # noqa: BLE001
             raise TypeError(f"rank {rank} returned a {type(value).__name__} that cannot be pickled: {exc}") from None
+        succeeded = True
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the test, KeyboardInterrupt too
         payload = pickle.dumps(("raised", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
     with contextlib.suppress(Exception):
@@ -506,6 +527,11 @@ def _rank_main(rank, world_size, port, backend, fn, args, kwargs, conn, workdir,
         import torch.distributed as dist
 
         if dist.is_initialized():
+            if succeeded:
+                # Stay connected until every peer is done too: a rank that exits as soon as its own work is
+                # done can close its gloo pairs while a slower peer is still in connectFullMesh ("Connection
+                # closed by peer" on a run where nothing failed). A peer that failed makes this raise at once.
+                dist.barrier()
             dist.destroy_process_group()
     os._exit(0)  # never run the test process's atexit handlers or pytest's teardown in a rank
 

@@ -140,8 +140,22 @@ def call_loader(loader: Callable[["LoadRequest"], Any], request: "LoadRequest", 
     """Call ``loader(request)`` and normalise what it returns; raises :class:`LoaderContractError`."""
     if isinstance(loader, LoaderUnderTest):
         return loader(request)
+    from pytest_llmload.phases import phase, track_model
+
     name = loader_name or getattr(loader, "__qualname__", None) or repr(loader)
-    return normalise_result(loader(request), loader_name=name, request=request)
+    with phase("load", _phase_detail(request)) as timed:
+        result = normalise_result(loader(request), loader_name=name, request=request)
+    track_model(result.model, request.model_path, timed.seconds)
+    return result
+
+
+def _phase_detail(request: "LoadRequest") -> str:
+    """``llama-float32-seed0 for train on cpu, lora, max_memory``: what a load phase loaded."""
+    extras = [flag for flag in ("lora", "gradient_checkpointing") if getattr(request, flag)]
+    extras += [request.quantization] if request.quantization else []
+    extras += [f"max_memory={dict(request.max_memory)}"] if request.max_memory is not None else []
+    head = f"{os.path.basename(os.fspath(request.model_path).rstrip(os.sep))} for {request.purpose} on {request.device}"
+    return ", ".join([head, *extras])
 
 
 def as_loader_under_test(loader: Any, *, name: str = "", source: str = "fixture") -> LoaderUnderTest:

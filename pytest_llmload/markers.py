@@ -12,6 +12,10 @@ NEEDS_GPUS_HELP = (
     "needs_gpus(n): skip unless at least n CUDA devices are visible (n a positive int); also marks the test 'gpu'."
 )
 GPU_HELP = "gpu: the test needs a GPU; set automatically on needs_gpus tests and tests using a GPU fixture. Select with -m gpu."
+DEEPSPEED_HELP = (
+    "llmload_deepspeed: the test starts DeepSpeed; its one-time C++ op build happens after collection, "
+    "outside any test's deadline."
+)
 GPU_FIXTURES_INI = "llmload_gpu_fixtures"
 GPU_FIXTURES_HELP = "extra fixture names that need a GPU: tests using them are marked 'gpu' (default: gpu_model)."
 BUILTIN_GPU_FIXTURES = ("gpu_model",)
@@ -62,3 +66,11 @@ def enforce_needs_gpus(item: pytest.Item) -> None:
         if reason is not None:
             # Reported at the test's own location, as pytest's skipif does.
             raise pytest.skip.Exception(reason, _use_item_location=True)
+
+
+def needs_deepspeed(item: pytest.Item) -> bool:
+    """A test marked ``llmload_deepspeed``, or a conformance check that starts a process group."""
+    if item.get_closest_marker("llmload_deepspeed") is not None:
+        return True
+    check = getattr(item, "callspec", None) and item.callspec.params.get("check")
+    return getattr(check, "world_size", 1) > 1

@@ -10,7 +10,9 @@ refuse a budget that cannot hold the model for training instead of offloading so
     >>> from pytest_llmload.memory import estimate_training_memory
     >>> print(estimate_training_memory(LoadRequest(ckpt, purpose="train", lora=True)).table())  # doctest: +SKIP
 
-The estimate is a floor (no allocator fragmentation or CUDA context): a budget below it cannot work.
+:func:`estimate_inference_memory` does the same for a load and a generation (weights, KV cache, the
+prefill's working set). Neither counts allocator slack or the CUDA context; how close they come to what
+is measured is stated in ``docs/diagnostics.md`` and checked in ``tests/regression/test_memory_estimate_accuracy.py``.
 """
 
 from __future__ import annotations
@@ -126,11 +128,12 @@ def checkpoint_tensors(checkpoint: Union[str, os.PathLike]) -> list[TensorInfo]:
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainingMemoryEstimate:
+class MemoryEstimate:
     """The estimate, one row a component: ``(component, bytes, how it was counted)``."""
 
     subject: str
     rows: tuple[tuple[str, int, str], ...]
+    kind: str = "training"
 
     @property
     def total(self) -> int:
@@ -142,23 +145,135 @@ class TrainingMemoryEstimate:
                 return nbytes
         raise KeyError(component)
 
-    def table(self) -> str:
-        """The estimate as a small text table, the write-up's budget made exact::
+    def table(self, budget: Union[None, int, str] = None) -> str:
+        """The estimate as a small text table, the write-up's budget made exact; with ``budget`` (bytes or
+        a size like ``"24GB"``), the margin left, as the write-up's "Available margin: ~4.0 GB"::
 
-            training memory estimate: llama, float32, LoRA r=8 on q_proj/v_proj, batch 1 x 128 tokens
+            training memory estimate: llama, float32, LoRA r=8 on q_proj/v_proj, ...
               weights            738.2 KiB  186,880 params x 4 B (float32)
               ...
               total                5.6 MiB
+              budget              24.0 MiB  margin 18.4 MiB
         """
-        width = max(len(name) for name, _, _ in self.rows + (("total", 0, ""),))
-        lines = [f"training memory estimate: {self.subject}"]
+        width = max(len(name) for name, _, _ in self.rows + (("total", 0, ""), ("budget", 0, "")))
+        lines = [f"{self.kind} memory estimate: {self.subject}"]
         lines += [f"  {name:<{width}}  {format_bytes(nbytes):>10}  {how}" for name, nbytes, how in self.rows]
         lines.append(f"  {'total':<{width}}  {format_bytes(self.total):>10}")
+        if budget is not None:
+            nbytes = parse_size(budget)
+            left = nbytes - self.total
+            verdict = f"margin {format_bytes(left)}" if left >= 0 else f"SHORT by {format_bytes(-left)}"
+            lines.append(f"  {'budget':<{width}}  {format_bytes(nbytes):>10}  {verdict}")
         return "\n".join(lines)
+
+
+TrainingMemoryEstimate = MemoryEstimate  # the name this class had before inference estimates
 
 
 def _is_quantized(t: TensorInfo) -> bool:
     return len(t.shape) == 2 and t.name.endswith(".weight") and not any(k in t.name for k in _NOT_QUANTIZED)
+
+
+def _weights_row(request: LoadRequest, tensors: list[TensorInfo]) -> tuple[str, int, str]:
+    dbytes = DTYPE_BYTES[request.dtype]
+    n_params = sum(t.numel for t in tensors)
+    if request.quantization is None:
+        return ("weights", n_params * dbytes, f"{n_params:,} params x {dbytes} B ({request.dtype})")
+    quantized = sum(t.numel for t in tensors if _is_quantized(t))
+    kept = n_params - quantized
+    # 4-bit: half a byte plus an fp32 absmax per 64-value block; 8-bit: a byte plus an fp32 scale per row.
+    per_param = 0.5 + 4 / 64 if request.quantization == "4bit" else 1.0
+    rows_scale = 0 if request.quantization == "4bit" else sum(t.shape[0] * 4 for t in tensors if _is_quantized(t))
+    # peft's prepare_model_for_kbit_training (the reference loader's LoRA path) upcasts what stays unquantized.
+    kept_bytes, kept_how = (4, "float32 after prepare_model_for_kbit_training") if request.purpose == "train" \
+        and request.lora else (dbytes, request.dtype)
+    nbytes = int(quantized * per_param) + rows_scale + kept * kept_bytes
+    return ("weights", nbytes, f"{quantized:,} params {request.quantization} + {kept:,} params x {kept_bytes} B "
+                               f"({kept_how}, not quantized)")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    """What the activation count needs from ``config.json`` (Llama-style decoders: Llama, Qwen2, Mistral)."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    context: int
+    model_type: str
+
+    @classmethod
+    def from_config(cls, config: dict) -> "_Shape":
+        hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+        return cls(hidden, int(config.get("intermediate_size") or 4 * hidden), int(config["num_hidden_layers"]),
+                   heads, int(config.get("num_key_value_heads") or heads),
+                   int(config.get("head_dim") or hidden // heads), int(config["vocab_size"]),
+                   int(config.get("max_position_embeddings", DEFAULT_SEQ_LEN)), config.get("model_type", "?"))
+
+
+# Which input each projection reads: projections that share an input share its saved copy.
+_PROJECTION_INPUT = {"q_proj": "attention input", "k_proj": "attention input", "v_proj": "attention input",
+                     "o_proj": "attention output", "gate_proj": "mlp input", "up_proj": "mlp input",
+                     "down_proj": "mlp product"}
+
+
+def _layer_activations(m: _Shape, p: int, seq: int, *, lora_targets: Optional[tuple[str, ...]], lora_rank: int,
+                       attention: str) -> int:
+    """Bytes autograd keeps per token for one decoder layer in training (what the backward needs).
+
+    Counted from what each op of transformers' Llama/Qwen2 layer saves (measured with
+    ``torch.autograd.graph.saved_tensors_hooks`` on tiny models: within 5% over dtypes, LoRA or full,
+    sdpa or eager). ``lora_targets`` ``None`` means every weight trains (full fine-tune).
+    """
+    full = lora_targets is None
+    width = {"attention input": m.hidden, "attention output": m.heads * m.head_dim, "mlp input": m.hidden,
+             "mlp product": m.intermediate}
+    n = 2 * (4 * m.hidden + 4)  # two RMSNorms: the input upcast to fp32, and 1/rms
+    if full:
+        n += 2 * p * m.hidden  # the normalised input, cast back, for the norm weight's gradient
+        kept = set(width)  # every projection trains and keeps its input
+    else:
+        # Frozen projections keep nothing; an adapter keeps its input (shared when no cast is needed) ...
+        kept = {_PROJECTION_INPUT[t] for t in lora_targets if t in _PROJECTION_INPUT} if p == 4 else set()
+        if p != 4:  # ... or, peft casting each adapter's input to its fp32 weights, one fp32 copy per adapter
+            n += sum(4 * width[_PROJECTION_INPUT[t]] for t in lora_targets if t in _PROJECTION_INPUT)
+        n += len(lora_targets) * lora_rank * 4  # lora_A outputs (fp32)
+    eager = attention == "eager"
+    n += sum(width[name] * p for name in kept if name != "attention output" or eager)  # sdpa's output is a view
+    q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    if eager:  # q, and k and v repeated to every head; softmax in fp32 (and its cast) over the whole sequence
+        n += 3 * q * p + m.heads * seq * 4 + (m.heads * seq * p if p != 4 else 0)
+    else:  # scaled_dot_product_attention keeps q, k, v, its output and the log-sum-exp
+        n += 2 * q * p + 2 * kv * p + 4 * m.heads
+    n += 3 * m.intermediate * p  # SwiGLU: gate, silu(gate), up
+    return n
+
+
+def _activations_row(m: _Shape, request: LoadRequest, batch: int, seq: int, lora_rank: int,
+                     lora_targets: tuple[str, ...], attention: str) -> tuple[str, int, str]:
+    p = DTYPE_BYTES[request.dtype]
+    tokens = batch * seq
+    layer = _layer_activations(m, p, seq, lora_targets=lora_targets if request.lora else None,
+                               lora_rank=lora_rank, attention=attention)
+    final_norm = 4 * m.hidden + 4 + (0 if request.lora else 2 * p * m.hidden)
+    # The loss keeps the log-softmax in fp32; the backward starts with its gradient and the logits'.
+    saved = (final_norm + 16 + 4 * m.vocab) * tokens  # + input ids and labels
+    loss_grads = tokens * m.vocab * (4 + p)
+    if request.gradient_checkpointing:
+        # The loss gradients are freed before the last layer is recomputed: the larger of the two counts.
+        recomputed = layer * tokens
+        total = m.layers * m.hidden * p * tokens + saved + max(loss_grads, recomputed)
+        how = (f"{m.layers} layer inputs + the larger of 1 layer recomputed ({format_bytes(recomputed)}) and the "
+               f"loss gradients ({format_bytes(loss_grads)}), batch {batch} x {seq} tokens (gradient checkpointing)")
+    else:
+        total = m.layers * layer * tokens + saved + loss_grads
+        how = (f"{m.layers} layers x {format_bytes(layer * tokens)}, batch {batch} x {seq} tokens ({attention}), "
+               f"+ the loss and its gradients {format_bytes(saved + loss_grads - final_norm * tokens)}")
+    return ("activations", total, how)
 
 
 def estimate_training_memory(
@@ -168,30 +283,28 @@ def estimate_training_memory(
     seq_len: Optional[int] = None,
     lora_rank: int = DEFAULT_LORA_RANK,
     lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS,
-) -> TrainingMemoryEstimate:
+    attention: str = "sdpa",
+) -> MemoryEstimate:
     """Estimate what training ``request`` needs on its device: weights (by dtype and quantization), LoRA
-    adapters, gradients, AdamW state (two fp32 moments per trainable parameter) and activations (per layer,
-    Korthikanti et al. 2022; with gradient checkpointing only each layer's input is kept, plus one layer
-    being recomputed). ``seq_len`` defaults to ``min(512, max_position_embeddings)``."""
+    adapters (fp32, as peft keeps them), gradients, AdamW state (two moments per trainable parameter, in its
+    dtype) and activations: what autograd keeps per layer for the backward, counted op by op for
+    Llama-style decoders (``attention`` ``"sdpa"``, transformers' default, or ``"eager"``); with gradient
+    checkpointing, each layer's input plus one layer being recomputed. ``seq_len`` defaults to
+    ``min(512, max_position_embeddings)``.
+
+    The rows add up to the peak of a training step after the first (the optimizer state exists then); the
+    gradients of a full fine-tune fill in as activations are freed, so there the sum is above the peak.
+    Not counted: allocator slack, the CUDA context, temporaries inside one op.
+    """
+    if attention not in ("sdpa", "eager"):
+        raise ValueError(f"attention={attention!r}; expected 'sdpa' or 'eager'.")
     config = json.loads((Path(request.model_path) / "config.json").read_text())
     tensors = checkpoint_tensors(request.model_path)
+    shape = _Shape.from_config(config)
     dbytes = DTYPE_BYTES[request.dtype]
 
-    rows: list[tuple[str, int, str]] = []
+    rows = [_weights_row(request, tensors)]
     n_params = sum(t.numel for t in tensors)
-    if request.quantization is None:
-        rows.append(("weights", n_params * dbytes, f"{n_params:,} params x {dbytes} B ({request.dtype})"))
-    else:
-        quantized = sum(t.numel for t in tensors if _is_quantized(t))
-        kept = n_params - quantized
-        # 4-bit: half a byte plus an fp32 absmax per 64-value block; 8-bit: a byte plus an fp32 scale per row.
-        per_param = 0.5 + 4 / 64 if request.quantization == "4bit" else 1.0
-        rows_scale = 0 if request.quantization == "4bit" else sum(
-            t.shape[0] * 4 for t in tensors if _is_quantized(t))
-        nbytes = int(quantized * per_param) + rows_scale + kept * dbytes
-        rows.append(("weights", nbytes, f"{quantized:,} params {request.quantization} + {kept:,} params x "
-                                        f"{dbytes} B ({request.dtype}, not quantized)"))
-
     if request.lora:
         adapted = [t for t in tensors if len(t.shape) == 2 and t.name.endswith(".weight")
                    and any(t.name.endswith(f"{target}.weight") for target in lora_targets)]
@@ -202,31 +315,52 @@ def estimate_training_memory(
     else:
         trainable, grad_bytes = n_params, dbytes
     rows.append(("gradients", trainable * grad_bytes, f"{trainable:,} trainable params x {grad_bytes} B"))
-    rows.append(("optimizer state", trainable * 8, f"AdamW: 2 fp32 moments x {trainable:,} trainable params"))
+    rows.append(("optimizer state", trainable * 2 * grad_bytes,
+                 f"AdamW: 2 moments x {trainable:,} trainable params x {grad_bytes} B"))
 
-    hidden = int(config["hidden_size"])
-    layers = int(config["num_hidden_layers"])
-    heads = int(config["num_attention_heads"])
-    vocab = int(config["vocab_size"])
-    s = seq_len if seq_len is not None else min(DEFAULT_SEQ_LEN, int(config.get("max_position_embeddings", 512)))
+    s = seq_len if seq_len is not None else min(DEFAULT_SEQ_LEN, shape.context)
     b = batch_size
-    act_bytes = dbytes  # activations are in the compute dtype
-    # Korthikanti et al.: s*b*h*(34 + 5*a*s/h) bytes per layer at 16-bit; scaled to the compute dtype.
-    full_layer = int(s * b * hidden * (34 + 5 * heads * s / hidden) * act_bytes / 2)
-    if request.gradient_checkpointing:
-        activations = layers * s * b * hidden * act_bytes + full_layer
-        how = f"{layers} layer inputs + 1 layer recomputed, batch {b} x {s} tokens (gradient checkpointing)"
-    else:
-        activations = layers * full_layer
-        how = f"{layers} layers x {format_bytes(full_layer)}, batch {b} x {s} tokens (no checkpointing)"
-    logits = b * s * vocab * (act_bytes + 4)  # logits, and their fp32 upcast for the loss
-    rows.append(("activations", activations + logits, how + f", + logits {format_bytes(logits)}"))
+    rows.append(_activations_row(shape, request, b, s, lora_rank, lora_targets, attention))
 
     adapter = f"LoRA r={lora_rank} on {'/'.join(lora_targets)}" if request.lora else "full fine-tune"
-    subject = (f"{config.get('model_type', '?')}, {request.dtype}"
+    subject = (f"{shape.model_type}, {request.dtype}"
                f"{', ' + request.quantization if request.quantization else ''}, {adapter}, "
                f"gradient checkpointing {'on' if request.gradient_checkpointing else 'off'}, batch {b} x {s} tokens")
-    return TrainingMemoryEstimate(subject, tuple(rows))
+    return MemoryEstimate(subject, tuple(rows))
+
+
+def estimate_inference_memory(
+    request: LoadRequest,
+    *,
+    batch_size: int = 1,
+    prompt_len: Optional[int] = None,
+    new_tokens: int = 0,
+) -> MemoryEstimate:
+    """Estimate what loading ``request`` and generating with it needs: weights (by dtype and quantization),
+    the KV cache for ``prompt_len + new_tokens`` positions, and the largest transient of the prefill (one
+    layer's working set under ``torch.no_grad``: the MLP's three intermediate tensors, and the last
+    position's logits upcast to fp32, as ``generate`` computes them). ``prompt_len`` defaults to
+    ``min(512, max_position_embeddings)``; ``new_tokens=0`` is a load and one forward pass::
+
+        >>> print(estimate_inference_memory(LoadRequest(ckpt), prompt_len=64, new_tokens=32).table("24GB"))  # doctest: +SKIP
+    """
+    config = json.loads((Path(request.model_path) / "config.json").read_text())
+    tensors = checkpoint_tensors(request.model_path)
+    m = _Shape.from_config(config)
+    p = DTYPE_BYTES[request.dtype]
+    s = prompt_len if prompt_len is not None else min(DEFAULT_SEQ_LEN, m.context)
+    b, positions = batch_size, s + new_tokens
+    rows = [_weights_row(request, tensors)]
+    kv = 2 * m.layers * m.kv_heads * m.head_dim * positions * b * p
+    rows.append(("KV cache", kv, f"2 x {m.layers} layers x {m.kv_heads * m.head_dim} x {positions} positions "
+                                 f"x batch {b} x {p} B"))
+    working = b * s * (3 * m.intermediate + 2 * m.hidden) * p
+    logits = b * m.vocab * (p + 4)
+    rows.append(("activations", working + logits,
+                 f"prefill of {s} tokens, one layer at a time ({format_bytes(working)}), + last logits in fp32"))
+    subject = (f"{m.model_type}, {request.dtype}{', ' + request.quantization if request.quantization else ''}, "
+               f"batch {b} x {s} prompt tokens + {new_tokens} new")
+    return MemoryEstimate(subject, tuple(rows), kind="inference")
 
 
 def check_training_budget(request: LoadRequest, **estimate_kwargs) -> Optional[TrainingMemoryEstimate]:

@@ -26,6 +26,10 @@ from pytest_llmload.fixtures import (  # noqa: F401  (pytest discovers fixtures 
 )
 from pytest_llmload.header import header_lines
 
+# Phase timings, device-map summaries, the session summary, and the limit_torch_memory marker: each module
+# registers its own options, markers and hooks.
+pytest_plugins = ["pytest_llmload.diagnostics", "pytest_llmload.memory_limit"]
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("llmload", "pytest-llmload: Hugging Face model-loading regression checks")
@@ -46,6 +50,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", markers.NEEDS_GPUS_HELP)
     config.addinivalue_line("markers", markers.GPU_HELP)
+    config.addinivalue_line("markers", markers.DEEPSPEED_HELP)
     try:
         choice = loading.choose_loader(
             config.getoption("llmload_loader"), os.environ, config.getini(loading.INI_KEY)
@@ -93,6 +98,18 @@ def _check_loader_imports(config: pytest.Config) -> None:
             loading.import_loader(choice)
         except loading.LoaderSpecError as exc:
             raise pytest.UsageError(str(exc)) from None
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # DeepSpeed JIT-compiles a C++ op on first use (about a minute on 2 cores, once per environment). Done
+    # here, no test's deadline pays for it, and no rank killed at a deadline can leave its build lock behind.
+    if any(markers.needs_deepspeed(item) for item in session.items):
+        from importlib.util import find_spec
+
+        if find_spec("deepspeed") is not None:
+            from pytest_llmload import distributed
+
+            distributed.preload(("deepspeed",))
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -49,10 +49,10 @@ def test_ids_work_with_k_and_gpu_checks_are_marked(downstream):
     """)
     listed = downstream.runpytest("--collect-only", "-q")
     listed.stdout.fnmatch_lines([
-        "*::test_loader[[]good_loader-check_returns_a_model[]]",
-        "*::test_loader[[]good_loader-check_on_gpu[]]",
-        "*::test_loader[[]good_loader-check_old_transformers[]]",
-        "*::test_loader[[]broken_loader-check_returns_a_model[]]",
+        "*::test_loader[[]mychecks.good_loader-check_returns_a_model[]]",
+        "*::test_loader[[]mychecks.good_loader-check_on_gpu[]]",
+        "*::test_loader[[]mychecks.good_loader-check_old_transformers[]]",
+        "*::test_loader[[]mychecks.broken_loader-check_returns_a_model[]]",
     ])
     gpu_only = downstream.runpytest("-m", "gpu", "--collect-only", "-q")
     gpu_only.stdout.fnmatch_lines(["*good_loader-check_on_gpu*", "*broken_loader-check_on_gpu*",
@@ -84,7 +84,7 @@ def test_expected_failed_checks_are_strict_xfails(downstream):
     """)
     result = downstream.runpytest("-rfx")
     result.assert_outcomes(passed=1, xfailed=1, failed=1)
-    result.stdout.fnmatch_lines(["*test_fixed_gap_is_reported[[]good_loader-check_returns_a_model[]]*",
+    result.stdout.fnmatch_lines(["*test_fixed_gap_is_reported[[]mychecks.good_loader-check_returns_a_model[]]*",
                                  "[[]XPASS(strict)[]] stale entry"])
     result.stdout.fnmatch_lines(["XFAIL *broken_loader-check_returns_a_model* - gap #12"])
 

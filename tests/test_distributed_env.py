@@ -314,7 +314,7 @@ def test_a_raising_rank_fails_the_test_with_its_traceback(failing_ranks):
         "E*Traceback (most recent call last):",
         "E*in refuse_on_rank_1",
         'E*raise ValueError("rank 1 refuses")',
-        "E*----- rank 0 raised RuntimeError: *Connection closed by peer*",
+        "E*----- rank 0 raised RuntimeError: *Connection * by peer*",  # closed or reset: depends on timing
     ])
 
 

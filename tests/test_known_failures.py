@@ -64,3 +64,48 @@ def test_unrelated_failure_gets_no_section(pytester):
     result = pytester.runpytest()
     result.assert_outcomes(failed=1)
     assert "known failure" not in result.stdout.str()
+
+
+def test_meta_backward_from_a_real_offloaded_lora_model_names_meta_backward(pytester, llmload_checkpoint, request):
+    # The write-up 002 setup, for real: device_map="auto" with a budget that offloads, LoRA, backward.
+    pytester.syspathinsert(request.config.rootpath)
+    pytester.makepyfile(f"""
+        from fixtures.loaders import meta_backward_002
+        from pytest_llmload import LoadRequest
+        from pytest_llmload.checks.offload import offload_budget
+
+        def test_train_offloaded(tmp_path):
+            ckpt = {str(llmload_checkpoint)!r}
+            model, tokenizer = meta_backward_002.load(LoadRequest(
+                ckpt, purpose="train", lora=True, max_memory=offload_budget(ckpt), offload_folder=tmp_path))
+            batch = tokenizer(["hello world"], return_tensors="pt")
+            model(**batch, labels=batch["input_ids"]).loss.backward()
+    """)
+    result = pytester.runpytest()
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        "E * Function MmBackward0 returned an invalid gradient at index 1 - expected device meta but got cpu*",
+        "*- llmload: known failure -*",
+        "[[]meta-backward[]] backward through a model with offloaded (meta) parameters",
+        "  write-up:   seeds/002_3bbec781721991d8.txt",
+    ])
+
+
+@pytest.mark.llmload_deepspeed
+def test_distributed_device_map_from_real_ranks_names_distributed_device_map(pytester, llmload_checkpoint, request):
+    # Write-up 004, for real: two gloo ranks, accelerate in MULTI_CPU mode, the always-device_map loader.
+    pytester.syspathinsert(request.config.rootpath)
+    pytester.makepyfile(f"""
+        from fixtures.loaders import seed004_device_map_before
+        from pytest_llmload.checks.distributed import check_distributed_train_step
+
+        def test_prepare_on_two_ranks(tmp_path):
+            check_distributed_train_step(seed004_device_map_before.load, {str(llmload_checkpoint)!r}, tmp_path,
+                                         modes=("ddp",))
+    """)
+    result = pytester.runpytest()
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        "*You can't train a model that has been loaded with `device_map='auto'` in any distributed mode*",
+        "[[]distributed-device-map[]] device_map='auto' under DeepSpeed or another distributed launcher",
+    ])

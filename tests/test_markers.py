@@ -111,3 +111,22 @@ def test_markers_are_registered_for_strict_mode(pytester):
     listing = pytester.runpytest("--markers")
     listing.stdout.fnmatch_lines(["@pytest.mark.needs_gpus(n): skip unless at least n CUDA devices*",
                                   "@pytest.mark.gpu: the test needs a GPU*"])
+
+
+def test_deepspeed_op_is_built_after_collection_only_when_a_test_needs_it(pytester):
+    pytest.importorskip("deepspeed")
+    test = """
+        import os, sys, pytest
+
+        @pytest.mark.llmload_deepspeed
+        def test_ds():
+            from deepspeed.ops.op_builder.builder import OpBuilder
+            assert "deepspeed_shm_comm" in OpBuilder._loaded_ops  # built before this test's deadline began
+            assert os.environ["TORCH_EXTENSIONS_DIR"] == os.path.join(sys.prefix, "torch_extensions")
+
+        def test_plain():
+            assert "deepspeed" not in sys.modules
+    """
+    pytester.makepyfile(test)
+    pytester.runpytest_subprocess("-k", "test_ds", "-p", "no:cacheprovider").assert_outcomes(passed=1)
+    pytester.runpytest_subprocess("-k", "test_plain", "-p", "no:cacheprovider").assert_outcomes(passed=1)

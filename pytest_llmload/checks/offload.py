@@ -34,6 +34,7 @@ from pytest_llmload.conformance import Check
 from pytest_llmload.loading import call_loader
 from pytest_llmload.memory import checkpoint_tensors
 from pytest_llmload.offline import _culprit
+from pytest_llmload.phases import note_deadline, phase, track_model
 from pytest_llmload.request import LoadRequest
 
 Loader = Callable[[LoadRequest], Any]
@@ -127,6 +128,7 @@ def deadline(seconds: float, what: str) -> Iterator[None]:
     try:
         yield
     except _DeadlinePassed:
+        note_deadline(what, time.monotonic() - start, seconds)
         raise AssertionError(
             f"{what} did not return: deadline of {seconds:g} s exceeded, blocked in {captured['where']}.\n"
             f"Stacks of every thread:\n{captured['stacks']}"
@@ -142,6 +144,7 @@ def deadline(seconds: float, what: str) -> Iterator[None]:
 
 def _fail_if_late(start: float, seconds: float, what: str) -> None:
     elapsed = time.monotonic() - start
+    note_deadline(what, elapsed, seconds)  # the session summary lists checks that came close
     if elapsed > seconds:
         raise AssertionError(f"{what} took {elapsed:.2f} s: deadline of {seconds:g} s exceeded.")
 
@@ -297,9 +300,12 @@ def _plain_model(checkpoint, device: str, dtype: str = "float32"):
 
     major_minor = tuple(int(p) for p in transformers.__version__.split(".")[:2])
     key = "dtype" if major_minor >= (4, 56) else "torch_dtype"
-    return AutoModelForCausalLM.from_pretrained(
-        checkpoint, local_files_only=True, device_map={"": device}, **{key: getattr(torch, dtype)}
-    ).eval()
+    with phase("load", f"{Path(checkpoint).name} whole on {device}, plain from_pretrained") as timed:
+        model = AutoModelForCausalLM.from_pretrained(
+            checkpoint, local_files_only=True, device_map={"": device}, **{key: getattr(torch, dtype)}
+        ).eval()
+    track_model(model, checkpoint, timed.seconds)
+    return model
 
 
 def _input_ids(model, device: str, batch: int = 2, length: int = 12):
@@ -345,9 +351,10 @@ def _train_step_problems(model, device: str) -> list[str]:
         return ["no parameter requires grad: the returned model cannot train"]
     ids = _input_ids(model, device, batch=1, length=8)
     try:
-        loss = model(input_ids=ids, labels=ids).loss
-        finite_loss = bool(torch.isfinite(loss).all())
-        loss.backward()
+        with phase("train step", f"forward+backward, batch 1 x {ids.shape[-1]} tokens"):
+            loss = model(input_ids=ids, labels=ids).loss
+            finite_loss = bool(torch.isfinite(loss).all())
+            loss.backward()
     except Exception as exc:  # the failure under test: report it with its text
         return [f"forward+backward raised {type(exc).__name__}: {exc}"]
     problems = [] if finite_loss else [f"the loss is {loss.item()}"]
@@ -447,7 +454,8 @@ def check_offload_inference(loader: Loader, checkpoint, workdir, *, device: str 
     model.eval()
     whole = _plain_model(checkpoint, device)
     ids = _input_ids(whole, device)
-    with torch.no_grad(), deadline(deadline_s, "a forward pass of the offloaded model"):
+    with torch.no_grad(), deadline(deadline_s, "a forward pass of the offloaded model"), \
+            phase("forward", f"offloaded and whole, batch {ids.shape[0]} x {ids.shape[1]} tokens"):
         got, want = model(input_ids=ids).logits, whole(input_ids=ids).logits
     try:
         torch.testing.assert_close(got.float().cpu(), want.float().cpu())
@@ -460,7 +468,8 @@ def check_offload_inference(loader: Loader, checkpoint, workdir, *, device: str 
     eos = whole.config.eos_token_id
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                   pad_token_id=eos if isinstance(eos, int) else 0, attention_mask=torch.ones_like(ids[:1]))
-    with torch.no_grad(), deadline(deadline_s, f"generate({new_tokens} tokens) on the offloaded model"):
+    with torch.no_grad(), deadline(deadline_s, f"generate({new_tokens} tokens) on the offloaded model"), \
+            phase("generate", f"offloaded and whole, max_new_tokens={new_tokens}"):
         out = model.generate(input_ids=ids[:1], **kwargs)
         expected = whole.generate(input_ids=ids[:1], **kwargs)
     if out.shape[-1] != ids.shape[-1] + new_tokens or not torch.equal(out.cpu(), expected.cpu()):

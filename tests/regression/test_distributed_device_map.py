@@ -22,6 +22,8 @@ from pytest_llmload.distributed import is_distributed, run_ranks
 from pytest_llmload.reference_loader import load_model_and_tokenizer as reference_loader
 from pytest_llmload.reference_loader import placement_kwargs
 
+pytestmark = pytest.mark.llmload_deepspeed  # DeepSpeed's op build happens before the deadlines start
+
 DEVICE_MAP_ERROR = (
     "You can't train a model that has been loaded with `device_map='auto'` in any distributed mode. Please rerun "
     "your script specifying `--num_processes=1` or by launching with `python {{myscript.py}}`."

@@ -108,7 +108,9 @@ def test_the_estimate_of_the_tiny_model(llmload_checkpoint):
         sum(8 + struct.unpack("<Q", p.read_bytes()[:8])[0] for p in llmload_checkpoint.glob("*.safetensors"))
     assert (lora["adapters"], lora["gradients"], lora["optimizer state"]) == (7168 * 4, 7168 * 4, 7168 * 8)
     assert full["gradients"] == full["weights"] and full.total > lora.total > checkpointed.total
-    assert quantized["weights"] < full["weights"] / 4
+    # 4-bit layers, and what stays unquantized upcast to fp32 by peft (the tiny model's embeddings and head
+    # are a third of it): 243 KiB, measured 245 KiB (parameters + absmax) through the reference loader.
+    assert full["weights"] / 4 < quantized["weights"] < full["weights"] / 3
     assert [row[0] for row in lora.rows] == ["weights", "adapters", "gradients", "optimizer state", "activations"]
     assert lora.table().splitlines()[-1] == f"  total            {format_bytes(lora.total):>10}"
 

@@ -150,7 +150,7 @@ def test_reference_loader_refuses_an_unfit_budget_before_loading(llmload_checkpo
     with pytest.raises(TrainingBudgetError) as excinfo:
         reference_loader(request)
     message = str(excinfo.value)
-    assert "the training memory estimate is 5.8 MiB but max_memory={'cpu': 377984} gives cpu 369.1 KiB" in message
+    assert "the training memory estimate is 2.9 MiB but max_memory={'cpu': 377984} gives cpu 369.1 KiB" in message
     for row in ("weights", "adapters", "gradients", "optimizer state", "activations", "total"):
         assert f"\n  {row} " in message, row
     assert not (tmp_path / "offload").exists()
