@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from pytest_llmload import distributed
+from pytest_llmload import distributed, isolation
 from pytest_llmload.distributed import DistributedRunFailed, run_ranks
 
 pytestmark = pytest.mark.timeout(60)
@@ -145,7 +145,7 @@ def test_a_dying_rank_reports_its_exit_code_and_leaves_nothing_behind(tmp_path, 
     assert message.startswith(f"2 of 2 ranks failed (gloo, deadline 30 s); first: {described}\n")
     outcomes = excinfo.value.outcomes
     assert [o.status for o in outcomes] == ["raised", "died"]
-    assert outcomes[0].lost_a_peer  # rank 0 learnt of it in the barrier, and is listed after the cause
+    assert distributed.lost_a_peer(outcomes[0])  # rank 0 learnt of it in the barrier, and is listed after the cause
     assert message.index(described) < message.index("----- rank 0 raised")
     assert all(_gone(o.pid) for o in outcomes)
     assert list(tmp_path.iterdir()) == []
@@ -214,7 +214,7 @@ def test_misuse_is_refused_with_the_value():
 def test_gpu_ranks_and_a_cuda_parent_never_fork(monkeypatch):
     assert distributed.start_method("gloo") == "fork"
     assert distributed.start_method("nccl") == "forkserver"
-    monkeypatch.setattr(distributed, "_cuda_initialised", lambda: True)
+    monkeypatch.setattr(isolation, "cuda_initialised", lambda: True)
     assert distributed.start_method("gloo") == "forkserver"
     with pytest.raises(RuntimeError, match="this process has initialised CUDA"):
         distributed.start_method("gloo", "fork")
