@@ -367,13 +367,47 @@ def _child_main(index, spec, conn, workdir, parent_pid):
     os._exit(0)  # never run the parent's atexit handlers or pytest's teardown in a child
 
 
-def _error_payload(exc: BaseException, render) -> bytes:
-    pickled = None
+# Where exception classes live that claim another module: pytest's outcomes (skip, xfail, fail, exit) say
+# "builtins", for shorter reports, so pickle cannot find them by name.
+_EXCEPTION_HOMES = ("_pytest.outcomes",)
+
+
+def _pickle_exception(exc: BaseException):
+    """``exc`` pickled, or ``None`` when it does not survive the trip (or is too large to send)."""
+    cls = type(exc)
+    for home in _EXCEPTION_HOMES:
+        module = sys.modules.get(home)
+        if module is not None and getattr(module, cls.__qualname__, None) is cls and cls.__module__ != home:
+            exc = _ExceptionByReference(home, cls.__qualname__, exc.args, dict(vars(exc)))
+            break
     with contextlib.suppress(Exception):
-        candidate = pickle.dumps(exc)
-        if len(candidate) <= _PICKLED_EXCEPTION_LIMIT:
-            pickle.loads(candidate)  # one that pickles but does not unpickle is no use to the parent
-            pickled = candidate
+        pickled = pickle.dumps(exc)
+        if len(pickled) <= _PICKLED_EXCEPTION_LIMIT:
+            pickle.loads(pickled)  # one that pickles but does not unpickle is no use to the parent
+            return pickled
+    return None
+
+
+class _ExceptionByReference:
+    def __init__(self, module, qualname, args, state):
+        self.module, self.qualname, self.args, self.state = module, qualname, args, state
+
+    def __reduce__(self):
+        return _rebuild_exception, (self.module, self.qualname, self.args, self.state)
+
+
+def _rebuild_exception(module, qualname, args, state):
+    import importlib
+
+    cls = getattr(importlib.import_module(module), qualname)
+    exc = cls.__new__(cls)
+    exc.args = args
+    exc.__dict__.update(state)
+    return exc
+
+
+def _error_payload(exc: BaseException, render) -> bytes:
+    pickled = _pickle_exception(exc)
     rendered = None
     if render is not None:
         with contextlib.suppress(Exception):
@@ -492,7 +526,7 @@ def _replay(outcome: ChildOutcome) -> None:
             sys.stdout.write(outcome.stdout)
             sys.stdout.flush()
         if outcome.stderr:
-            sys.stderr.write(outcome.stderr)
+            sys.stderr.write(_trim_stacks(outcome.stderr) + "\n")
             sys.stderr.flush()
 
 
@@ -502,7 +536,11 @@ def raise_child_exception(outcome: ChildOutcome):
     exc = outcome.exception
     if not isinstance(exc, BaseException):
         exc = ChildError(outcome.error)
-    with contextlib.suppress(Exception):
-        exc.llmload_child_report = outcome.rendered
+    if hasattr(exc, "_use_item_location"):  # pytest.skip(): reported at the test, not at this frame
+        exc._use_item_location = True
+    if outcome.rendered:
+        headline = outcome.error.splitlines()[0] if outcome.error else type(exc).__name__
+        with contextlib.suppress(Exception):  # an exception type with __slots__ takes no attribute
+            exc.llmload_child_report = f"{headline}  (raised in an isolated child, pid {outcome.pid})\n{outcome.rendered}"
     cause = ChildTraceback(f"in the isolated child (pid {outcome.pid}):\n{outcome.traceback.rstrip()}")
     raise exc from cause

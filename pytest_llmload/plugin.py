@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from pytest_llmload import known_failure_report, loading, markers, progress
+from pytest_llmload import isolated_marker, known_failure_report, loading, markers, progress
 from pytest_llmload.fixtures import (  # noqa: F401  (pytest discovers fixtures on the plugin module)
     distributed_env,
     gpu_model,
@@ -46,6 +46,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", markers.NEEDS_GPUS_HELP)
     config.addinivalue_line("markers", markers.GPU_HELP)
+    config.addinivalue_line("markers", isolated_marker.ISOLATED_HELP)
+    config.pluginmanager.register(isolated_marker, "llmload-isolated")
     try:
         choice = loading.choose_loader(
             config.getoption("llmload_loader"), os.environ, config.getini(loading.INI_KEY)
