@@ -17,6 +17,12 @@ _HEAVY_STACK = (
     "peft",
     "safetensors.torch",
     "tokenizers",
+    # Imported by the inner run's plugins (hypothesis', anyio's). Outside the snapshot, every in-process run
+    # would import them again, and rewrite their asserts again: ~500 modules, ~1.5 s a run where bytecode is
+    # not cached (PYTHONDONTWRITEBYTECODE=1).
+    "hypothesis",
+    "hypothesis.extra",
+    "anyio",
 )
 
 

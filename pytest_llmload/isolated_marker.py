@@ -44,10 +44,12 @@ def isolated_timeout(item: pytest.Item):
         return False, None
     written = ", ".join([repr(a) for a in marker.args] + [f"{k}={v!r}" for k, v in marker.kwargs.items()])
     expected = f"expected @pytest.mark.{MARKER} or @pytest.mark.{MARKER}(timeout=<positive seconds>)"
+    why = None
     try:
         timeout = _isolated_signature(*marker.args, **marker.kwargs)
     except TypeError as exc:
         why = str(exc).replace("_isolated_signature()", f"{MARKER}()")
+    if why is not None:  # failed outside the except block: the report shows no chained TypeError
         pytest.fail(f"{item.nodeid}: @pytest.mark.{MARKER}({written}) is invalid ({why}); {expected}.", pytrace=False)
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
         pytest.fail(f"{item.nodeid}: @pytest.mark.{MARKER}({written}) is invalid: timeout={timeout!r}; {expected}.",

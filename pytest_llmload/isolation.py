@@ -180,7 +180,10 @@ def run_children(specs, timeout: float, *, method: str = "fork", tmp_root=None, 
             receiver, sender = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=_child_main, name=f"llmload-{spec.label.replace(' ', '')}",
-                args=(index, spec, sender, workdir, os.getpid() if method == "fork" else None), daemon=True,
+                args=(index, spec, sender, workdir, os.getpid() if method == "fork" else None),
+                # Not daemonic: a daemonic process may not start children, and an isolated test may start ranks,
+                # a rank DataLoader workers. The children are reaped here, whatever happens (finally, below).
+                daemon=False,
             )
             with warnings.catch_warnings():
                 # Python 3.12+ warns on every fork from a process with threads (torch starts one at
