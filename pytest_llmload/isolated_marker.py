@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 
 import pytest
-
-from pytest_llmload import isolation
 
 MARKER = "llmload_isolated"
 ISOLATED_HELP = (
@@ -66,6 +65,8 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function):
     isolated, timeout = isolated_timeout(pyfuncitem)
     if not isolated or inspect.iscoroutinefunction(pyfuncitem.obj):
         return None
+    from pytest_llmload import isolation  # imported by the first isolated test, not at plugin load
+
     if isolation.cuda_initialised():
         pytest.fail(
             f"{pyfuncitem.nodeid}: @pytest.mark.{MARKER} cannot run here: this process has initialised CUDA, and a "
@@ -107,6 +108,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     if not report.failed or call.excinfo is None:
         return
     exc = call.excinfo.value
+    isolation = sys.modules.get("pytest_llmload.isolation")
+    if isolation is None:  # nothing ran isolated
+        return
     if isinstance(exc, isolation.IsolationFailed):
         # The test process only waited: its frames say nothing. The message has the child's stacks or signal.
         report.longrepr = str(exc)

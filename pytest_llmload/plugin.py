@@ -7,10 +7,11 @@ nothing heavy: torch and the Hugging Face stack load only when a fixture asks fo
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
-from pytest_llmload import isolated_marker, known_failure_report, loading, markers, progress
+from pytest_llmload import isolated_marker, known_failure_report, loading, markers
 from pytest_llmload.fixtures import (  # noqa: F401  (pytest discovers fixtures on the plugin module)
     distributed_env,
     gpu_model,
@@ -24,7 +25,6 @@ from pytest_llmload.fixtures import (  # noqa: F401  (pytest discovers fixtures 
     loader_choice_key,
     lora_model,
 )
-from pytest_llmload.header import header_lines
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -56,19 +56,24 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(str(exc)) from None
     config.stash[loader_choice_key] = choice
     if config.getoption("llmload_progress") and not hasattr(config, "workerinput"):
+        from pytest_llmload import progress  # only the main job asks for it: plugin load stays cheap
+
         writer = progress.ProgressWriter(config.getoption("llmload_progress"))
         config.stash[progress.progress_key] = writer
         config.pluginmanager.register(writer, "llmload-progress")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    writer = config.stash.get(progress.progress_key, None)
+    progress = sys.modules.get("pytest_llmload.progress")
+    writer = None if progress is None else config.stash.get(progress.progress_key, None)
     if writer is not None:
         config.pluginmanager.unregister(writer)
         writer.close()
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
+    from pytest_llmload.header import header_lines  # imported when the header is printed, not at plugin load
+
     return header_lines(config.stash[loader_choice_key])
 
 

@@ -329,6 +329,16 @@ ISOLATED_TESTS = """
     def test_expected_failure():
         raise ValueError("known")
 
+    def all_reduce():
+        import torch, torch.distributed as dist
+        t = torch.tensor([dist.get_rank() + 1.0])
+        dist.all_reduce(t)
+        return t.item()
+
+    @pytest.mark.llmload_isolated(timeout=30)
+    def test_ranks_from_an_isolated_test(distributed_env):
+        assert distributed_env.run(all_reduce, world_size=2, backend="gloo", timeout=20) == [3.0, 3.0]
+
     def test_after_all_that():
         pass
 """
@@ -339,7 +349,7 @@ def test_isolated_tests_pass_fail_hang_and_die_on_their_own(pytester):
     started = time.monotonic()
     result = pytester.runpytest("-rA", "-p", "no:cacheprovider")
     assert time.monotonic() - started < 30
-    result.assert_outcomes(passed=3, failed=3, skipped=1, xfailed=1)
+    result.assert_outcomes(passed=4, failed=3, skipped=1, xfailed=1)
     result.stdout.fnmatch_lines([
         "*_ test_assertion _*",
         "AssertionError: assert 4 == 5  (raised in an isolated child, pid *)",
@@ -434,16 +444,6 @@ XDIST_TESTS = """
     import os, threading
     import pytest
 
-    def all_reduce():
-        import torch, torch.distributed as dist
-        t = torch.tensor([dist.get_rank() + 1.0])
-        dist.all_reduce(t)
-        return t.item()
-
-    @pytest.mark.llmload_isolated(timeout=60)
-    def test_ranks_from_an_isolated_test(distributed_env):
-        assert distributed_env.run(all_reduce, world_size=2, backend="gloo") == [3.0, 3.0]
-
     @pytest.mark.parametrize("i", range(4))
     @pytest.mark.llmload_isolated(timeout=60)
     def test_isolated(i):
@@ -461,13 +461,13 @@ XDIST_TESTS = """
 """
 
 
-@pytest.mark.timeout(180)
-def test_isolated_tests_and_their_ranks_under_xdist(pytester, tmp_path):
+@pytest.mark.timeout(120)
+def test_isolated_tests_under_xdist(pytester, tmp_path):
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
     pytester.makepyfile(test_xdist=textwrap.dedent(XDIST_TESTS.format(probe=PROBE, pid_dir=str(pid_dir))))
-    result = pytester.runpytest_subprocess("-n", "2", "-p", "no:cacheprovider", timeout=170)
-    result.assert_outcomes(passed=7, failed=1)
+    result = pytester.runpytest_subprocess("-n", "2", "-p", "no:cacheprovider", timeout=110)
+    result.assert_outcomes(passed=6, failed=1)
     result.stdout.fnmatch_lines(["*isolated test test_hangs did not return: deadline of 1 s exceeded*"])
     (hung,) = [int(p.name) for p in pid_dir.iterdir()]
     assert _gone(hung)
