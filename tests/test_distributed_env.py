@@ -7,8 +7,6 @@ import multiprocessing
 import os
 import signal
 import socket
-import subprocess
-import sys
 import textwrap
 import time
 
@@ -226,43 +224,8 @@ def test_forkserver_ranks_work_too():
     assert [v["sum"] for v in views] == [3.0, 3.0]
 
 
-CTRL_C_SCRIPT = """
-import os, sys, time
-from pytest_llmload.distributed import run_ranks
-
-def sleep_forever(pid_dir):
-    with open(os.path.join(pid_dir, str(os.getpid())), "w"):
-        pass
-    time.sleep(3600)
-
-if __name__ == "__main__":
-    run_ranks(sleep_forever, 2, args=(sys.argv[1],), timeout=600, tmp_root=sys.argv[2])
-"""
-
-
-def test_ctrl_c_kills_the_ranks_and_removes_the_temp_dir(tmp_path):
-    pid_dir, runs = tmp_path / "pids", tmp_path / "runs"
-    pid_dir.mkdir()
-    runs.mkdir()
-    script = tmp_path / "interrupted.py"
-    script.write_text(CTRL_C_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, str(script), str(pid_dir), str(runs)], env=env,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 40
-        while len(list(pid_dir.iterdir())) < 2 and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.05)
-        pids = [int(p.name) for p in pid_dir.iterdir()]
-        assert len(pids) == 2, proc.stderr.read() if proc.poll() is not None else "ranks did not start"
-        assert len(list(runs.iterdir())) == 1  # the run's temp dir exists while it runs
-        proc.send_signal(signal.SIGINT)
-        _, stderr = proc.communicate(timeout=15)
-    finally:
-        proc.kill()
-    assert "KeyboardInterrupt" in stderr
-    assert all(_gone(pid) for pid in pids)
-    assert list(runs.iterdir()) == []
+# Ctrl-C during a run (ranks killed, temp dir removed): tests/test_isolation.py, with the isolated runner that
+# starts the ranks.
 
 
 # --- through pytest, as a user meets it ----------------------------------------------------------------------

@@ -187,6 +187,7 @@ def test_a_forkserver_child_works_too():
 
 CTRL_C_SCRIPT = """
 import os, sys, time
+from pytest_llmload.distributed import run_ranks
 from pytest_llmload.isolation import run_isolated
 
 def sleep_forever(pid_dir):
@@ -194,31 +195,37 @@ def sleep_forever(pid_dir):
     time.sleep(3600)
 
 if __name__ == "__main__":
-    run_isolated(sleep_forever, (sys.argv[1],), timeout=600, tmp_root=sys.argv[2])
+    pid_dir, runs, runner = sys.argv[1:]
+    if runner == "ranks":
+        run_ranks(sleep_forever, 2, args=(pid_dir,), timeout=600, tmp_root=runs)
+    else:
+        run_isolated(sleep_forever, (pid_dir,), timeout=600, tmp_root=runs)
 """
 
 
-def test_ctrl_c_kills_the_child_and_removes_the_temp_dir(tmp_path):
+@pytest.mark.parametrize(("runner", "children"), [("isolated", 1), ("ranks", 2)])
+def test_ctrl_c_kills_the_children_and_removes_the_temp_dir(tmp_path, runner, children):
     pid_dir, runs = tmp_path / "pids", tmp_path / "runs"
     pid_dir.mkdir()
     runs.mkdir()
     script = tmp_path / "interrupted.py"
     script.write_text(CTRL_C_SCRIPT)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, str(script), str(pid_dir), str(runs)], env=env,
+    proc = subprocess.Popen([sys.executable, str(script), str(pid_dir), str(runs), runner], env=env,
                             stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 30
-        while not list(pid_dir.iterdir()) and time.monotonic() < deadline and proc.poll() is None:
+        deadline = time.monotonic() + 40
+        while len(list(pid_dir.iterdir())) < children and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.05)
-        (child,) = [int(p.name) for p in pid_dir.iterdir()]
-        assert list(runs.iterdir())  # the child's temp dir exists while it runs
+        pids = [int(p.name) for p in pid_dir.iterdir()]
+        assert len(pids) == children, proc.stderr.read() if proc.poll() is not None else "children did not start"
+        assert len(list(runs.iterdir())) == 1  # the run's temp dir exists while it runs
         proc.send_signal(signal.SIGINT)
         _, stderr = proc.communicate(timeout=20)
     finally:
         proc.kill()
     assert "KeyboardInterrupt" in stderr
-    assert _gone(child)
+    assert all(_gone(pid) for pid in pids)
     assert list(runs.iterdir()) == []
 
 
