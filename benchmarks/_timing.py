@@ -37,6 +37,13 @@ def run_timed(argv: list[str], cwd=None, env=None, check: bool = True) -> tuple[
     return wall, usage.ru_utime + usage.ru_stime, proc.returncode
 
 
+def timed(fn) -> float:
+    """Wall seconds of one call of ``fn()``."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
 def time_command(argv: list[str], runs: int, cwd=None, env=None) -> list[float]:
     """Wall times of ``runs`` runs of ``argv`` (after one warm-up run that is not counted)."""
     run_timed(argv, cwd=cwd, env=env)

@@ -16,13 +16,12 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).parent))
-from _timing import load_average, print_table  # noqa: E402
+from _timing import load_average, print_table, timed  # noqa: E402
 
 TORCHRUN_SCRIPT = textwrap.dedent("""
     import sys
@@ -42,12 +41,6 @@ def all_reduce() -> float:
     t = torch.tensor([dist.get_rank() + 1.0])
     dist.all_reduce(t)
     return t.item()
-
-
-def timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def main(runs: int = 5, torchrun: bool = False) -> dict:

@@ -15,12 +15,11 @@ import argparse
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _timing import load_average, median, print_table, repo_env, run_timed, spread  # noqa: E402
+from _timing import load_average, median, print_table, repo_env, run_timed, spread, timed  # noqa: E402
 
 FRESH_SCRIPT = """
 import sys
@@ -32,12 +31,6 @@ check_pad_token_set_offline(load_model_and_tokenizer, sys.argv[1], sys.argv[2])
 
 def nothing() -> None:
     return None
-
-
-def timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def main(runs: int = 9, fresh: bool = False) -> dict:

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from fixtures.processes import gone
 from pytest_llmload import distributed, isolation
 from pytest_llmload.distributed import DistributedRunFailed, run_ranks
 
@@ -29,15 +30,6 @@ def rank_view() -> dict:
     return {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "backend": dist.get_backend(),
             "sum": total.item(), "env": {name: os.environ.get(name) for name in launcher}, "pid": os.getpid(),
             "threads": torch.get_num_threads()}
-
-
-def _gone(pid: int) -> bool:
-    """No such process, not even a zombie: it ended and was reaped."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
 
 
 def _refused(port: int) -> bool:
@@ -61,7 +53,7 @@ def test_two_ranks_see_a_launchers_environment_and_nothing_of_the_test_process(d
         assert view["env"] == {"WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank),
                                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "ACCELERATE_BYPASS_DEVICE_MAP": None}
     # Nothing outlives the run: the ranks are reaped and the rendezvous port is closed.
-    assert all(_gone(view["pid"]) for view in views)
+    assert all(gone(view["pid"]) for view in views)
     assert multiprocessing.active_children() == []
     assert _refused(int(port))
 
@@ -145,7 +137,7 @@ def test_a_dying_rank_reports_its_exit_code_and_leaves_nothing_behind(tmp_path, 
     assert [o.status for o in outcomes] == ["raised", "died"]
     assert distributed.lost_a_peer(outcomes[0])  # rank 0 learnt of it in the barrier, and is listed after the cause
     assert message.index(described) < message.index("----- rank 0 raised")
-    assert all(_gone(o.pid) for o in outcomes)
+    assert all(gone(o.pid) for o in outcomes)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -188,7 +180,7 @@ def test_a_hanging_rank_is_killed_at_its_deadline_with_every_ranks_stack(tmp_pat
     assert "in sleep_on_rank_0" in outcomes[0].stacks and "time.sleep" not in outcomes[0].stacks
     assert "in barrier" in outcomes[1].stacks
     assert "in _bootstrap" not in outcomes[0].stacks  # the frames inherited from the test process are cut
-    assert all(_gone(int((pid_dir / f"rank{r}.pid").read_text())) for r in (0, 1))
+    assert all(gone(int((pid_dir / f"rank{r}.pid").read_text())) for r in (0, 1))
     assert list(runs.iterdir()) == []
 
 

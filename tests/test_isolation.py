@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from fixtures.processes import gone
 from pytest_llmload import catalog, isolation, known_failure_report
 from pytest_llmload.conformance import Check
 from pytest_llmload.isolation import ChildError, ChildTraceback, IsolationFailed, run_isolated
@@ -32,15 +33,6 @@ def _restore_absent_probe(monkeypatch) -> None:
     monkeypatch.delenv(PROBE)
 
 
-def _gone(pid: int) -> bool:
-    """No such process, not even a zombie: it ended and was reaped."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
-
-
 # --- the runner --------------------------------------------------------------------------------------------
 
 
@@ -53,7 +45,7 @@ def change_process_state() -> int:
 def test_an_isolated_call_returns_its_value_and_leaves_this_process_as_it_was(tmp_path):
     connect = socket.socket.connect
     pid = run_isolated(change_process_state, timeout=30, tmp_root=tmp_path)
-    assert pid != os.getpid() and _gone(pid)
+    assert pid != os.getpid() and gone(pid)
     assert PROBE not in os.environ and socket.socket.connect is connect
     assert list(tmp_path.iterdir()) == [] and multiprocessing.active_children() == []
 
@@ -124,7 +116,7 @@ def test_a_hang_fails_at_the_deadline_with_the_childs_stacks(tmp_path):
     assert "thread stacks of the child at the deadline" in message and "in blocked_in_a_named_frame" in message
     assert "in _bootstrap" not in message  # the frames inherited from the test process are cut
     assert excinfo.value.outcome.status == "hung"
-    assert _gone(int(pid_file.read_text())) and list(runs.iterdir()) == []
+    assert gone(int(pid_file.read_text())) and list(runs.iterdir()) == []
 
 
 def die(how: str):
@@ -149,7 +141,7 @@ def test_a_child_that_dies_fails_with_its_exit_code_or_signal(tmp_path, how, des
     assert message.startswith(f"the probe: its child (pid {excinfo.value.outcome.pid}) died: {described}")
     if how == "segfault":
         assert "Fatal Python error: Segmentation fault" in message and "in die" in message
-    assert _gone(excinfo.value.outcome.pid) and list(tmp_path.iterdir()) == []
+    assert gone(excinfo.value.outcome.pid) and list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.timeout(20)
@@ -225,7 +217,7 @@ def test_ctrl_c_kills_the_children_and_removes_the_temp_dir(tmp_path, runner, ch
     finally:
         proc.kill()
     assert "KeyboardInterrupt" in stderr
-    assert all(_gone(pid) for pid in pids)
+    assert all(gone(pid) for pid in pids)
     assert list(runs.iterdir()) == []
 
 
@@ -479,4 +471,4 @@ def test_isolated_tests_under_xdist(pytester, tmp_path):
     result.assert_outcomes(passed=6, failed=1)
     result.stdout.fnmatch_lines(["*isolated test test_hangs did not return: deadline of 1 s exceeded*"])
     (hung,) = [int(p.name) for p in pid_dir.iterdir()]
-    assert _gone(hung)
+    assert gone(hung)
