@@ -25,10 +25,16 @@ def repo_env(**overrides: str) -> dict:
     return env
 
 
-def run_timed(argv: list[str], cwd=None, env=None, check: bool = True) -> tuple[float, float, int]:
-    """``(wall seconds, CPU seconds, exit status)`` of one run of ``argv``; its output is discarded."""
+def run_timed(argv: list[str], cwd=None, env=None, check: bool = True, log=None) -> tuple[float, float, int]:
+    """``(wall seconds, CPU seconds, exit status)`` of one run of ``argv``; its output goes to the file ``log``
+    (a path), else nowhere."""
     start = time.perf_counter()
-    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    out = subprocess.DEVNULL if log is None else open(log, "wb")  # noqa: SIM115 - closed below
+    try:
+        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    finally:
+        if log is not None:
+            out.close()
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - start
     proc.returncode = os.waitstatus_to_exitcode(status)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -25,11 +26,18 @@ def main(runs: int = 3, only=None) -> dict:
     for key, extra in VARIANTS.items():
         if only and key != only:
             continue
-        argv = [sys.executable, "-m", "pytest", "tests", "-q", "-p", "no:cacheprovider", *extra]
+        argv = [sys.executable, "-m", "pytest", "tests", "-q", "-rfE", "-p", "no:cacheprovider", *extra]
         samples, loads = [], []
-        for _ in range(runs):
+        for run in range(runs):
             loads.append(load_average())
-            samples.append(run_timed(argv, cwd=REPO, env=repo_env(), check=False))
+            log = Path(tempfile.gettempdir(), f"llmload-bench-suite-{key}-{run}.log")
+            samples.append(run_timed(argv, cwd=REPO, env=repo_env(), check=False, log=log))
+            if samples[-1][2] != 0:  # say which tests failed, and keep the log
+                failed = [line for line in log.read_text(errors="replace").splitlines()
+                          if line.startswith(("FAILED", "ERROR"))]
+                print(f"{LABELS[key]}, run {run + 1}: exit status {samples[-1][2]}; log {log}", *failed, sep="\n  ")
+            else:
+                log.unlink()
         walls, cpus = [w for w, _, _ in samples], [c for _, c, _ in samples]
         statuses = sorted({status for _, _, status in samples})
         results[key] = {"wall_s": median(walls), "cpu_s": median(cpus), "exit_statuses": statuses}

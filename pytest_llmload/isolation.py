@@ -47,8 +47,6 @@ _PICKLED_EXCEPTION_LIMIT = 1 << 20
 DEADLINE_MARGIN_S = _STACK_WAIT_S + 1.0
 DEFAULT_TIMEOUT_S = 120.0
 
-in_child = False  # True in a process started by run_children
-
 
 class ChildOutcome:
     """What became of one child: ``status`` is ``ok``, ``raised``, ``died`` or ``hung``."""
@@ -331,8 +329,6 @@ def _trim_stacks(text: str) -> str:
 
 
 def _child_main(index, spec, conn, workdir, parent_pid):
-    global in_child
-    in_child = True
     # Own process group: the parent kills the child together with anything it started, and a Ctrl-C in the
     # terminal reaches only the parent, which then kills the children (no traceback per child).
     os.setpgid(0, 0)

@@ -178,7 +178,11 @@ def test_a_forkserver_child_works_too():
 
 
 CTRL_C_SCRIPT = """
-import os, sys, time
+import faulthandler, os, signal, sys, time
+faulthandler.register(signal.SIGUSR1)  # the test asks for the stacks of a script that did not stop
+# A pytest started as a background job of a non-interactive shell inherits SIGINT ignored (POSIX), and so
+# would this script; the user's terminal gives a foreground pytest Python's handler.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from pytest_llmload.distributed import run_ranks
 from pytest_llmload.isolation import run_isolated
 
@@ -213,7 +217,13 @@ def test_ctrl_c_kills_the_children_and_removes_the_temp_dir(tmp_path, runner, ch
         assert len(pids) == children, proc.stderr.read() if proc.poll() is not None else "children did not start"
         assert len(list(runs.iterdir())) == 1  # the run's temp dir exists while it runs
         proc.send_signal(signal.SIGINT)
-        _, stderr = proc.communicate(timeout=20)
+        try:
+            _, stderr = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(1)
+            proc.kill()
+            pytest.fail(f"the script did not stop on SIGINT; its stderr and stacks:\n{proc.communicate()[1]}")
     finally:
         proc.kill()
     assert "KeyboardInterrupt" in stderr
