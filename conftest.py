@@ -1,8 +1,15 @@
 """This repo's own test configuration. The plugin itself is loaded through its pytest11 entry point."""
 
 import importlib
+import os
 
 import pytest
+
+# The suite's models are tiny: a second OpenMP thread buys nothing, while on a shared 2-core runner (or under
+# pytest -n 2) idle OpenMP workers spin on oversubscribed cores: measured here, the offload tests took 27.5 s
+# of CPU with torch's default threads and 9.9 s with one. Set before anything imports torch; the caller's
+# value wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 pytest_plugins = ["pytester"]
 
@@ -17,6 +24,12 @@ _HEAVY_STACK = (
     "peft",
     "safetensors.torch",
     "tokenizers",
+    # Imported by the inner run's plugins (hypothesis', anyio's). Outside the snapshot, every in-process run
+    # would import them again, and rewrite their asserts again: ~500 modules, ~1.5 s a run where bytecode is
+    # not cached (PYTHONDONTWRITEBYTECODE=1).
+    "hypothesis",
+    "hypothesis.extra",
+    "anyio",
 )
 
 

@@ -16,11 +16,12 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).parent))
+from _timing import load_average, print_table, timed  # noqa: E402
 
 TORCHRUN_SCRIPT = textwrap.dedent("""
     import sys
@@ -42,23 +43,15 @@ def all_reduce() -> float:
     return t.item()
 
 
-def timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--torchrun", action="store_true", help="also time the DeepSpeed step under torchrun")
-    options = parser.parse_args()
-
+def main(runs: int = 5, torchrun: bool = False) -> dict:
     from pytest_llmload import distributed
     from pytest_llmload.checks.distributed import _load_prepare_and_step
     from pytest_llmload.reference_loader import load_model_and_tokenizer
     from pytest_llmload.tiny_models import build_tiny_checkpoint
 
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
     work = Path(tempfile.mkdtemp(prefix="bench-distributed-"))
     checkpoint = build_tiny_checkpoint(work / "llama")
 
@@ -76,30 +69,34 @@ def main() -> None:
          distributed.HF_PRELOAD + ("transformers.models.llama.modeling_llama",)),
         ("2-rank DeepSpeed ZeRO-2 load + prepare + step", step("deepspeed"), distributed.DEEPSPEED_PRELOAD),
     ]
-    rows = []
+    rows, medians = [], {}
     for name, scenario, modules in scenarios:
         first = timed(preload_then(scenario, modules))
-        times = [timed(scenario) for _ in range(options.runs)]
-        rows.append((name, statistics.median(times), min(times), max(times), first))
-    if options.torchrun:
+        times = [timed(scenario) for _ in range(runs)]
+        medians[name] = statistics.median(times)
+        rows.append((name, f"{statistics.median(times):.2f}", f"{min(times):.2f}", f"{max(times):.2f}", f"{first:.2f}"))
+    if torchrun:
         script = work / "torchrun_step.py"
         script.write_text(TORCHRUN_SCRIPT)
-        torchrun = Path(sys.executable).with_name("torchrun")
-        command = [str(torchrun), "--standalone", "--nproc-per-node", "2", str(script), str(checkpoint), str(work)]
+        launcher = Path(sys.executable).with_name("torchrun")
+        command = [str(launcher), "--standalone", "--nproc-per-node", "2", str(script), str(checkpoint), str(work)]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-        runs = max(1, min(options.runs, 3))
         times = [timed(lambda: subprocess.run(command, env=env, check=True, capture_output=True))
-                 for _ in range(runs)]
-        rows.append(("torchrun: 2 fresh interpreters, DeepSpeed ZeRO-2 step", statistics.median(times),
-                     min(times), max(times), float("nan")))
-
-    width = max(len(row[0]) for row in rows)
-    print(f"{'scenario':<{width}}  {'median s':>8}  {'min s':>6}  {'max s':>6}  {'first run s':>11}")
-    for name, median, low, high, first in rows:
-        print(f"{name:<{width}}  {median:8.2f}  {low:6.2f}  {high:6.2f}  {first:11.2f}")
-    print(f"({options.runs} runs each after the first; the first run includes importing the stack into the parent"
-          f"; {os.cpu_count()} CPUs, torch threads per rank: 1)")
+                 for _ in range(max(1, min(runs, 3)))]
+        name = "torchrun: 2 fresh interpreters, DeepSpeed ZeRO-2 step"
+        medians[name] = statistics.median(times)
+        rows.append((name, f"{statistics.median(times):.2f}", f"{min(times):.2f}", f"{max(times):.2f}", "-"))
+    print_table(
+        f"2-rank scenarios, {runs} runs each after the first ({os.cpu_count()} CPUs, torch threads per rank: 1; "
+        f"{load_average()})",
+        rows, ("scenario", "median s", "min s", "max s", "first run s (imports the stack)"),
+    )
+    return medians
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--torchrun", action="store_true", help="also time the DeepSpeed step under torchrun")
+    options = parser.parse_args()
+    main(options.runs, options.torchrun)

@@ -36,6 +36,9 @@ class Check(NamedTuple):
     transformers: Optional[str] = None  # PEP 440 range where the failure exists; elsewhere the check skips
     timeout: float = 120.0  # seconds; a hang fails the check with every thread's stack
     label: Optional[str] = None  # the name, where ``function`` is a partial (a GPU variant, say)
+    # Run in a child forked from the test process (pytest_llmload.isolation): for checks that can hang, crash,
+    # or change process-wide state (environment, patched upstream code, audit hooks, sockets).
+    isolated: bool = False
 
     @property
     def name(self) -> str:
@@ -47,7 +50,13 @@ class Check(NamedTuple):
         return " ".join(doc.strip().split("\n\n")[0].split()) if doc else ""
 
     def __call__(self, loader: Any, checkpoint: Path, workdir: Path) -> None:
-        self.function(as_loader_under_test(loader), Path(checkpoint), Path(workdir))
+        args = (as_loader_under_test(loader), Path(checkpoint), Path(workdir))
+        if not self.isolated:
+            return self.function(*args)
+        from pytest_llmload import isolated_marker, isolation
+
+        isolation.run_isolated(self.function, args, timeout=self.timeout, label=self.name,
+                               render=isolated_marker.render_failure)
 
     def version_skip_reason(self) -> Optional[str]:
         """Why this check does not apply to the installed transformers, or ``None`` when it does."""

@@ -20,7 +20,6 @@ from pytest_llmload.loading import (
     as_loader_under_test,
     import_loader,
 )
-from pytest_llmload.offline import offline
 
 loader_choice_key = pytest.StashKey[LoaderChoice]()
 
@@ -28,6 +27,8 @@ loader_choice_key = pytest.StashKey[LoaderChoice]()
 @pytest.fixture(scope="session")
 def llmload_offline():
     """The hub is offline (HF_HUB_OFFLINE=1) and non-loopback connections fail, naming who tried."""
+    from pytest_llmload.offline import offline
+
     with offline():
         yield
 

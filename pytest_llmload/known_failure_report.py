@@ -8,7 +8,6 @@ from collections import Counter
 
 import pytest
 
-from pytest_llmload import catalog
 
 SECTION = "llmload: known failure"
 matches_key = pytest.StashKey[Counter]()
@@ -23,6 +22,8 @@ def annotate(item: pytest.Item, call: pytest.CallInfo, report: pytest.TestReport
     if not report.failed or call.excinfo is None:
         return
     text = failure_text(call.excinfo)
+    from pytest_llmload import catalog  # only a failing test needs it: plugin load stays cheap
+
     found = catalog.match(text)
     if not found:
         return

@@ -7,10 +7,11 @@ nothing heavy: torch and the Hugging Face stack load only when a fixture asks fo
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
-from pytest_llmload import known_failure_report, loading, markers, progress
+from pytest_llmload import isolated_marker, known_failure_report, loading, markers
 from pytest_llmload.fixtures import (  # noqa: F401  (pytest discovers fixtures on the plugin module)
     distributed_env,
     gpu_model,
@@ -24,7 +25,6 @@ from pytest_llmload.fixtures import (  # noqa: F401  (pytest discovers fixtures 
     loader_choice_key,
     lora_model,
 )
-from pytest_llmload.header import header_lines
 
 # Phase timings, device-map summaries, the session summary, and the limit_torch_memory marker: each module
 # registers its own options, markers and hooks.
@@ -51,6 +51,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", markers.NEEDS_GPUS_HELP)
     config.addinivalue_line("markers", markers.GPU_HELP)
     config.addinivalue_line("markers", markers.DEEPSPEED_HELP)
+    config.addinivalue_line("markers", isolated_marker.ISOLATED_HELP)
+    config.pluginmanager.register(isolated_marker, "llmload-isolated")
     try:
         choice = loading.choose_loader(
             config.getoption("llmload_loader"), os.environ, config.getini(loading.INI_KEY)
@@ -59,19 +61,24 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(str(exc)) from None
     config.stash[loader_choice_key] = choice
     if config.getoption("llmload_progress") and not hasattr(config, "workerinput"):
+        from pytest_llmload import progress  # only the main job asks for it: plugin load stays cheap
+
         writer = progress.ProgressWriter(config.getoption("llmload_progress"))
         config.stash[progress.progress_key] = writer
         config.pluginmanager.register(writer, "llmload-progress")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    writer = config.stash.get(progress.progress_key, None)
+    progress = sys.modules.get("pytest_llmload.progress")
+    writer = None if progress is None else config.stash.get(progress.progress_key, None)
     if writer is not None:
         config.pluginmanager.unregister(writer)
         writer.close()
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
+    from pytest_llmload.header import header_lines  # imported when the header is printed, not at plugin load
+
     return header_lines(config.stash[loader_choice_key])
 
 
@@ -110,6 +117,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             from pytest_llmload import distributed
 
             distributed.preload(("deepspeed",))
+            distributed.prebuild_deepspeed_ops()
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -7,14 +7,13 @@ import multiprocessing
 import os
 import signal
 import socket
-import subprocess
-import sys
 import textwrap
 import time
 
 import pytest
 
-from pytest_llmload import distributed
+from fixtures.processes import gone
+from pytest_llmload import distributed, isolation
 from pytest_llmload.distributed import DistributedRunFailed, run_ranks
 
 pytestmark = pytest.mark.timeout(60)
@@ -31,15 +30,6 @@ def rank_view() -> dict:
     return {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "backend": dist.get_backend(),
             "sum": total.item(), "env": {name: os.environ.get(name) for name in launcher}, "pid": os.getpid(),
             "threads": torch.get_num_threads()}
-
-
-def _gone(pid: int) -> bool:
-    """No such process, not even a zombie: it ended and was reaped."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
 
 
 def _refused(port: int) -> bool:
@@ -63,7 +53,7 @@ def test_two_ranks_see_a_launchers_environment_and_nothing_of_the_test_process(d
         assert view["env"] == {"WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank),
                                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "ACCELERATE_BYPASS_DEVICE_MAP": None}
     # Nothing outlives the run: the ranks are reaped and the rendezvous port is closed.
-    assert all(_gone(view["pid"]) for view in views)
+    assert all(gone(view["pid"]) for view in views)
     assert multiprocessing.active_children() == []
     assert _refused(int(port))
 
@@ -145,9 +135,9 @@ def test_a_dying_rank_reports_its_exit_code_and_leaves_nothing_behind(tmp_path, 
     assert message.startswith(f"2 of 2 ranks failed (gloo, deadline 30 s); first: {described}\n")
     outcomes = excinfo.value.outcomes
     assert [o.status for o in outcomes] == ["raised", "died"]
-    assert outcomes[0].lost_a_peer  # rank 0 learnt of it in the barrier, and is listed after the cause
+    assert distributed.lost_a_peer(outcomes[0])  # rank 0 learnt of it in the barrier, and is listed after the cause
     assert message.index(described) < message.index("----- rank 0 raised")
-    assert all(_gone(o.pid) for o in outcomes)
+    assert all(gone(o.pid) for o in outcomes)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -190,7 +180,7 @@ def test_a_hanging_rank_is_killed_at_its_deadline_with_every_ranks_stack(tmp_pat
     assert "in sleep_on_rank_0" in outcomes[0].stacks and "time.sleep" not in outcomes[0].stacks
     assert "in barrier" in outcomes[1].stacks
     assert "in _bootstrap" not in outcomes[0].stacks  # the frames inherited from the test process are cut
-    assert all(_gone(int((pid_dir / f"rank{r}.pid").read_text())) for r in (0, 1))
+    assert all(gone(int((pid_dir / f"rank{r}.pid").read_text())) for r in (0, 1))
     assert list(runs.iterdir()) == []
 
 
@@ -214,7 +204,7 @@ def test_misuse_is_refused_with_the_value():
 def test_gpu_ranks_and_a_cuda_parent_never_fork(monkeypatch):
     assert distributed.start_method("gloo") == "fork"
     assert distributed.start_method("nccl") == "forkserver"
-    monkeypatch.setattr(distributed, "_cuda_initialised", lambda: True)
+    monkeypatch.setattr(isolation, "cuda_initialised", lambda: True)
     assert distributed.start_method("gloo") == "forkserver"
     with pytest.raises(RuntimeError, match="this process has initialised CUDA"):
         distributed.start_method("gloo", "fork")
@@ -226,43 +216,26 @@ def test_forkserver_ranks_work_too():
     assert [v["sum"] for v in views] == [3.0, 3.0]
 
 
-CTRL_C_SCRIPT = """
-import os, sys, time
-from pytest_llmload.distributed import run_ranks
+def shm_op_builder() -> str:
+    import sys
 
-def sleep_forever(pid_dir):
-    with open(os.path.join(pid_dir, str(os.getpid())), "w"):
-        pass
-    time.sleep(3600)
-
-if __name__ == "__main__":
-    run_ranks(sleep_forever, 2, args=(sys.argv[1],), timeout=600, tmp_root=sys.argv[2])
-"""
+    return sys.modules["deepspeed.comm.torch"].build_shm_op.__module__
 
 
-def test_ctrl_c_kills_the_ranks_and_removes_the_temp_dir(tmp_path):
-    pid_dir, runs = tmp_path / "pids", tmp_path / "runs"
-    pid_dir.mkdir()
-    runs.mkdir()
-    script = tmp_path / "interrupted.py"
-    script.write_text(CTRL_C_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, str(script), str(pid_dir), str(runs)], env=env,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 40
-        while len(list(pid_dir.iterdir())) < 2 and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.05)
-        pids = [int(p.name) for p in pid_dir.iterdir()]
-        assert len(pids) == 2, proc.stderr.read() if proc.poll() is not None else "ranks did not start"
-        assert len(list(runs.iterdir())) == 1  # the run's temp dir exists while it runs
-        proc.send_signal(signal.SIGINT)
-        _, stderr = proc.communicate(timeout=15)
-    finally:
-        proc.kill()
-    assert "KeyboardInterrupt" in stderr
-    assert all(_gone(pid) for pid in pids)
-    assert list(runs.iterdir()) == []
+@pytest.mark.skipif(os.environ.get("DS_ACCELERATOR") != "cpu", reason="DeepSpeed's CPU accelerator only")
+def test_deepspeed_ranks_reuse_the_parents_shm_op_instead_of_building_it(monkeypatch):
+    # Each rank JIT-loading the op takes a lock file in ~/.cache/torch_extensions; a rank killed meanwhile
+    # left it behind and every later DeepSpeed run waited on it. preload loads it here, once.
+    pytest.importorskip("deepspeed")
+    distributed.preload(distributed.DEEPSPEED_PRELOAD)
+    assert distributed._shm_op, "preload did not load the op"
+    assert run_ranks(shm_op_builder, 2, timeout=30) == ["pytest_llmload.distributed"] * 2
+    monkeypatch.setattr(distributed, "_shm_op", [])  # without it, the ranks would build it themselves
+    assert run_ranks(shm_op_builder, 2, timeout=30) == ["deepspeed.comm.torch"] * 2
+
+
+# Ctrl-C during a run (ranks killed, temp dir removed): tests/test_isolation.py, with the isolated runner that
+# starts the ranks.
 
 
 # --- through pytest, as a user meets it ----------------------------------------------------------------------
@@ -314,7 +287,8 @@ def test_a_raising_rank_fails_the_test_with_its_traceback(failing_ranks):
         "E*Traceback (most recent call last):",
         "E*in refuse_on_rank_1",
         'E*raise ValueError("rank 1 refuses")',
-        "E*----- rank 0 raised RuntimeError: *Connection * by peer*",  # closed or reset: depends on timing
+        # gloo says "closed" or "reset", depending on timing: both are the lost peer (distributed._PEER_LOSS)
+        "E*----- rank 0 raised RuntimeError: *Connection * by peer*",
     ])
 
 

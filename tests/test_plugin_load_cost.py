@@ -6,26 +6,33 @@ pytestmark = pytest.mark.timeout(180)
 
 HEAVY = ("torch", "transformers", "accelerate", "peft", "bitsandbytes", "deepspeed")
 
+# Modules of the plugin itself that a run using none of its fixtures, markers or checks never needs.
+DEFERRED = ("pytest_llmload.isolation", "pytest_llmload.catalog", "pytest_llmload.offline", "pytest_llmload.progress",
+            "pickle")
+
 PROBE = f"""
 import sys
 
 def pytest_unconfigure(config):
     print("HEAVY IMPORTED:", sorted(m for m in {HEAVY!r} if m in sys.modules))
+    print("DEFERRED IMPORTED:", sorted(m for m in {DEFERRED!r} if m in sys.modules))
 """
 
 
 def test_plain_run_with_plugin_imports_nothing_heavy(pytester):
     pytester.makeconftest(PROBE)
     pytester.makepyfile("import pytest\n\n@pytest.mark.needs_gpus(1)\ndef test_gpu(): pass\n\ndef test_plain(): pass\n")
-    result = pytester.runpytest_subprocess("-p", "llmload")
+    # (no:hypothesispytest: its plugin imports all of hypothesis, ~1 s, at the end of every run)
+    result = pytester.runpytest_subprocess("-p", "llmload", "-p", "no:hypothesispytest")
     result.assert_outcomes(passed=1, skipped=1)
-    result.stdout.fnmatch_lines(["llmload: loader *", "HEAVY IMPORTED: []"])
+    result.stdout.fnmatch_lines(["llmload: loader *", "HEAVY IMPORTED: []", "DEFERRED IMPORTED: []"])
 
 
 def test_the_probe_sees_torch_when_a_fixture_needs_it(pytester):
     # The same probe must be able to fail: a run that uses a fixture does import the stack.
     pytester.makeconftest(PROBE)
     pytester.makepyfile("def test_ckpt(llmload_checkpoint): pass\n")
-    result = pytester.runpytest_subprocess()
+    result = pytester.runpytest_subprocess("-p", "no:hypothesispytest")
     result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines(["HEAVY IMPORTED: [[]*'torch'*'transformers'*[]]"])
+    result.stdout.fnmatch_lines(["HEAVY IMPORTED: [[]*'torch'*'transformers'*[]]",
+                                 "DEFERRED IMPORTED: [[]*'pytest_llmload.offline'*[]]"])

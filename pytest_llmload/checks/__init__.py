@@ -27,8 +27,14 @@ def _with_training_script_fix(check):
 
 REGISTRY: tuple[Check, ...] = (
     *offload.CHECKS,
+    # Isolated: Trainer leaves accelerate's process-wide AcceleratorState behind (class-level singletons that
+    # later tests and forked ranks inherit) and reseeds the global RNGs; the 4-bit load runs bitsandbytes'
+    # native code.
     Check(_with_training_script_fix(trainer.check_trainer_does_not_wrap_placed_model),
-          failure="dp-dtype", label="check_trainer_does_not_wrap_placed_model", timeout=180),
+          failure="dp-dtype", label="check_trainer_does_not_wrap_placed_model", timeout=180, isolated=True),
+    # Not isolated: its work already runs in ranks it forks (deadline, stacks, exit codes included), and the
+    # DeepSpeed stack it imports here first (seconds) is what makes those ranks cheap; in a child it would be
+    # imported again on every call.
     Check(distributed.check_distributed_train_step, failure="distributed-device-map", world_size=2, timeout=180),
 )
 

@@ -548,14 +548,19 @@ def _on_cuda(check: Callable, label: str) -> dict:
 
 
 # The checks for the conformance registry (pytest_llmload.conformance.Check), with the catalog ids they guard.
+# All run isolated, in a child of the test process: each patches process-wide state while the loader runs
+# (from_pretrained spies, the socket guard, TMPDIR and an audit hook that cannot be removed), and a load that
+# hangs in native code (a blocked shard read) ignores the in-process alarm of ``deadline``; a child can be
+# killed at its deadline, with its stacks.
 CHECKS = (
-    Check(check_train_request_trains, failure="meta-backward"),
-    Check(check_offload_inference, failure="offload-hang"),
-    Check(check_load_writes_only_offload_folder, failure="offload-hang"),
-    Check(check_pad_token_set_offline, failure="offload-hang"),
+    Check(check_train_request_trains, failure="meta-backward", isolated=True),
+    Check(check_offload_inference, failure="offload-hang", isolated=True),
+    Check(check_load_writes_only_offload_folder, failure="offload-hang", isolated=True),
+    Check(check_pad_token_set_offline, failure="offload-hang", isolated=True),
     Check(**_on_cuda(check_train_request_trains, "check_train_request_trains_cuda"), failure="meta-backward",
-          needs_gpus=1),
-    Check(**_on_cuda(check_offload_inference, "check_offload_inference_cuda"), failure="offload-hang", needs_gpus=1),
+          needs_gpus=1, isolated=True),
+    Check(**_on_cuda(check_offload_inference, "check_offload_inference_cuda"), failure="offload-hang", needs_gpus=1,
+          isolated=True),
 )
 
 __all__ = ["CHECKS", "TRAIN_VARIANTS", "check_load_writes_only_offload_folder", "check_offload_inference",

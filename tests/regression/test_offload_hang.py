@@ -241,12 +241,16 @@ HANG_TESTS = """
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.llmload_isolated(timeout=100)
 def test_a_hung_load_fails_within_its_deadline_naming_the_blocked_frame(pytester, llmload_checkpoint):
     """A load whose second shard read blocks forever: the check's own deadline (1 s) and pytest-timeout's
-    (1 s, the read blocked in a worker thread) both fail the test in time, with every thread's stack."""
+    (1 s, the read blocked in a worker thread) both fail the test in time, with every thread's stack.
+
+    The inner run is in-process, in an isolated child: it starts warm (no fresh interpreter importing the
+    stack), and the threads it leaves blocked and the functions it patches die with the child."""
     pytester.makepyfile(test_hang=textwrap.dedent(HANG_TESTS.format(checkpoint=str(llmload_checkpoint))))
     start = time.monotonic()
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--durations=0", "-vv", timeout=110)
+    result = pytester.runpytest("-p", "no:cacheprovider", "--durations=0", "-vv")
     elapsed = time.monotonic() - start
     result.assert_outcomes(failed=2)
     result.stdout.fnmatch_lines([
@@ -257,11 +261,14 @@ def test_a_hung_load_fails_within_its_deadline_naming_the_blocked_frame(pytester
         "*in blocked_shard_read",
     ])
     # pytest-timeout prints the other threads' stacks; the main thread's is the failure's own traceback.
+    # (In-process, its dump goes to the terminal at once, so it comes before the failure section.)
     result.stdout.fnmatch_lines([
         "*_ test_pytest_timeout _*",
         "*in prefetching_loader",
         "*worker.join()",
         "E*Failed: Timeout (>1.0s) from pytest-timeout.",
+    ])
+    result.stdout.fnmatch_lines([
         "*+ Timeout +*",
         "*~ Stack of shard-prefetch (*) ~*",
         "*in blocked_shard_read",

@@ -1,0 +1,118 @@
+"""The ``llmload_isolated`` marker: run a test's body in a child forked from the test process.
+
+::
+
+    @pytest.mark.timeout(60)
+    @pytest.mark.llmload_isolated(timeout=30)
+    def test_guard_patches_sockets(llmload_checkpoint):
+        os.environ["HF_HUB_OFFLINE"] = "1"  # gone with the child
+        ...
+
+Fixtures are set up and torn down here, in the test process; the child inherits their values (a loaded
+model too, copy-on-write: the child may change it, the next test sees the original). The test process
+enforces the deadline and, when it is hit, fails the test with the child's thread stacks; a child that dies
+fails it with the signal or exit code; an exception fails it with the child's own report (pytest's
+assertion text included). An isolated test cannot run in a process that has initialised CUDA (a forked
+child cannot use it): do CUDA work inside isolated tests, never in the fixtures they use.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+
+import pytest
+
+MARKER = "llmload_isolated"
+ISOLATED_HELP = (
+    f"{MARKER}(timeout=None): run the test's body in a child forked from the test process (fixtures stay "
+    "here); the deadline in seconds is enforced here, with the child's thread stacks (default: pytest-timeout's "
+    "less a few seconds, else 120). Process-wide changes (environment, patches, process groups) die with the child."
+)
+
+
+def _isolated_signature(*, timeout=None):  # Python itself rejects positional or unknown arguments
+    return timeout
+
+
+def isolated_timeout(item: pytest.Item):
+    """``(True, timeout)`` for a valid marker, ``(False, None)`` without one; a usage failure otherwise."""
+    marker = item.get_closest_marker(MARKER)
+    if marker is None:
+        return False, None
+    written = ", ".join([repr(a) for a in marker.args] + [f"{k}={v!r}" for k, v in marker.kwargs.items()])
+    expected = f"expected @pytest.mark.{MARKER} or @pytest.mark.{MARKER}(timeout=<positive seconds>)"
+    why = None
+    try:
+        timeout = _isolated_signature(*marker.args, **marker.kwargs)
+    except TypeError as exc:
+        why = str(exc).replace("_isolated_signature()", f"{MARKER}()")
+    if why is not None:  # failed outside the except block: the report shows no chained TypeError
+        pytest.fail(f"{item.nodeid}: @pytest.mark.{MARKER}({written}) is invalid ({why}); {expected}.", pytrace=False)
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+        pytest.fail(f"{item.nodeid}: @pytest.mark.{MARKER}({written}) is invalid: timeout={timeout!r}; {expected}.",
+                    pytrace=False)
+    return True, timeout
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    isolated_timeout(item)  # a bad marker errors the test before its fixtures run
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function):
+    isolated, timeout = isolated_timeout(pyfuncitem)
+    if not isolated or inspect.iscoroutinefunction(pyfuncitem.obj):
+        return None
+    from pytest_llmload import isolation  # imported by the first isolated test, not at plugin load
+
+    if isolation.cuda_initialised():
+        pytest.fail(
+            f"{pyfuncitem.nodeid}: @pytest.mark.{MARKER} cannot run here: this process has initialised CUDA, and a "
+            "child forked from it cannot use CUDA (its first CUDA call hangs or fails), while the test's fixtures "
+            "cannot be sent to a fresh process. Do CUDA work inside isolated tests (not in fixtures such as "
+            "gpu_model), or drop the marker from this test.", pytrace=False,
+        )
+    funcargs = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
+    isolation.run_isolated(_call_test, (pyfuncitem.obj, funcargs), timeout=timeout, start="fork",
+                           label=f"isolated test {pyfuncitem.name}", render=functools.partial(_render, pyfuncitem))
+    return True
+
+
+def _call_test(function, funcargs) -> None:
+    function(**funcargs)  # what a test returns stays in the child (it need not pickle)
+
+
+def _render(item: pytest.Function, exc: BaseException):
+    """In the child: the failure as pytest would report it in-process (style from --tb, assertion text)."""
+    if isinstance(exc, (pytest.skip.Exception, pytest.xfail.Exception)):
+        return None
+    return str(item.repr_failure(pytest.ExceptionInfo.from_exception(exc)))
+
+
+def render_failure(exc: BaseException):
+    """In a child without a test item (an isolated check): the failure in pytest's long style, from the
+    frame below the child's entry point."""
+    if isinstance(exc, (pytest.skip.Exception, pytest.xfail.Exception)):
+        return None
+    excinfo = pytest.ExceptionInfo.from_exception(exc)
+    excinfo.traceback = excinfo.traceback[1:] or excinfo.traceback
+    return str(excinfo.getrepr(style="long", chain=True, truncate_locals=True))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    report = outcome.get_result()
+    if not report.failed or call.excinfo is None:
+        return
+    exc = call.excinfo.value
+    isolation = sys.modules.get("pytest_llmload.isolation")
+    if isolation is None:  # nothing ran isolated
+        return
+    if isinstance(exc, isolation.IsolationFailed):
+        # The test process only waited: its frames say nothing. The message has the child's stacks or signal.
+        report.longrepr = str(exc)
+    elif getattr(exc, "llmload_child_report", None):
+        report.longrepr = exc.llmload_child_report
