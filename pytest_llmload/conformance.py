@@ -54,7 +54,9 @@ class Check(NamedTuple):
         if not self.isolated:
             return self.function(*args)
         from pytest_llmload import isolated_marker, isolation
+        from pytest_llmload.checks import preload_for_isolated_checks
 
+        preload_for_isolated_checks(args[1])
         isolation.run_isolated(self.function, args, timeout=self.timeout, label=self.name,
                                render=isolated_marker.render_failure)
 

@@ -301,6 +301,23 @@ def test_the_checks_that_patch_process_state_or_can_hang_are_isolated():
     assert [check.name for check in REGISTRY if not check.isolated] == ["check_distributed_train_step"]
 
 
+@pytest.mark.parametrize(("gpus_visible", "peft_preloaded"), [(0, True), (1, False)])
+def test_isolated_checks_preload_the_stack_but_never_what_initialises_cuda(monkeypatch, tmp_path, gpus_visible,
+                                                                           peft_preloaded):
+    # What a child imports dies with it. peft imports bitsandbytes, which initialises CUDA where a GPU is visible.
+    from pytest_llmload import distributed, gpus
+    from pytest_llmload.checks import preload_for_isolated_checks
+
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2"}')
+    asked = []
+    monkeypatch.setattr(distributed, "preload", asked.extend)
+    monkeypatch.setattr(gpus, "visible_gpu_count", lambda: gpus_visible)
+    preload_for_isolated_checks(tmp_path)
+    assert set(distributed.HF_PRELOAD) <= set(asked)
+    assert "transformers.models.qwen2.modeling_qwen2" in asked
+    assert ("peft" in asked) is peft_preloaded
+
+
 # --- the marker --------------------------------------------------------------------------------------------
 
 ISOLATED_TESTS = """
