@@ -62,21 +62,14 @@ def _guard():
 def _require_4bit_here() -> None:
     """Skip unless bitsandbytes 4-bit loads on this machine, naming transformers' refusal and what its
     Trainer would do with the write-up's model where it does load (on a GPU)."""
-    from importlib import metadata
+    from pytest_llmload.checks.trainer import four_bit_refusal
 
-    from transformers.integrations import validate_bnb_backend_availability
-
-    try:
-        validate_bnb_backend_availability(raise_exception=True)
-    except RuntimeError as refusal:
-        first_sentence = str(refusal).split(". ")[0]
+    refusal = four_bit_refusal()
+    if refusal is not None:
         behaviour = ("skips 4-bit models in nn.DataParallel but counts n_gpu" if _trainer_skips_4bit()
                      else "wraps 4-bit models in nn.DataParallel (it skips 8-bit only)")
-        pytest.skip(
-            f"write-up 003 loads in 4-bit: transformers {metadata.version('transformers')} with bitsandbytes "
-            f"{metadata.version('bitsandbytes')} refuses 4-bit on this machine ({first_sentence}); needs 1 GPU. "
-            f"Not reproduced here; by its source this Trainer {behaviour}"
-        )
+        pytest.skip(f"write-up 003 loads in 4-bit: {refusal}. Not reproduced here; by its source this Trainer "
+                    f"{behaviour}")
 
 
 def _trainer_skips_4bit() -> bool:

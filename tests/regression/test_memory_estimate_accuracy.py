@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import itertools
 import re
+from importlib import metadata
 
 import pytest
+from packaging.version import Version
 
 from pytest_llmload import LoadRequest
 from pytest_llmload.memory import estimate_inference_memory, estimate_training_memory
@@ -20,6 +22,14 @@ from pytest_llmload.memory_limit import _CpuAllocations, skip_reason
 from pytest_llmload.reference_loader import load_model_and_tokenizer
 
 BATCH, SEQ = 2, 128
+TRANSFORMERS_4 = Version(metadata.version("transformers")).major < 5
+# The activation rows count what transformers 5's Llama layer saves for backward. The version matrix
+# (docs/version_matrix.md) measured transformers 4.x's layer saving more, outside the bands below.
+TRANSFORMERS_4_REASON = (
+    f"transformers {metadata.version('transformers')}: the training estimate's bands hold for transformers 5 only; "
+    "4.x's Llama layer saves more for backward (errors measured: 4.57.6 and 4.56.2 -13% at float32+LoRA+checkpointing, "
+    "4.46.3 -4% to -18%)"
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -45,6 +55,8 @@ def _parameter_bytes(model) -> int:
                          list(itertools.product(("float32", "bfloat16"), (False, True), (False, True))))
 def test_training_estimate_against_the_allocator_peak_of_two_adamw_steps(llmload_checkpoint, dtype, lora,
                                                                          checkpointing):
+    if TRANSFORMERS_4:
+        pytest.skip(TRANSFORMERS_4_REASON)
     import torch
 
     torch.manual_seed(0)
@@ -73,6 +85,10 @@ def test_training_estimate_against_the_allocator_peak_of_two_adamw_steps(llmload
 @pytest.mark.timeout(120)
 def test_the_4bit_weights_row_against_the_loaded_parameters(llmload_checkpoint):
     pytest.importorskip("bitsandbytes")
+    from pytest_llmload.checks.trainer import four_bit_refusal
+
+    if four_bit_refusal() is not None:
+        pytest.skip(four_bit_refusal())
     request = LoadRequest(llmload_checkpoint, purpose="train", dtype="bfloat16", lora=True, quantization="4bit")
     model, _ = load_model_and_tokenizer(request)
     estimate = estimate_training_memory(request)
