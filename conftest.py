@@ -1,6 +1,7 @@
 """This repo's own test configuration. The plugin itself is loaded through its pytest11 entry point."""
 
 import importlib
+import importlib.util
 import os
 
 import pytest
@@ -29,8 +30,9 @@ _HEAVY_STACK = (
     # not cached (PYTHONDONTWRITEBYTECODE=1).
     "hypothesis",
     "hypothesis.extra",
-    "anyio",
 )
+# Imported only where installed: anyio's pytest plugin comes with newer huggingface_hub, not the older stacks.
+_OPTIONAL = ("anyio",)
 
 
 @pytest.fixture(autouse=True)
@@ -40,3 +42,6 @@ def _heavy_stack_outside_pytester_snapshot(request):
     if "pytester" in request.fixturenames:
         for name in _HEAVY_STACK:
             importlib.import_module(name)
+        for name in _OPTIONAL:
+            if importlib.util.find_spec(name) is not None:
+                importlib.import_module(name)
