@@ -48,8 +48,8 @@ def test_any_cpu_disk_split_gives_the_logits_of_the_model_in_memory(split, llmlo
 
     ids, want = whole_logits
     device_map = dict(zip(MODULES, split))
-    if set(split) == {"disk"} and _transformers_major() < 5:
-        # transformers 4.x hands an all-disk map to accelerate's dispatch_model, which refuses it (5.x loads it).
+    if set(split) == {"disk"} and _dispatch_refuses_all_disk():
+        # accelerate's dispatch_model refuses an all-disk map up to 1.10 at least (seen: 1.0.1, 1.10.1); 1.15 loads it.
         with tempfile.TemporaryDirectory() as offload_folder, \
                 pytest.raises(ValueError, match="offload the whole model to the disk"):
             AutoModelForCausalLM.from_pretrained(llmload_checkpoint, device_map=device_map,
@@ -66,12 +66,13 @@ def test_any_cpu_disk_split_gives_the_logits_of_the_model_in_memory(split, llmlo
     torch.testing.assert_close(got, want, rtol=1.3e-6, atol=1e-5)
 
 
-def _transformers_major() -> int:
-    from importlib import metadata
+def _dispatch_refuses_all_disk() -> bool:
+    """What the installed accelerate's own source says: does ``dispatch_model`` refuse an all-disk map?"""
+    import inspect
 
-    from packaging.version import Version
+    from accelerate import big_modeling
 
-    return Version(metadata.version("transformers")).major
+    return "offload the whole model to the disk" in inspect.getsource(big_modeling.dispatch_model)
 
 
 def _budgets(total: int):
