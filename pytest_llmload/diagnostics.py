@@ -10,7 +10,7 @@ Registered through ``plugin.py``'s ``pytest_plugins``. For every test:
 - a failing test's report gets ``llmload: where the models are`` for each model it loaded
   (:mod:`pytest_llmload.device_map_summary`);
 - under pytest-timeout's ``thread`` method, which ends the process without a report, the phase table is
-  printed at 95% of the deadline instead.
+  printed shortly before the deadline instead (5% of it or 0.5 s before, whichever is earlier).
 
 The session ends with a summary: models loaded and their load times, the peak memory seen in a phase, and
 the tests and checks that took more than ``llmload_near_deadline`` (default 0.8) of their deadline.
@@ -44,7 +44,15 @@ NEAR_DEADLINE_HELP = (
 )
 DEFAULT_PROGRESS_SECONDS = 30.0
 DEFAULT_NEAR_DEADLINE = 0.8
-THREAD_METHOD_WARNING = 0.95  # of the deadline: when to print the table before pytest-timeout's thread kill
+# Under pytest-timeout's thread method the table is printed this long before the kill: 5% of the deadline, but
+# at least 0.5 s (a busy 2-core runner can take 0.1 s to wake the printing thread) and at most half of it.
+THREAD_METHOD_LEAD = (0.05, 0.5)
+
+
+def thread_method_warning_after(timeout: float) -> float:
+    """Seconds into a pytest-timeout deadline at which the phase table is printed under the thread method."""
+    fraction, floor = THREAD_METHOD_LEAD
+    return timeout - min(max(fraction * timeout, floor), timeout / 2)
 SLOWEST_SHOWN = 5
 PHASES_SECTION = "llmload: phases"
 MODELS_SECTION = "llmload: where the models are"
@@ -171,12 +179,14 @@ def pytest_timeout_set_timer(item: pytest.Item, settings):
     if settings.method == "thread" and recorder is not None:
         emit = item.config.stash[settings_key].emit
 
+        after = thread_method_warning_after(float(settings.timeout))
+
         def warn(_key) -> None:
-            emit(f"llmload: {item.nodeid} is at {THREAD_METHOD_WARNING:.0%} of its {settings.timeout:g} s "
+            emit(f"llmload: {item.nodeid} is {after:g} s into its {settings.timeout:g} s "
                  f"pytest-timeout (method thread: the process ends without a report); phases so far:\n"
                  + recorder.table())
 
-        heartbeat().schedule(("deadline", item.nodeid), THREAD_METHOD_WARNING * float(settings.timeout), warn)
+        heartbeat().schedule(("deadline", item.nodeid), after, warn)
     return (yield)
 
 

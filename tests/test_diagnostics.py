@@ -113,13 +113,20 @@ def test_under_the_thread_method_the_table_is_printed_before_the_process_ends(py
     result = pytester.runpytest_subprocess("--llmload-phase-progress", "0")
     assert result.ret != 0
     result.stderr.fnmatch_lines([
-        "llmload: test_under_the_thread_method_*.py::test_stuck is at 95% of its 2 s pytest-timeout (method thread: the process "
+        "llmload: test_under_the_thread_method_*.py::test_stuck is 1.5 s into its 2 s pytest-timeout (method thread: the process "
         "ends without a report); phases so far:",
         "   phase * seconds * RSS before -> after (peak)",
         "   load (shard 3 of 5) * * MiB -> * MiB (* MiB)",
         ">  generate (max_new_tokens=512) *+ * MiB -> ... * running",
     ])
     result.stdout.fnmatch_lines(["*Timeout*"])
+
+
+@pytest.mark.parametrize(("timeout", "printed_after"), [(300, 285), (2, 1.5), (0.6, 0.3)])
+def test_the_thread_method_table_comes_5_percent_or_half_a_second_early_but_never_before_half_way(timeout, printed_after):
+    from pytest_llmload.diagnostics import thread_method_warning_after
+
+    assert thread_method_warning_after(timeout) == pytest.approx(printed_after)
 
 
 WHERE = """

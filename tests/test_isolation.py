@@ -226,9 +226,10 @@ def test_ctrl_c_kills_the_children_and_removes_the_temp_dir(tmp_path, runner, ch
             pytest.fail(f"the script did not stop on SIGINT; its stderr and stacks:\n{proc.communicate()[1]}")
     finally:
         proc.kill()
-    assert "KeyboardInterrupt" in stderr
-    assert all(gone(pid) for pid in pids)
-    assert list(runs.iterdir()) == []
+    assert "KeyboardInterrupt" in stderr, stderr
+    alive = [pid for pid in pids if not gone(pid)]
+    assert not alive, f"children {alive} outlived the interrupted script; its stderr:\n{stderr}"
+    assert list(runs.iterdir()) == [], stderr
 
 
 # --- Check(isolated=True) ----------------------------------------------------------------------------------
