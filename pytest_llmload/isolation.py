@@ -11,7 +11,9 @@ thread stacks when it is hit, its exit code or signal when it dies, and nothing 
     assert run_isolated(read_env, timeout=10) != os.getpid()
 
 The child is forked from the calling process, which has already imported torch and the Hugging Face stack,
-so an isolated call costs the work, not the imports (a fresh interpreter pays seconds for them). Whatever
+so an isolated call costs the work, not the imports (a fresh interpreter pays seconds for them). The
+child's stdout and stderr are written to this process's streams, and its log records handed to this
+process's loggers (so pytest's "Captured log" and ``caplog`` see them), when it ends. Whatever
 the call changes process-wide (environment variables, patched upstream functions, audit hooks, socket
 guards, a process group, threads it leaves blocked) dies with the child. The same machinery starts the
 ranks of :mod:`pytest_llmload.distributed` (``run_children``).
@@ -178,7 +180,8 @@ def run_children(specs, timeout: float, *, method: str = "fork", tmp_root=None, 
             receiver, sender = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=_child_main, name=f"llmload-{spec.label.replace(' ', '')}",
-                args=(index, spec, sender, workdir, os.getpid() if method == "fork" else None),
+                args=(index, spec, sender, workdir, os.getpid() if method == "fork" else None,
+                      logging.getLogger().level),
                 # Not daemonic: a daemonic process may not start children, and an isolated test may start ranks,
                 # a rank DataLoader workers. The children are reaped here, whatever happens (finally, below).
                 daemon=False,
@@ -198,6 +201,7 @@ def run_children(specs, timeout: float, *, method: str = "fork", tmp_root=None, 
         pending = _collect(procs, conns, outcomes, time.monotonic() + timeout, on_failure)
         if pending:
             _dump_stacks(procs, outcomes, pending, workdir)
+        _replay_log_records(workdir, outcomes)
         for outcome, spec in zip(outcomes, specs):
             out = _read(_output_path(workdir, outcome.index, "out"), _OUTPUT_LIMIT)
             err = "" if spec.merge_output else _read(_output_path(workdir, outcome.index, "err"), _OUTPUT_LIMIT)
@@ -213,6 +217,25 @@ def run_children(specs, timeout: float, *, method: str = "fork", tmp_root=None, 
 
 def _output_path(workdir: str, index: int, kind: str) -> str:
     return os.path.join(workdir, f"child{index}.{kind}")
+
+
+def _replay_log_records(workdir: str, outcomes) -> None:
+    """Hand the children's log records to this process's loggers, in the order they were made: pytest's
+    "Captured log" sections, ``caplog`` and live logging see them as if the work had run here. A child killed
+    mid-record loses only that record."""
+    records = []
+    for outcome in outcomes:
+        with contextlib.suppress(OSError), open(_output_path(workdir, outcome.index, "logs"), "rb") as f:
+            while True:
+                try:
+                    records.append(logging.makeLogRecord(pickle.load(f)))
+                except EOFError:
+                    break
+                except Exception:  # noqa: BLE001 - a record cut short by a kill
+                    break
+    for record in sorted(records, key=lambda r: r.created):
+        with contextlib.suppress(Exception):
+            logging.getLogger(record.name).handle(record)
 
 
 def _reap(procs, outcomes) -> None:
@@ -328,13 +351,14 @@ def _trim_stacks(text: str) -> str:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _child_main(index, spec, conn, workdir, parent_pid):
+def _child_main(index, spec, conn, workdir, parent_pid, log_level=logging.WARNING):
     # Own process group: the parent kills the child together with anything it started, and a Ctrl-C in the
     # terminal reaches only the parent, which then kills the children (no traceback per child).
     os.setpgid(0, 0)
     _die_with_parent(parent_pid)
     out = _output_path(workdir, index, "out")
     _redirect_output(out, out if spec.merge_output else _output_path(workdir, index, "err"))
+    _forward_log_records(_output_path(workdir, index, "logs"), spec.label, log_level)
     stacks = open(os.path.join(workdir, f"child{index}.stacks"), "w")  # noqa: SIM115 - lives as long as the child
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     faulthandler.enable(file=sys.stderr, all_threads=True)  # a segfault leaves its stack in the child's output
@@ -435,7 +459,8 @@ def _die_with_parent(parent_pid) -> None:
 
 
 def _redirect_output(stdout_path: str, stderr_path: str) -> None:
-    """Send the child's stdout/stderr (fds, sys.stdout/err and stream log handlers) to its own files.
+    """Send the child's stdout/stderr (fds and sys.stdout/err) to its own files (log records go to the parent:
+    :func:`_forward_log_records`).
 
     Under pytest, sys.stdout is pytest's capture object, whose file the parent is still writing: a child
     writing there would interleave with the test's own output; the parent replays the files instead.
@@ -454,13 +479,51 @@ def _redirect_output(stdout_path: str, stderr_path: str) -> None:
         os.close(fd)
     sys.stdout = open(1, "w", buffering=1, closefd=False, errors="replace")  # noqa: SIM115
     sys.stderr = open(2, "w", buffering=1, closefd=False, errors="replace")  # noqa: SIM115
-    loggers = [logging.getLogger()] + [
-        logger for logger in logging.Logger.manager.loggerDict.values() if isinstance(logger, logging.Logger)
-    ]
-    for logger in loggers:
-        for handler in logger.handlers:
-            if type(handler) is logging.StreamHandler:  # not pytest's capture handlers (subclasses)
-                handler.setStream(sys.stderr)
+
+
+class _RecordForwarder(logging.Handler):
+    """In a child: writes each log record, made picklable, to a file the parent replays. Written and flushed
+    record by record, so a child that hangs or dies still leaves what it logged."""
+
+    def __init__(self, path: str, label: str):
+        super().__init__()
+        self._file = open(path, "ab")  # noqa: SIM115 - lives as long as the child
+        self._label = label
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if getattr(record, "llmload_child", None):  # already forwarded by a handler further down the tree
+            return
+        try:
+            fields = dict(record.__dict__)
+            fields["msg"], fields["args"] = record.getMessage(), None
+            if record.exc_info:
+                fields["exc_text"] = record.exc_text or logging.Formatter().formatException(record.exc_info)
+            fields["exc_info"] = None
+            fields["llmload_child"] = record.llmload_child = self._label
+            for key, value in fields.items():
+                try:
+                    pickle.dumps(value)
+                except Exception:  # noqa: BLE001 - an `extra` value that does not pickle travels as its repr
+                    fields[key] = repr(value)
+            pickle.dump(fields, self._file)
+            self._file.flush()
+        except Exception:  # noqa: BLE001
+            self.handleError(record)
+
+
+def _forward_log_records(path: str, label: str, log_level: int) -> None:
+    """Replace the child's log handlers (copies of the parent's, pytest's capture handlers among them, whose
+    records would die with the child) by one that sends every record to the parent, which handles it as its
+    own. A logger that does not propagate gets one too."""
+    forwarder = _RecordForwarder(path, label)
+    root = logging.getLogger()
+    root.setLevel(log_level)  # a forkserver child starts with logging's defaults, not the parent's level
+    loggers = [logger for logger in logging.Logger.manager.loggerDict.values() if isinstance(logger, logging.Logger)]
+    for logger in [root] + loggers:
+        if logger is root or (logger.handlers and not logger.propagate):
+            logger.handlers = [forwarder]
+        elif logger.handlers:
+            logger.handlers = []
 
 
 # ---------------------------------------------------------------------------------------------------------

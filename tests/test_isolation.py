@@ -5,6 +5,7 @@ nothing is left behind."""
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import signal
@@ -96,6 +97,53 @@ def test_the_childs_output_is_written_to_the_callers_streams(capsys):
     assert run_isolated(chatty, timeout=30) == 1
     out, err = capsys.readouterr()
     assert out == "to stdout, from the child\n" and "to stderr, from the child" in err
+
+
+class Unpicklable:
+    def __reduce__(self):
+        raise TypeError("not picklable")
+
+    def __repr__(self):
+        return "<Unpicklable>"
+
+
+def logs_and_returns():
+    log = logging.getLogger("some.loader")
+    log.info("placing %d layers on %s", 4, "cpu")
+    log.warning("offload folder %s is on tmpfs", "/tmp/x", extra={"budget": Unpicklable()})
+    try:
+        1 / 0
+    except ZeroDivisionError:
+        log.exception("estimate failed")
+    logging.getLogger("quiet.lib").debug("below the level: never made")
+    return 1
+
+
+@pytest.mark.parametrize("start", ["fork", "forkserver"])
+def test_the_childs_log_records_reach_this_processs_handlers(caplog, start):
+    caplog.set_level(logging.INFO)
+    assert run_isolated(logs_and_returns, timeout=50, start=start) == 1
+    records = [r for r in caplog.records if r.name == "some.loader"]
+    assert [(r.levelname, r.getMessage()) for r in records] == [
+        ("INFO", "placing 4 layers on cpu"),
+        ("WARNING", "offload folder /tmp/x is on tmpfs"),
+        ("ERROR", "estimate failed"),
+    ]
+    assert {r.process for r in records} != {os.getpid()} and {r.llmload_child for r in records} == {"isolated call"}
+    assert records[1].budget == "<Unpicklable>"
+    assert "ZeroDivisionError: division by zero" in records[2].exc_text
+    assert "quiet.lib" not in {r.name for r in caplog.records}
+
+
+def logs_then_hangs():
+    logging.getLogger("some.loader").warning("reading shard 3 of 5")
+    threading.Event().wait()
+
+
+def test_a_hung_child_still_hands_back_what_it_logged(caplog):
+    with pytest.raises(IsolationFailed, match="deadline of 1 s exceeded"):
+        run_isolated(logs_then_hangs, timeout=1)
+    assert [r.getMessage() for r in caplog.records if r.name == "some.loader"] == ["reading shard 3 of 5"]
 
 
 def blocked_in_a_named_frame(pid_file):
@@ -336,6 +384,8 @@ ISOLATED_TESTS = """
 
     @pytest.mark.llmload_isolated(timeout=20)
     def test_assertion():
+        import logging
+        logging.getLogger("my.loader").warning("loaded %d layers", 4)
         loaded = {{"layers": 4}}
         assert loaded["layers"] == 5
 
@@ -384,6 +434,8 @@ def test_isolated_tests_pass_fail_hang_and_die_on_their_own(pytester):
         ">       assert loaded[[]\"layers\"[]] == 5",
         "E       assert 4 == 5",
         "test_isolated.py:*: AssertionError",
+        "*- Captured log call -*",
+        "WARNING  my.loader:test_isolated.py:* loaded 4 layers",
         "*_ test_hangs _*",
         "isolated test test_hangs did not return: deadline of 1 s exceeded; its child (pid *) was killed.",
         "thread stacks of the child at the deadline (most recent call first):",
