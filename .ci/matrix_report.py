@@ -4,8 +4,8 @@
     python .ci/matrix_report.py --regressions py=py.xml hf457=hf457.xml ...
 
 Prints one line of counts per env and a closing line summing them ("ci: N passed, N failed, N skipped");
-with ``--regressions``, also each regression test's outcome per env, with its skip or xfail reason, as a
-Markdown table: what docs/version_matrix.md's "counts per env" section is filled from.
+with ``--regressions``, also each regression test that did not pass in every env, its outcome per env with
+its skip or xfail reason, as a Markdown table: what docs/version_matrix.md's "counts per env" section is filled from.
 """
 
 from __future__ import annotations
@@ -40,9 +40,12 @@ def counts_line(name: str, found: dict) -> str:
 
 
 def regression_table(runs: dict[str, dict]) -> list[str]:
+    """The regression tests that did not pass in every env, an outcome (and its reason) per env."""
     tests = sorted({t for found in runs.values() for t in found if t.startswith(REGRESSIONS)})
-    lines = ["| test | " + " | ".join(runs) + " |", "|---|" + "---|" * len(runs)]
-    for test in tests:
+    everywhere = [t for t in tests if all(found.get(t, ("",))[0] == "passed" for found in runs.values())]
+    lines = [f"{len(everywhere)} of {len(tests)} regression tests passed in every env; the others:", "",
+             "| test | " + " | ".join(runs) + " |", "|---|" + "---|" * len(runs)]
+    for test in (t for t in tests if t not in everywhere):
         cells = []
         for found in runs.values():
             outcome, reason = found.get(test, ("not collected", ""))
