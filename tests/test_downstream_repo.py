@@ -61,6 +61,10 @@ def test_shipped_suite_against_the_ini_loader_with_expected_gaps(downstream):
             check_trainer_does_not_wrap_placed_model: 4-bit not supported yet
     ''')
     result = downstream.runpytest_subprocess("--pyargs", "pytest_llmload.suite", "-p", "no:cacheprovider", "-rx")
-    result.assert_outcomes(passed=3, xfailed=3, skipped=2)
+    from pytest_llmload.checks.trainer import four_bit_refusal
+
+    # Where transformers refuses 4-bit on the machine (4.46 on CPU), the trainer check skips before its xfail.
+    no_4bit = four_bit_refusal() is not None
+    result.assert_outcomes(passed=3, xfailed=3 - no_4bit, skipped=2 + no_4bit)
     result.stdout.fnmatch_lines(["llmload: loader myrepo_loading:old_load (from ini 'llmload_loader')",
                                  "XFAIL *check_train_request_trains* - migrating off device_map training, #12"])
