@@ -130,3 +130,21 @@ def test_deepspeed_op_is_built_after_collection_only_when_a_test_needs_it(pytest
     pytester.makepyfile(test)
     pytester.runpytest_subprocess("-k", "test_ds", "-p", "no:cacheprovider").assert_outcomes(passed=1)
     pytester.runpytest_subprocess("-k", "test_plain", "-p", "no:cacheprovider").assert_outcomes(passed=1)
+
+
+def test_deepspeed_op_is_not_built_for_tests_that_skip_for_want_of_gpus(pytester):
+    # `pytest -m gpu` on a CPU runner: the DeepSpeed tests all skip, so nothing is built (1-3 min saved).
+    pytest.importorskip("deepspeed")
+    pytester.makepyfile("""
+        import sys, pytest
+
+        @pytest.mark.llmload_deepspeed
+        @pytest.mark.needs_gpus(64)
+        def test_ds_on_gpus():
+            pass
+
+        def test_plain():
+            assert "deepspeed" not in sys.modules
+    """)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, skipped=1)
