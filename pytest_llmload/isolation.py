@@ -201,6 +201,8 @@ def run_children(specs, timeout: float, *, method: str = "fork", tmp_root=None, 
         pending = _collect(procs, conns, outcomes, time.monotonic() + timeout, on_failure)
         if pending:
             _dump_stacks(procs, outcomes, pending, workdir)
+        # Ended before reading: what a child logs or prints after its answer (a rank's teardown) is kept too.
+        _reap(procs, outcomes)
         _replay_log_records(workdir, outcomes)
         for outcome, spec in zip(outcomes, specs):
             out = _read(_output_path(workdir, outcome.index, "out"), _OUTPUT_LIMIT)

@@ -3,6 +3,7 @@ rank sees, and what a test reports when a rank raises, hangs or dies; nothing is
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import signal
@@ -56,6 +57,27 @@ def test_two_ranks_see_a_launchers_environment_and_nothing_of_the_test_process(d
     assert all(gone(view["pid"]) for view in views)
     assert multiprocessing.active_children() == []
     assert _refused(int(port))
+
+
+def log_in_teardown() -> int:
+    """A rank whose process-group teardown logs, a little after the rank has answered."""
+    import torch.distributed as dist
+
+    original = dist.destroy_process_group
+
+    def logged_teardown(*args, **kwargs):
+        time.sleep(0.2)
+        logging.getLogger("ranks").warning("rank %d tearing down", dist.get_rank())
+        return original(*args, **kwargs)
+
+    dist.destroy_process_group = logged_teardown
+    return dist.get_rank()
+
+
+def test_what_the_ranks_log_reaches_the_test_also_after_they_answered(distributed_env, caplog):
+    assert distributed_env.run(log_in_teardown, world_size=2, backend="gloo", timeout=30) == [0, 1]
+    messages = sorted(r.getMessage() for r in caplog.records if r.name == "ranks")
+    assert messages == ["rank 0 tearing down", "rank 1 tearing down"]
 
 
 def test_default_backend_is_gloo_without_a_gpu(distributed_env, monkeypatch):
