@@ -47,12 +47,6 @@ DEFAULT_NEAR_DEADLINE = 0.8
 # Under pytest-timeout's thread method the table is printed this long before the kill: 5% of the deadline, but
 # at least 0.5 s (a busy 2-core runner can take 0.1 s to wake the printing thread) and at most half of it.
 THREAD_METHOD_LEAD = (0.05, 0.5)
-
-
-def thread_method_warning_after(timeout: float) -> float:
-    """Seconds into a pytest-timeout deadline at which the phase table is printed under the thread method."""
-    fraction, floor = THREAD_METHOD_LEAD
-    return timeout - min(max(fraction * timeout, floor), timeout / 2)
 SLOWEST_SHOWN = 5
 PHASES_SECTION = "llmload: phases"
 MODELS_SECTION = "llmload: where the models are"
@@ -76,6 +70,12 @@ session_key = pytest.StashKey["SessionDiagnostics"]()
 recorder_key = pytest.StashKey[PhaseRecorder]()
 deadline_key = pytest.StashKey[Deadline]()
 call_end_key = pytest.StashKey[float]()
+
+
+def thread_method_warning_after(timeout: float) -> float:
+    """Seconds into a pytest-timeout deadline at which the phase table is printed under the thread method."""
+    fraction, floor = THREAD_METHOD_LEAD
+    return timeout - min(max(fraction * timeout, floor), timeout / 2)
 
 
 def _float_setting(value, name: str, where: str, *, low: float, high: float = float("inf")) -> float:

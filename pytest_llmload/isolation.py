@@ -231,9 +231,7 @@ def _replay_log_records(workdir: str, outcomes) -> None:
             while True:
                 try:
                     records.append(logging.makeLogRecord(pickle.load(f)))
-                except EOFError:
-                    break
-                except Exception:  # noqa: BLE001 - a record cut short by a kill
+                except Exception:  # noqa: BLE001 - the end of the file, or a record cut short by a kill
                     break
     for record in sorted(records, key=lambda r: r.created):
         with contextlib.suppress(Exception):
@@ -353,7 +351,7 @@ def _trim_stacks(text: str) -> str:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _child_main(index, spec, conn, workdir, parent_pid, log_level=logging.WARNING):
+def _child_main(index, spec, conn, workdir, parent_pid, log_level):
     # Own process group: the parent kills the child together with anything it started, and a Ctrl-C in the
     # terminal reaches only the parent, which then kills the children (no traceback per child).
     os.setpgid(0, 0)

@@ -74,3 +74,12 @@ def needs_deepspeed(item: pytest.Item) -> bool:
         return True
     check = getattr(item, "callspec", None) and item.callspec.params.get("check")
     return getattr(check, "world_size", 1) > 1
+
+
+def will_start_deepspeed(item: pytest.Item) -> bool:
+    """Needs DeepSpeed and will run here: not errored by its ``needs_gpus`` marker nor skipped for want of
+    GPUs (what :func:`enforce_needs_gpus` decides at setup), so `pytest -m gpu` on a CPU runner builds nothing."""
+    if not needs_deepspeed(item):
+        return False
+    n, error = needed_gpus(item)
+    return error is None and (n is None or gpus.skip_reason(n) is None)

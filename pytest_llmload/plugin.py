@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from pytest_llmload import gpus, isolated_marker, known_failure_report, loading, markers
+from pytest_llmload import isolated_marker, known_failure_report, loading, markers
 from pytest_llmload.fixtures import (  # noqa: F401  (pytest discovers fixtures on the plugin module)
     distributed_env,
     gpu_model,
@@ -110,7 +110,7 @@ def _check_loader_imports(config: pytest.Config) -> None:
 def pytest_collection_finish(session: pytest.Session) -> None:
     # DeepSpeed JIT-compiles a C++ op on first use (about a minute on 2 cores, once per environment). Done
     # here, no test's deadline pays for it, and no rank killed at a deadline can leave its build lock behind.
-    if any(_will_start_deepspeed(item) for item in session.items):
+    if any(markers.will_start_deepspeed(item) for item in session.items):
         from importlib.util import find_spec
 
         if find_spec("deepspeed") is not None:
@@ -118,16 +118,6 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
             distributed.preload(("deepspeed",))
             distributed.prebuild_deepspeed_ops()
-
-
-def _will_start_deepspeed(item: pytest.Item) -> bool:
-    """Needs DeepSpeed and will not skip for want of GPUs: `pytest -m gpu` on a CPU runner builds nothing."""
-    if not markers.needs_deepspeed(item):
-        return False
-    n, error = markers.needed_gpus(item)
-    if error is not None:
-        return False  # the test errors at setup
-    return n is None or gpus.skip_reason(n) is None
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
