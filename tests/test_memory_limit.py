@@ -120,13 +120,15 @@ def test_a_gpu_test_over_its_limit_fails_with_each_devices_peak(pytester):
 
         @pytest.mark.limit_torch_memory("4 MB")
         def test_on_gpu():
-            block = torch.ones(4_000_000, device="cuda:0")  # 16 MB
+            # 16 MiB exactly: the CUDA caching allocator rounds a large block up to 2 MiB (16,000,000 B asked
+            # for reads 16,777,216 B on an H100), and the figures below are what torch reports.
+            block = torch.ones(4 * 2**20, device="cuda:0")
             del block
     """)
     result = pytester.runpytest_subprocess()
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*limit_torch_memory: the test's peak torch allocation on cuda:0 was 15.3 MiB "
-                                 "(16,000,000 B), over its limit of '4 MB' (4,000,000 B)*torch.cuda.max_memory_allocated*"])
+    result.stdout.fnmatch_lines(["*limit_torch_memory: the test's peak torch allocation on cuda:0 was 16.0 MiB "
+                                 "(16,777,216 B), over its limit of '4 MB' (4,000,000 B)*torch.cuda.max_memory_allocated*"])
 
 
 @pytest.mark.parametrize(("written", "nbytes"), [

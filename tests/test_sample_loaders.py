@@ -25,6 +25,7 @@ DP_WRAP = ("write-up 003: ignores the 4-bit request, so the guard sees an unplac
 EXPECTED = {
     "fixtures.loaders.offload_hang_000:load": {
         "check_train_request_trains": OFFLOADS_TRAIN,
+        "check_train_request_trains_cuda": OFFLOADS_TRAIN,
         "check_pad_token_set_offline": "write-up 000 before: a second GenerationConfig.from_pretrained",
         "check_trainer_does_not_wrap_placed_model": DP_WRAP,
         **({"check_load_writes_only_offload_folder": "offload_state_dict's temp round-trip"}
@@ -32,12 +33,14 @@ EXPECTED = {
     },
     "fixtures.loaders.meta_backward_002:load": {
         "check_train_request_trains": OFFLOADS_TRAIN,
+        "check_train_request_trains_cuda": OFFLOADS_TRAIN,
         "check_pad_token_set_offline": NO_PAD,
         "check_trainer_does_not_wrap_placed_model": DP_WRAP,
     },
     "fixtures.loaders.seed003_dp_before:load": {"check_pad_token_set_offline": NO_PAD},
     "fixtures.loaders.seed004_device_map_before:load": {
         "check_train_request_trains": OFFLOADS_TRAIN,
+        "check_train_request_trains_cuda": OFFLOADS_TRAIN,
         "check_pad_token_set_offline": NO_PAD,
         "check_distributed_train_step": "write-up 004: device_map='auto' on every rank",
         **({"check_trainer_does_not_wrap_placed_model": "write-up 004's loader offloads the model to disk; this "

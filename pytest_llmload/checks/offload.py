@@ -47,12 +47,22 @@ _LOADING_LIBRARIES = ("torch", "transformers", "accelerate", "peft", "safetensor
 # --- budgets ---------------------------------------------------------------------------------------------
 
 
-def offload_budget(checkpoint: os.PathLike | str, device: str = "cpu", fraction: float = 0.5) -> dict:
+def offload_budget(checkpoint: os.PathLike | str, device: str = "cpu", fraction: float = 0.5,
+                   dtype: Optional[str] = None) -> dict:
     """A ``max_memory`` that holds ``fraction`` of the checkpoint's weights on ``device`` and sends the rest
     one tier down: to disk when ``device`` is the CPU, to the CPU for ``cuda:N`` (write-up 002's
     ``{0: "14GB", "cpu": "50GB"}``). On the tiny Llama, 0.5 puts the embeddings and layer 0 on the
-    device and layers 1-3, the norm and the head on the next tier."""
-    total = sum(t.nbytes for t in checkpoint_tensors(checkpoint))
+    device and layers 1-3, the norm and the head on the next tier.
+
+    ``dtype`` is the dtype the weights are loaded in, when it is not the checkpoint's: a float32 budget
+    holds the whole model once it loads in float16 (seen on an H100: only the head was offloaded)."""
+    tensors = checkpoint_tensors(checkpoint)
+    if dtype is None:
+        total = sum(t.nbytes for t in tensors)
+    else:
+        import torch
+
+        total = sum(t.numel * getattr(torch, dtype).itemsize for t in tensors)
     if device == "cpu":
         return {"cpu": int(total * fraction)}
     kind, _, index = device.partition(":")

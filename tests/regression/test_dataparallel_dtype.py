@@ -29,6 +29,12 @@ accelerator (parallel_apply.py:71-73). Where it does run, it re-enters autocast 
 caller's enabled flag (parallel_apply.py:77-80, 109) though not its dtype, so "no autocast" is not the
 whole story either; trl 1.16 gives another reason (replicas run a forward bound to the original model,
 sft_trainer.py:1115-1123). The two-GPU test below asserts the error itself where it can happen.
+
+On one GPU it did not happen (H100, torch 2.11, transformers 5.17; docs/gpu.md): ``nn.DataParallel`` with
+``device_ids=[0, 0]`` (two replicas on cuda:0, in two threads) over the write-up's model trained a step with
+and without Trainer's bf16 autocast. There ``"balanced"`` puts everything on cuda:0, transformers records no
+``hf_device_map``, and ``prepare_model_for_kbit_training`` has cast the head to float32: no bf16 ``lm_head``
+for float activations to meet. So no ``needs_gpus(1)`` test: the error stays with the 2-GPU tests.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ META_BACKWARD = "Function MmBackward0 returned an invalid gradient at index 1 - 
 def offloading_train_request(checkpoint, tmp_path, device="cpu", **fields) -> LoadRequest:
     """The write-up's request: train under a budget that holds half the weights (embeddings + layer 0)."""
     return LoadRequest(checkpoint, purpose="train", device=device, offload_folder=tmp_path / "offload",
-                       max_memory=offload.offload_budget(checkpoint, device), **fields)
+                       max_memory=offload.offload_budget(checkpoint, device, dtype=fields.get("dtype")), **fields)
 
 
 def input_ids(model, device="cpu"):
@@ -178,8 +178,10 @@ def test_gpu_writeups_setup_fails_backward_on_cuda(llmload_checkpoint, tmp_path)
     assert "cpu" in set(map(str, model.hf_device_map.values()))
     ids = input_ids(model, "cuda:0")
     loss = model(input_ids=ids, labels=ids).loss
-    with pytest.raises(RuntimeError, match="invalid gradient at index 1 - expected device meta but got cuda:0"):
+    with pytest.raises(RuntimeError) as excinfo:
         loss.backward()
+    # The write-up's own text, word for word (seen on an H100, torch 2.11, transformers 5.17; docs/gpu.md).
+    assert str(excinfo.value) == META_BACKWARD.replace("but got cpu", "but got cuda:0")
 
 
 @pytest.mark.needs_gpus(1)
@@ -189,3 +191,14 @@ def test_gpu_train_check_on_cuda(llmload_checkpoint, tmp_path):
     with pytest.raises(AssertionError, match="expected device meta but got cuda:0"):
         offload.check_train_request_trains(meta_backward_002.load, llmload_checkpoint, tmp_path / "before",
                                            device="cuda:0")
+
+
+def test_the_budget_holds_half_the_weights_in_the_dtype_they_load_in(llmload_checkpoint, tmp_path):
+    """Found on an H100: a float32 budget for a float16 load held the whole model, so only the head was
+    offloaded and the write-up's backward error did not happen. On CPU: the same request offloads layers."""
+    full = offload.offload_budget(llmload_checkpoint, "cuda:0")[0]
+    half = offload.offload_budget(llmload_checkpoint, "cuda:0", dtype="float16")[0]
+    assert abs(full - 2 * half) <= 1
+    request = offloading_train_request(llmload_checkpoint, tmp_path, dtype="float16", lora=True)
+    model = call_loader(meta_backward_002.load, request).model
+    assert sorted(set(model.hf_device_map.values())) == ["cpu", "disk"], model.hf_device_map

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine (no network): install the carried wheels (.whl: bitsandbytes, deepspeed and
+# their small dependencies, pytest 9.2), install this project with --no-deps (the machine's own torch stays),
+# then run what the arguments name, each writing its JUnit XML and log under $OUT:
+#   gpu       pytest -m gpu
+#   dp        benchmarks/gpu/dp_same_device.py (write-up 003 on one GPU)
+#   figures   benchmarks/gpu/gpu_figures.py
+#   all       the whole suite, -n 8 (what a GPU runner's plain `pytest` sees)
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
+export PYTHONPATH=/tmp/site
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 3; }
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import sys, torch, transformers, accelerate, peft, bitsandbytes, deepspeed, pytest; print('python', sys.version.split()[0], '| torch', torch.__version__, 'cuda', torch.version.cuda, '| transformers', transformers.__version__, '| accelerate', accelerate.__version__, '| peft', peft.__version__, '| bitsandbytes', bitsandbytes.__version__, '| deepspeed', deepspeed.__version__, '| pytest', pytest.__version__)"
+} 2>&1 | tee "$OUT/versions.txt"
+for what in "$@"; do
+    start=$SECONDS
+    case $what in
+        gpu) timeout "${GPU_TIMEOUT:-420}" python3 -m pytest -m gpu -rA -v -p no:cacheprovider --junitxml="$OUT/junit-gpu.xml" 2>&1 | tee "$OUT/gpu.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS|passed|failed" ;;
+        dp) timeout 180 python3 benchmarks/gpu/dp_same_device.py 2>&1 | tee "$OUT/dp.log" | tail -5 ;;
+        figures) timeout 300 python3 benchmarks/gpu/gpu_figures.py --out "$OUT/figures.json" 2>&1 | tee "$OUT/figures.log" | tail -30 ;;
+        all) timeout "${ALL_TIMEOUT:-300}" python3 -m pytest -n 8 -q -rfE -p no:cacheprovider --junitxml="$OUT/junit-all.xml" 2>&1 | tee "$OUT/all.log" | tail -40 ;;
+    esac
+    echo "=== $what: $((SECONDS - start)) s"
+done
