@@ -34,8 +34,8 @@ def main(runs: int = 15, phases: int = 2000) -> dict:
 
     from pytest_llmload import LoadRequest
     from pytest_llmload.loading import call_loader
-    from pytest_llmload.memory_limit import _CpuAllocations
-    from pytest_llmload.phases import PhaseRecorder, phase, recording, track_model
+    from pytest_llmload.diagnostics.memory_limit import _CpuAllocations
+    from pytest_llmload.diagnostics.phases import PhaseRecorder, phase, recording, track_model
     from pytest_llmload.reference_loader import load_model_and_tokenizer
     from pytest_llmload.tiny_models import build_tiny_checkpoint
 

@@ -1,4 +1,4 @@
-"""Wall time of 2-rank scenarios through pytest_llmload.distributed (ranks forked from a warm parent).
+"""Wall time of 2-rank scenarios through pytest_llmload.runners.ranks (ranks forked from a warm parent).
 
     DS_ACCELERATOR=cpu python benchmarks/bench_distributed.py [--runs 5] [--torchrun]
 
@@ -26,7 +26,7 @@ from _timing import load_average, print_table, timed  # noqa: E402
 TORCHRUN_SCRIPT = textwrap.dedent("""
     import sys
     import torch.distributed as dist
-    from pytest_llmload.checks.distributed import _load_prepare_and_step
+    from pytest_llmload.failures.distributed_device_map import _load_prepare_and_step
     from pytest_llmload.reference_loader import load_model_and_tokenizer
     dist.init_process_group("gloo")
     _load_prepare_and_step(load_model_and_tokenizer, sys.argv[1], sys.argv[2], "deepspeed", "gloo")
@@ -44,8 +44,8 @@ def all_reduce() -> float:
 
 
 def main(runs: int = 5, torchrun: bool = False) -> dict:
-    from pytest_llmload import distributed
-    from pytest_llmload.checks.distributed import _load_prepare_and_step
+    from pytest_llmload.runners import ranks as distributed
+    from pytest_llmload.failures.distributed_device_map import _load_prepare_and_step
     from pytest_llmload.reference_loader import load_model_and_tokenizer
     from pytest_llmload.tiny_models import build_tiny_checkpoint
 

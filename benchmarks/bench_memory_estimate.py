@@ -36,8 +36,9 @@ warnings.filterwarnings("ignore")
 import torch
 from transformers.utils import logging
 logging.disable_progress_bar()
-from pytest_llmload import LoadRequest, memory_probe
-from pytest_llmload.memory_limit import _CpuAllocations
+from pytest_llmload import LoadRequest
+from pytest_llmload.diagnostics import memory_probe
+from pytest_llmload.diagnostics.memory_limit import _CpuAllocations
 from pytest_llmload.reference_loader import load_model_and_tokenizer
 
 ckpt, dtype, lora, gc_on, batch, seq = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4] == "1", int(sys.argv[5]), int(sys.argv[6])

@@ -18,65 +18,17 @@ failure that only exists on some transformers versions skip elsewhere, saying so
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from pathlib import Path
-from typing import Any, Callable, NamedTuple, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import pytest
 
+from pytest_llmload.failures.base import Check
 from pytest_llmload.loading import LoaderChoice, LoaderUnderTest, as_loader_under_test, import_loader
 
 
-class Check(NamedTuple):
-    """A conformance check: ``function(loader, checkpoint, workdir)`` raises ``AssertionError`` on a faulty loader."""
-
-    function: Callable[[LoaderUnderTest, Path, Path], None]
-    failure: str  # the catalog id of the known failure it guards against
-    needs_gpus: int = 0
-    world_size: int = 1  # ranks of a process group the check starts itself
-    transformers: Optional[str] = None  # PEP 440 range where the failure exists; elsewhere the check skips
-    timeout: float = 120.0  # seconds; a hang fails the check with every thread's stack
-    label: Optional[str] = None  # the name, where ``function`` is a partial (a GPU variant, say)
-    # Run in a child forked from the test process (pytest_llmload.isolation): for checks that can hang, crash,
-    # or change process-wide state (environment, patched upstream code, audit hooks, sockets).
-    isolated: bool = False
-
-    @property
-    def name(self) -> str:
-        return self.label or self.function.__name__
-
-    @property
-    def summary(self) -> str:
-        doc = getattr(self.function, "__doc__", None) or getattr(getattr(self.function, "func", None), "__doc__", "")
-        return " ".join(doc.strip().split("\n\n")[0].split()) if doc else ""
-
-    def __call__(self, loader: Any, checkpoint: Path, workdir: Path) -> None:
-        args = (as_loader_under_test(loader), Path(checkpoint), Path(workdir))
-        if not self.isolated:
-            return self.function(*args)
-        from pytest_llmload import isolated_marker, isolation
-        from pytest_llmload.checks import preload_for_isolated_checks
-
-        preload_for_isolated_checks(args[1])
-        isolation.run_isolated(self.function, args, timeout=self.timeout, label=self.name,
-                               render=isolated_marker.render_failure)
-
-    def version_skip_reason(self) -> Optional[str]:
-        """Why this check does not apply to the installed transformers, or ``None`` when it does."""
-        if self.transformers is None:
-            return None
-        from importlib import metadata
-
-        from packaging.specifiers import SpecifierSet
-
-        installed = metadata.version("transformers")
-        if SpecifierSet(self.transformers).contains(installed, prereleases=True):
-            return None
-        return f"{self.name}: transformers {installed} does not have {self.failure}; the check applies to transformers{self.transformers}"
-
-
 def all_checks() -> Iterator[Check]:
-    """Every shipped check, in a stable order (the registry lives in ``pytest_llmload.checks``)."""
-    from pytest_llmload.checks import REGISTRY
+    """Every shipped check, in a stable order (the registry lives in ``pytest_llmload.failures``)."""
+    from pytest_llmload.failures import REGISTRY
 
     yield from REGISTRY
 
@@ -150,13 +102,6 @@ def check_params(*, expected_failed_checks: Optional[Mapping[str, str]] = None,
             for check in chosen]
 
 
-def parametrize_checks(*, expected_failed_checks: Optional[Mapping[str, str]] = None,
-                       checks: Optional[Iterable[Check]] = None):
-    """A ``pytest.mark.parametrize`` over ``check`` alone, for the loader that the ``llmload_loader`` fixture
-    gives (``--llmload-loader``, ``$PYTEST_LLMLOAD_LOADER``, the ini key, or a conftest override)."""
-    return pytest.mark.parametrize("check", check_params(expected_failed_checks=expected_failed_checks, checks=checks))
-
-
 def parse_expected_failures(lines: Iterable[str], source: str) -> dict[str, str]:
     """``["check_name: reason", ...]`` (the ini key ``llmload_expected_failed_checks``) as a mapping."""
     expected = {}
@@ -172,10 +117,8 @@ def parse_expected_failures(lines: Iterable[str], source: str) -> dict[str, str]
 
 def describe_checks() -> list[dict[str, Any]]:
     """One record per check: name, known failure, needs, summary (for docs and the main job's table)."""
-    from pytest_llmload.catalog import BY_ID
-
     return [
-        {"check": c.name, "failure": c.failure, "title": BY_ID[c.failure].title if c.failure in BY_ID else "",
+        {"check": c.name, "failure": c.failure.id, "title": c.failure.title,
          "needs_gpus": c.needs_gpus, "world_size": c.world_size, "transformers": c.transformers or "any",
          "summary": c.summary}
         for c in all_checks()

@@ -155,6 +155,6 @@ def distributed_env(llmload_offline):
         def test_all_reduce(distributed_env):
             assert distributed_env.run(all_reduce_ranks, world_size=2, backend="gloo") == [3.0, 3.0]
     """
-    from pytest_llmload.distributed import DistributedEnv
+    from pytest_llmload.runners.ranks import DistributedEnv
 
     return DistributedEnv(gpus.visible_gpu_count, pytest.skip)

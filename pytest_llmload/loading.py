@@ -140,7 +140,7 @@ def call_loader(loader: Callable[["LoadRequest"], Any], request: "LoadRequest", 
     """Call ``loader(request)`` and normalise what it returns; raises :class:`LoaderContractError`."""
     if isinstance(loader, LoaderUnderTest):
         return loader(request)
-    from pytest_llmload.phases import phase, track_model
+    from pytest_llmload.diagnostics.phases import phase, track_model
 
     name = loader_name or getattr(loader, "__qualname__", None) or repr(loader)
     with phase("load", _phase_detail(request)) as timed:

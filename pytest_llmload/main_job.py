@@ -95,12 +95,10 @@ def _follow(child: subprocess.Popen, progress: Path, out) -> tuple[list[dict], i
 
 
 def summary_table(results: list[dict]) -> list[str]:
-    from pytest_llmload.catalog import BY_ID
-
     rows = [("check", "guards against", "result", "time")]
     for record in results:
         failure = _failure_of(record["check"])
-        guards = f"{failure} ({BY_ID[failure].write_up.split('/')[-1][:3]})" if failure in BY_ID else failure
+        guards = "" if failure is None else f"{failure.id} ({failure.write_up.split('/')[-1][:3]})"
         outcome = record["outcome"].upper() if record["outcome"] in FAILED_OUTCOMES else record["outcome"]
         if record["outcome"] in ("skipped", "xfailed") and record["reason"]:
             outcome += f" ({record['reason']})"
@@ -111,12 +109,11 @@ def summary_table(results: list[dict]) -> list[str]:
     return lines
 
 
-def _failure_of(check: str) -> str:
-    try:
-        from pytest_llmload.checks import REGISTRY
-    except ImportError:
-        return ""
-    return next((c.failure for c in REGISTRY if c.name == check), "")
+def _failure_of(check: str):
+    """The known failure a check guards against, ``None`` for a name that is not a shipped check."""
+    from pytest_llmload.failures import REGISTRY
+
+    return next((c.failure for c in REGISTRY if c.name == check), None)
 
 
 def run(argv: Optional[list[str]] = None, out=None) -> int:

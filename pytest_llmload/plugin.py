@@ -11,7 +11,9 @@ import sys
 
 import pytest
 
-from pytest_llmload import isolated_marker, known_failure_report, loading, markers
+from pytest_llmload import loading, markers
+from pytest_llmload.runners import isolated_marker
+from pytest_llmload.diagnostics import known_failures as known_failure_report
 from pytest_llmload.fixtures import (  # noqa: F401  (pytest discovers fixtures on the plugin module)
     distributed_env,
     gpu_model,
@@ -28,7 +30,7 @@ from pytest_llmload.fixtures import (  # noqa: F401  (pytest discovers fixtures 
 
 # Phase timings, device-map summaries, the session summary, and the limit_torch_memory marker: each module
 # registers its own options, markers and hooks.
-pytest_plugins = ["pytest_llmload.diagnostics", "pytest_llmload.memory_limit"]
+pytest_plugins = ["pytest_llmload.diagnostics.report", "pytest_llmload.diagnostics.memory_limit"]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -114,7 +116,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         from importlib.util import find_spec
 
         if find_spec("deepspeed") is not None:
-            from pytest_llmload import distributed
+            from pytest_llmload.runners import ranks as distributed
 
             distributed.preload(("deepspeed",))
             distributed.prebuild_deepspeed_ops()

@@ -19,19 +19,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pytest_llmload.distributed import is_distributed, local_rank
+from pytest_llmload.failures.distributed_device_map import is_distributed, local_rank
 from pytest_llmload.request import LoadRequest
+from pytest_llmload.transformers_compat import dtype_kwarg, enable_gradient_checkpointing
 
 LORA_TARGETS = ("q_proj", "v_proj")
-
-
-def _dtype_kwarg(request: LoadRequest) -> dict:
-    """transformers >= 4.56 calls it ``dtype``; earlier versions ``torch_dtype``."""
-    import transformers
-    from packaging.version import Version
-
-    key = "dtype" if Version(transformers.__version__).release >= (4, 56) else "torch_dtype"
-    return {key: request.torch_dtype}
 
 
 def _quantization_kwarg(request: LoadRequest) -> dict:
@@ -109,7 +101,7 @@ def load_model_and_tokenizer(request: LoadRequest):
     model = AutoModelForCausalLM.from_pretrained(
         request.model_path,
         local_files_only=True,
-        **_dtype_kwarg(request),
+        **dtype_kwarg(request.torch_dtype),
         **_quantization_kwarg(request),
         **placement_kwargs(request),
     )
@@ -119,7 +111,7 @@ def load_model_and_tokenizer(request: LoadRequest):
     if request.gradient_checkpointing:
         # Non-reentrant checkpointing gives frozen-base LoRA models their gradients without the
         # enable_input_require_grads() workaround.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_gradient_checkpointing(model, use_reentrant=False)
         model.config.use_cache = False
     if request.lora:
         model = _apply_lora(model, request)

@@ -30,7 +30,7 @@ Call it after building the arguments and before building the trainer (trl's ``SF
 
 :func:`observe_trainer` hands a model to a stock ``Trainer`` with ``n_gpu`` set as a machine with more
 GPUs would set it, runs one training step, and reports what Trainer decided; the check in
-:mod:`pytest_llmload.checks.trainer` is built on it.
+:mod:`pytest_llmload.failures.dp_dtype` is built on it.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ import pytest
 pytestmark = pytest.mark.timeout(120)
 
 CHECKS = """
-from pytest_llmload.conformance import Check
+from pytest_llmload.failures import BY_ID
+from pytest_llmload.failures.base import Check
 
 def check_returns_a_model(loader, checkpoint, workdir):
     '''Guards a made-up failure: the loader must return a model.'''
@@ -18,9 +19,9 @@ def check_old_transformers(loader, checkpoint, workdir):
     '''Only on transformers that no longer exist.'''
 
 CHECKS = [
-    Check(check_returns_a_model, failure="meta-backward"),
-    Check(check_on_gpu, failure="dp-dtype", needs_gpus=2),
-    Check(check_old_transformers, failure="offload-hang", transformers="<1.0"),
+    Check(check_returns_a_model, failure=BY_ID["meta-backward"]),
+    Check(check_on_gpu, failure=BY_ID["dp-dtype"], needs_gpus=2),
+    Check(check_old_transformers, failure=BY_ID["offload-hang"], transformers="<1.0"),
 ]
 
 def good_loader(request):

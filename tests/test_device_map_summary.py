@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from pytest_llmload import LoadRequest
-from pytest_llmload.checks.offload import offload_budget
-from pytest_llmload.device_map_summary import placement_lines
+from pytest_llmload.scenarios import offload_budget
+from pytest_llmload.diagnostics.device_map_summary import placement_lines
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -8,7 +8,7 @@ import pytest
 PHASE_HANGS = """
 import threading
 import pytest
-from pytest_llmload.phases import phase
+from pytest_llmload.diagnostics.phases import phase
 
 @pytest.mark.timeout({timeout}, method="{method}")
 def test_stuck():
@@ -39,7 +39,7 @@ def test_a_deadline_hit_shows_the_phase_table_and_the_phase_that_was_running(pyt
 @pytest.mark.timeout(60)
 def test_a_passing_test_shows_its_phases_only_when_asked(pytester):
     pytester.makepyfile("""
-        from pytest_llmload.phases import phase
+        from pytest_llmload.diagnostics.phases import phase
 
         def test_quick():
             with phase("decode"):
@@ -54,7 +54,7 @@ def test_a_passing_test_shows_its_phases_only_when_asked(pytester):
 
 
 PROGRESS = """
-from pytest_llmload.phases import phase
+from pytest_llmload.diagnostics.phases import phase
 
 def test_long():
     with phase("generate", max_new_tokens=512) as p:
@@ -79,7 +79,7 @@ def test_a_long_phase_prints_progress_lines_at_the_configured_interval(pytester)
 @pytest.mark.timeout(120)
 def test_the_option_wins_over_the_ini_key_and_zero_turns_progress_off(pytester):
     pytester.makepyfile(test_off="""
-        from pytest_llmload.phases import heartbeat, phase
+        from pytest_llmload.diagnostics.phases import heartbeat, phase
 
         def test_off():
             with phase("generate"):
@@ -124,13 +124,13 @@ def test_under_the_thread_method_the_table_is_printed_before_the_process_ends(py
 
 @pytest.mark.parametrize(("timeout", "printed_after"), [(300, 285), (2, 1.5), (0.6, 0.3)])
 def test_the_thread_method_table_comes_5_percent_or_half_a_second_early_but_never_before_half_way(timeout, printed_after):
-    from pytest_llmload.diagnostics import thread_method_warning_after
+    from pytest_llmload.diagnostics.report import thread_method_warning_after
 
     assert thread_method_warning_after(timeout) == pytest.approx(printed_after)
 
 
 WHERE = """
-from pytest_llmload.checks.offload import offload_budget
+from pytest_llmload.scenarios import offload_budget
 
 def test_offloaded(llmload_load, llmload_checkpoint, tmp_path):
     model, _ = llmload_load(max_memory=offload_budget(llmload_checkpoint), offload_folder=tmp_path / "offload")
@@ -187,8 +187,8 @@ def test_a_model_loaded_whole_is_summarised_as_such(pytester):
 
 SUMMARY = """
 import pytest
-from pytest_llmload.checks.offload import offload_budget
-from pytest_llmload.phases import note_deadline
+from pytest_llmload.scenarios import offload_budget
+from pytest_llmload.diagnostics.phases import note_deadline
 
 @pytest.mark.timeout(120)
 def test_loads(llmload_load):
@@ -233,7 +233,7 @@ def test_the_session_summary_under_xdist_lists_loads_peaks_and_checks_near_their
 def test_a_test_near_its_pytest_timeout_is_listed(pytester, near, listed):
     pytester.makepyfile("""
         import pytest
-        from pytest_llmload.phases import phase
+        from pytest_llmload.diagnostics.phases import phase
 
         @pytest.mark.timeout(30)
         def test_timed():

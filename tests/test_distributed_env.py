@@ -1,4 +1,4 @@
-"""The ``distributed_env`` fixture and its runner (:mod:`pytest_llmload.distributed`): real ranks, what each
+"""The ``distributed_env`` fixture and its runner (:mod:`pytest_llmload.runners.ranks`): real ranks, what each
 rank sees, and what a test reports when a rank raises, hangs or dies; nothing is left behind."""
 
 from __future__ import annotations
@@ -8,14 +8,14 @@ import multiprocessing
 import os
 import signal
 import socket
-import textwrap
 import time
 
 import pytest
 
 from fixtures.processes import gone
-from pytest_llmload import distributed, isolation
-from pytest_llmload.distributed import DistributedRunFailed, run_ranks
+from pytest_llmload.runners import ranks as distributed
+from pytest_llmload.runners import isolation
+from pytest_llmload.runners.ranks import DistributedRunFailed, run_ranks
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -251,7 +251,7 @@ def test_deepspeed_ranks_reuse_the_parents_shm_op_instead_of_building_it(monkeyp
     pytest.importorskip("deepspeed")
     distributed.preload(distributed.DEEPSPEED_PRELOAD)
     assert distributed._shm_op, "preload did not load the op"
-    assert run_ranks(shm_op_builder, 2, timeout=30) == ["pytest_llmload.distributed"] * 2
+    assert run_ranks(shm_op_builder, 2, timeout=30) == ["pytest_llmload.runners.ranks"] * 2
     monkeypatch.setattr(distributed, "_shm_op", [])  # without it, the ranks would build it themselves
     assert run_ranks(shm_op_builder, 2, timeout=30) == ["deepspeed.comm.torch"] * 2
 

@@ -6,13 +6,13 @@ import pytest
 pytestmark = [pytest.mark.timeout(600), pytest.mark.llmload_deepspeed]
 
 ADAPTER = '''
-from fixtures.loaders import downstream_fixed, meta_backward_002
+from fixtures.loaders import downstream_fixed, before_meta_backward
 
 def load(request):              # the fixed loader, adapted in a few lines
     return downstream_fixed.load(request)
 
 def old_load(request):          # the write-up 002 loader the repo is migrating from
-    return meta_backward_002.load(request)
+    return before_meta_backward.load(request)
 '''
 
 
@@ -61,7 +61,7 @@ def test_shipped_suite_against_the_ini_loader_with_expected_gaps(downstream):
             check_trainer_does_not_wrap_placed_model: 4-bit not supported yet
     ''')
     result = downstream.runpytest_subprocess("--pyargs", "pytest_llmload.suite", "-p", "no:cacheprovider", "-rx")
-    from pytest_llmload.checks.trainer import four_bit_refusal
+    from pytest_llmload.failures.dp_dtype import four_bit_refusal
 
     # Where transformers refuses 4-bit on the machine (4.46 on CPU), the trainer check skips before its xfail.
     no_4bit = four_bit_refusal() is not None

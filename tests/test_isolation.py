@@ -1,4 +1,4 @@
-"""Isolated execution (:mod:`pytest_llmload.isolation`, the ``llmload_isolated`` marker, ``Check(isolated=True)``):
+"""Isolated execution (:mod:`pytest_llmload.runners.isolation`, the ``llmload_isolated`` marker, ``Check(isolated=True)``):
 a call or a test body runs in a child forked from the test process; what it changes dies with it; a hang
 fails at the deadline with the child's stacks, a death with its signal, an exception with the child's report;
 nothing is left behind."""
@@ -19,9 +19,12 @@ import time
 import pytest
 
 from fixtures.processes import gone
-from pytest_llmload import catalog, isolation, known_failure_report
-from pytest_llmload.conformance import Check
-from pytest_llmload.isolation import ChildError, ChildTraceback, IsolationFailed, run_isolated
+from pytest_llmload import failures as catalog
+from pytest_llmload.runners import isolation
+from pytest_llmload.diagnostics import known_failures as known_failure_report
+from pytest_llmload.failures import BY_ID
+from pytest_llmload.failures.base import Check
+from pytest_llmload.runners.isolation import ChildError, ChildTraceback, IsolationFailed, run_isolated
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -231,8 +234,8 @@ faulthandler.register(signal.SIGUSR1)  # the test asks for the stacks of a scrip
 # A pytest started as a background job of a non-interactive shell inherits SIGINT ignored (POSIX), and so
 # would this script; the user's terminal gives a foreground pytest Python's handler.
 signal.signal(signal.SIGINT, signal.default_int_handler)
-from pytest_llmload.distributed import run_ranks
-from pytest_llmload.isolation import run_isolated
+from pytest_llmload.runners.ranks import run_ranks
+from pytest_llmload.runners.isolation import run_isolated
 
 def sleep_forever(pid_dir):
     open(os.path.join(pid_dir, str(os.getpid())), "w").close()
@@ -299,7 +302,7 @@ def check_blocks(loader, checkpoint, workdir):
 
 
 def test_an_isolated_check_fails_with_the_childs_error_and_changes_nothing(tmp_path):
-    check = Check(check_sets_env_and_fails, failure="offload-hang", isolated=True, timeout=30)
+    check = Check(check_sets_env_and_fails, failure=BY_ID["offload-hang"], isolated=True, timeout=30)
     with pytest.raises(AssertionError, match=r"loader .*noop_loader failed in pid \d+") as excinfo:
         check(noop_loader, tmp_path, tmp_path)
     assert f"pid {os.getpid()}" not in str(excinfo.value)
@@ -311,14 +314,14 @@ def test_an_isolated_check_fails_with_the_childs_error_and_changes_nothing(tmp_p
 
 def test_the_same_check_not_isolated_leaks_its_change(tmp_path, monkeypatch):
     _restore_absent_probe(monkeypatch)
-    check = Check(check_sets_env_and_fails, failure="offload-hang", timeout=30)
+    check = Check(check_sets_env_and_fails, failure=BY_ID["offload-hang"], timeout=30)
     with pytest.raises(AssertionError, match=f"failed in pid {os.getpid()}$"):
         check(noop_loader, tmp_path, tmp_path)
     assert os.environ[PROBE] == "leaked"
 
 
 def test_an_isolated_check_that_hangs_fails_at_its_timeout_with_the_stacks(tmp_path):
-    check = Check(check_blocks, failure="offload-hang", isolated=True, timeout=1)
+    check = Check(check_blocks, failure=BY_ID["offload-hang"], isolated=True, timeout=1)
     with pytest.raises(IsolationFailed, match=r"(?s)^check_blocks did not return: deadline of 1 s exceeded.*"
                                               r"in check_blocks"):
         check(noop_loader, tmp_path, tmp_path)
@@ -330,7 +333,7 @@ def check_meta_backward(loader, checkpoint, workdir):
 
 
 def test_the_known_failure_is_named_from_a_childs_error(tmp_path):
-    check = Check(check_meta_backward, failure="meta-backward", isolated=True, timeout=30)
+    check = Check(check_meta_backward, failure=BY_ID["meta-backward"], isolated=True, timeout=30)
     with pytest.raises(RuntimeError) as excinfo:
         check(noop_loader, tmp_path, tmp_path)
     text = known_failure_report.failure_text(excinfo)
@@ -339,7 +342,7 @@ def test_the_known_failure_is_named_from_a_childs_error(tmp_path):
 
 
 def test_the_checks_that_patch_process_state_or_can_hang_are_isolated():
-    from pytest_llmload.checks import REGISTRY
+    from pytest_llmload.failures import REGISTRY
 
     assert {check.name for check in REGISTRY if check.isolated} == {
         "check_train_request_trains", "check_offload_inference", "check_load_writes_only_offload_folder",
@@ -354,8 +357,9 @@ def test_the_checks_that_patch_process_state_or_can_hang_are_isolated():
 def test_isolated_checks_preload_the_stack_but_never_what_initialises_cuda(monkeypatch, tmp_path, gpus_visible,
                                                                            peft_preloaded):
     # What a child imports dies with it. peft imports bitsandbytes, which initialises CUDA where a GPU is visible.
-    from pytest_llmload import distributed, gpus
-    from pytest_llmload.checks import preload_for_isolated_checks
+    from pytest_llmload import gpus
+    from pytest_llmload.runners import ranks as distributed
+    from pytest_llmload.failures import preload_for_isolated_checks
 
     (tmp_path / "config.json").write_text('{"model_type": "qwen2"}')
     asked = []

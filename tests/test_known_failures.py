@@ -2,7 +2,7 @@
 
 import pytest
 
-from pytest_llmload import catalog
+from pytest_llmload import failures as catalog
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -70,13 +70,13 @@ def test_meta_backward_from_a_real_offloaded_lora_model_names_meta_backward(pyte
     # The write-up 002 setup, for real: device_map="auto" with a budget that offloads, LoRA, backward.
     pytester.syspathinsert(request.config.rootpath)
     pytester.makepyfile(f"""
-        from fixtures.loaders import meta_backward_002
+        from fixtures.loaders import before_meta_backward
         from pytest_llmload import LoadRequest
-        from pytest_llmload.checks.offload import offload_budget
+        from pytest_llmload.scenarios import offload_budget
 
         def test_train_offloaded(tmp_path):
             ckpt = {str(llmload_checkpoint)!r}
-            model, tokenizer = meta_backward_002.load(LoadRequest(
+            model, tokenizer = before_meta_backward.load(LoadRequest(
                 ckpt, purpose="train", lora=True, max_memory=offload_budget(ckpt), offload_folder=tmp_path))
             batch = tokenizer(["hello world"], return_tensors="pt")
             model(**batch, labels=batch["input_ids"]).loss.backward()
@@ -96,11 +96,11 @@ def test_distributed_device_map_from_real_ranks_names_distributed_device_map(pyt
     # Write-up 004, for real: two gloo ranks, accelerate in MULTI_CPU mode, the always-device_map loader.
     pytester.syspathinsert(request.config.rootpath)
     pytester.makepyfile(f"""
-        from fixtures.loaders import seed004_device_map_before
-        from pytest_llmload.checks.distributed import check_distributed_train_step
+        from fixtures.loaders import before_distributed_device_map
+        from pytest_llmload.failures.distributed_device_map import check_distributed_train_step
 
         def test_prepare_on_two_ranks(tmp_path):
-            check_distributed_train_step(seed004_device_map_before.load, {str(llmload_checkpoint)!r}, tmp_path,
+            check_distributed_train_step(before_distributed_device_map.load, {str(llmload_checkpoint)!r}, tmp_path,
                                          modes=("ddp",))
     """)
     result = pytester.runpytest()

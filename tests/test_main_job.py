@@ -32,7 +32,7 @@ def test_reference_loader_passes_with_a_row_per_check():
 
 
 def test_a_before_loader_fails_with_exit_1_naming_the_check():
-    run = main_job("--loader", "fixtures.loaders.meta_backward_002:load", "-k", "train_request_trains and not cuda")
+    run = main_job("--loader", "fixtures.loaders.before_meta_backward:load", "-k", "train_request_trains and not cuda")
     assert run.returncode == 1, run.stdout + run.stderr
     assert re.search(r"^check_train_request_trains +meta-backward \(002\) +FAILED", run.stdout, re.M), run.stdout
     assert "FAILED check_train_request_trains: AssertionError: 4 of 8 train requests failed (write-up 002" in run.stdout

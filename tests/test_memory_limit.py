@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_llmload.memory_limit import parse_limit
+from pytest_llmload.diagnostics.memory_limit import parse_limit
 
 pytestmark = pytest.mark.timeout(120)
 

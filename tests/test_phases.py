@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from pytest_llmload import memory_probe
-from pytest_llmload.phases import Heartbeat, PhaseRecorder, phase, recording, timed_generate
+from pytest_llmload.diagnostics import memory_probe
+from pytest_llmload.diagnostics.phases import Heartbeat, PhaseRecorder, phase, recording, timed_generate
 
 pytestmark = pytest.mark.timeout(60)
 MiB = 2**20

@@ -7,7 +7,7 @@ pytestmark = pytest.mark.timeout(180)
 HEAVY = ("torch", "transformers", "accelerate", "peft", "bitsandbytes", "deepspeed")
 
 # Modules of the plugin itself that a run using none of its fixtures, markers or checks never needs.
-DEFERRED = ("pytest_llmload.isolation", "pytest_llmload.catalog", "pytest_llmload.offline", "pytest_llmload.progress",
+DEFERRED = ("pytest_llmload.runners.isolation", "pytest_llmload.failures", "pytest_llmload.offline", "pytest_llmload.progress",
             "pickle")
 
 PROBE = f"""

@@ -23,7 +23,7 @@ DP_WRAP = ("write-up 003: ignores the 4-bit request, so the guard sees an unplac
            "wraps it in DataParallel")
 
 EXPECTED = {
-    "fixtures.loaders.offload_hang_000:load": {
+    "fixtures.loaders.before_offload_hang:load": {
         "check_train_request_trains": OFFLOADS_TRAIN,
         "check_train_request_trains_cuda": OFFLOADS_TRAIN,
         "check_pad_token_set_offline": "write-up 000 before: a second GenerationConfig.from_pretrained",
@@ -31,14 +31,14 @@ EXPECTED = {
         **({"check_load_writes_only_offload_folder": "offload_state_dict's temp round-trip"}
            if HONOURS_OFFLOAD_STATE_DICT else {}),
     },
-    "fixtures.loaders.meta_backward_002:load": {
+    "fixtures.loaders.before_meta_backward:load": {
         "check_train_request_trains": OFFLOADS_TRAIN,
         "check_train_request_trains_cuda": OFFLOADS_TRAIN,
         "check_pad_token_set_offline": NO_PAD,
         "check_trainer_does_not_wrap_placed_model": DP_WRAP,
     },
-    "fixtures.loaders.seed003_dp_before:load": {"check_pad_token_set_offline": NO_PAD},
-    "fixtures.loaders.seed004_device_map_before:load": {
+    "fixtures.loaders.before_dp_dtype:load": {"check_pad_token_set_offline": NO_PAD},
+    "fixtures.loaders.before_distributed_device_map:load": {
         "check_train_request_trains": OFFLOADS_TRAIN,
         "check_train_request_trains_cuda": OFFLOADS_TRAIN,
         "check_pad_token_set_offline": NO_PAD,

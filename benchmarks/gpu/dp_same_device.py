@@ -21,16 +21,16 @@ sys.path.insert(0, str(ROOT))  # fixtures/ (the before-loaders) is not an instal
 def main() -> int:
     import torch
 
-    from fixtures.loaders import seed003_dp_before
+    from fixtures.loaders import before_dp_dtype
     from pytest_llmload import LoadRequest
-    from pytest_llmload.checks.trainer import write_stage1_checkpoint
+    from pytest_llmload.failures.dp_dtype import write_stage1_checkpoint
     from pytest_llmload.tiny_models import build_tiny_checkpoint
 
     work = Path(tempfile.mkdtemp(prefix="dp-same-device-"))
     checkpoint = build_tiny_checkpoint(work / "tiny")
     stage1 = write_stage1_checkpoint(checkpoint, work / "stage1")
     request = LoadRequest(stage1, purpose="train", dtype="bfloat16", quantization="4bit", lora=True)
-    model = seed003_dp_before.load(request)[0]
+    model = before_dp_dtype.load(request)[0]
     print(f"hf_device_map={getattr(model, 'hf_device_map', None)}; lm_head dtype="
           f"{model.get_output_embeddings().weight.dtype}")
     ids = torch.randint(0, model.config.vocab_size, (4, 16), device="cuda:0")

@@ -36,7 +36,7 @@ def median_seconds(fn, runs: int, warmup: int = 1) -> float:
 
 
 def nccl_check(checkpoint: Path, work: Path) -> dict:
-    from pytest_llmload.checks.distributed import check_distributed_train_step
+    from pytest_llmload.failures.distributed_device_map import check_distributed_train_step
     from pytest_llmload.reference_loader import load_model_and_tokenizer
 
     seconds = median_seconds(lambda: check_distributed_train_step(
@@ -55,7 +55,7 @@ def gpu_model_load(checkpoint: Path) -> dict:
 def limit_measure() -> dict:
     import torch
 
-    from pytest_llmload.memory_limit import _Measure
+    from pytest_llmload.diagnostics.memory_limit import _Measure
 
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -103,16 +103,16 @@ def training_estimate(checkpoint: Path, label: str, dtype: str, lora: bool, chec
 
 
 def meta_backward_text(checkpoint: Path, work: Path) -> dict:
-    from fixtures.loaders import meta_backward_002
+    from fixtures.loaders import before_meta_backward
     from pytest_llmload import LoadRequest, call_loader
-    from pytest_llmload.checks.offload import offload_budget
+    from pytest_llmload.scenarios import offload_budget
 
     import torch
 
     request = LoadRequest(checkpoint, purpose="train", device="cuda:0", dtype="float16", lora=True,
                           gradient_checkpointing=True, offload_folder=work / "offload",
                           max_memory=offload_budget(checkpoint, "cuda:0", dtype="float16"))
-    model = call_loader(meta_backward_002.load, request).model
+    model = call_loader(before_meta_backward.load, request).model
     ids = torch.randint(2, model.config.vocab_size, (2, 16), device="cuda:0")
     try:
         model(input_ids=ids, labels=ids).loss.backward()

@@ -1,6 +1,6 @@
 """How close write-up 002's budget table comes to what torch allocates, on the tiny models.
 
-Measured with the profiler's memory events (``pytest_llmload.memory_limit``): the peak of what torch's CPU
+Measured with the profiler's memory events (``pytest_llmload.diagnostics.memory_limit``): the peak of what torch's CPU
 allocator handed out. On CPU, weights that ``from_pretrained`` maps from safetensors are not allocations, so
 the weights row is checked against the loaded parameters' bytes, and the rest of the table (gradients,
 optimizer state, activations; KV cache and activations for inference) against the allocator's peak. The
@@ -18,7 +18,7 @@ from packaging.version import Version
 
 from pytest_llmload import LoadRequest
 from pytest_llmload.memory import estimate_inference_memory, estimate_training_memory
-from pytest_llmload.memory_limit import _CpuAllocations, skip_reason
+from pytest_llmload.diagnostics.memory_limit import _CpuAllocations, skip_reason
 from pytest_llmload.reference_loader import load_model_and_tokenizer
 
 BATCH, SEQ = 2, 128
@@ -34,7 +34,7 @@ TRANSFORMERS_4_REASON = (
 
 @pytest.fixture(scope="module", autouse=True)
 def _profiler_reports_memory():
-    from pytest_llmload.memory_limit import MemoryLimit
+    from pytest_llmload.diagnostics.memory_limit import MemoryLimit
 
     reason = skip_reason(MemoryLimit(1, "1 B", "cpu"))
     if reason is not None:
@@ -85,7 +85,7 @@ def test_training_estimate_against_the_allocator_peak_of_two_adamw_steps(llmload
 @pytest.mark.timeout(120)
 def test_the_4bit_weights_row_against_the_loaded_parameters(llmload_checkpoint):
     pytest.importorskip("bitsandbytes")
-    from pytest_llmload.checks.trainer import four_bit_refusal
+    from pytest_llmload.failures.dp_dtype import four_bit_refusal
 
     if four_bit_refusal() is not None:
         pytest.skip(four_bit_refusal())

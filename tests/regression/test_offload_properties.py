@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from pytest_llmload import LoadRequest, call_loader
-from pytest_llmload.checks import offload
+from pytest_llmload import scenarios
 from pytest_llmload.memory import (
     TrainingBudgetError,
     budget_for_device,
@@ -32,8 +32,8 @@ FEW = settings(max_examples=10, deadline=None, suppress_health_check=[HealthChec
 def whole_logits(llmload_checkpoint):
     import torch
 
-    model = offload._plain_model(llmload_checkpoint, "cpu")
-    ids = offload._input_ids(model, "cpu")
+    model = scenarios.plain_model(llmload_checkpoint, "cpu")
+    ids = scenarios.input_ids(model, "cpu")
     with torch.no_grad():
         return ids, model(input_ids=ids).logits
 
@@ -107,5 +107,5 @@ def test_any_train_request_through_the_reference_loader_has_nothing_on_meta(data
         return
     event("loaded whole")
     assert fits
-    assert offload._placement_problems(model, "cpu") == []
-    assert offload._train_step_problems(model, "cpu") == []
+    assert scenarios.placement_problems(model, "cpu") == []
+    assert scenarios.train_step_problems(model, "cpu") == []

@@ -1,7 +1,7 @@
 """Write-up 004 (device_map under DeepSpeed): a model loaded with a spreading ``device_map`` cannot be
 prepared by accelerate in any distributed mode. Reproduced on CPU with the write-up's error text, on 2 real
 ranks, with real DeepSpeed (``DistributedType.DEEPSPEED``) and with plain multi-CPU (``MULTI_CPU``); then the
-check of :mod:`pytest_llmload.checks.distributed` shown to fail on the write-up's "before" loader and to pass
+check of :mod:`pytest_llmload.failures.distributed_device_map` shown to fail on the write-up's "before" loader and to pass
 on the reference loader; then the write-up's rule "is this process distributed?" tested over environments.
 """
 
@@ -15,10 +15,10 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from fixtures.loaders import seed004_device_map_before
+from fixtures.loaders import before_distributed_device_map
 from pytest_llmload import LoadRequest, call_loader, gpus
-from pytest_llmload.checks import distributed as check
-from pytest_llmload.distributed import is_distributed, run_ranks
+from pytest_llmload.failures import distributed_device_map as check
+from pytest_llmload.failures.distributed_device_map import is_distributed
 from pytest_llmload.reference_loader import load_model_and_tokenizer as reference_loader
 from pytest_llmload.reference_loader import placement_kwargs
 
@@ -54,7 +54,7 @@ def test_device_map_auto_alone_does_not_spread_on_a_cpu_only_machine(llmload_che
 def test_before_loader_spreads_the_model_over_cpu_and_disk(llmload_checkpoint, tmp_path, monkeypatch):
     _no_launcher_env(monkeypatch)
     request = LoadRequest(llmload_checkpoint, purpose="train", offload_folder=tmp_path / "offload")
-    model = call_loader(seed004_device_map_before.load, request).model
+    model = call_loader(before_distributed_device_map.load, request).model
     assert model.hf_device_map == SPREAD
 
 
@@ -66,7 +66,7 @@ def _prepare_before_loader_model(checkpoint: str, offload_folder: str, deepspeed
 
     request = LoadRequest(checkpoint, purpose="train", deepspeed=deepspeed,
                           offload_folder=os.path.join(offload_folder, f"rank{dist.get_rank()}"))
-    model = call_loader(seed004_device_map_before.load, request).model
+    model = call_loader(before_distributed_device_map.load, request).model
     if deepspeed:
         from accelerate.utils import DeepSpeedPlugin
 
@@ -120,7 +120,7 @@ def test_check_fails_on_the_before_loader(llmload_checkpoint, tmp_path, monkeypa
     # A bypass set in the test process must not reach the ranks, or the failure would silently vanish.
     monkeypatch.setenv("ACCELERATE_BYPASS_DEVICE_MAP", "true")
     with pytest.raises(AssertionError) as excinfo:
-        check.check_distributed_train_step(seed004_device_map_before.load, llmload_checkpoint, tmp_path)
+        check.check_distributed_train_step(before_distributed_device_map.load, llmload_checkpoint, tmp_path)
     message = str(excinfo.value)
     assert message.startswith("write-up 004: the loader's model does not train on every rank of a 2-rank gloo "
                               "group (4 problems):")
@@ -159,7 +159,7 @@ def _drifting(original):
 
 @pytest.mark.timeout(120)
 @pytest.mark.needs_gpus(1)
-@pytest.mark.parametrize("loader", [reference_loader, seed004_device_map_before.load], ids=["reference", "before"])
+@pytest.mark.parametrize("loader", [reference_loader, before_distributed_device_map.load], ids=["reference", "before"])
 def test_check_with_nccl_on_the_gpus(llmload_checkpoint, tmp_path, loader):
     world_size = min(2, gpus.visible_gpu_count())
     if loader is reference_loader:
@@ -205,7 +205,7 @@ def _load_with_budget(checkpoint: str, budget: dict, offload_folder: str) -> dic
 def test_reference_loader_does_not_spread_on_a_rank(distributed_env, llmload_checkpoint, tmp_path, monkeypatch):
     # The same inference request with a budget: spread over cpu and disk in a single process, whole on a rank.
     _no_launcher_env(monkeypatch)
-    budget = {"cpu": seed004_device_map_before.half_the_weights(llmload_checkpoint)}
+    budget = {"cpu": before_distributed_device_map.half_the_weights(llmload_checkpoint)}
     args = (os.fspath(llmload_checkpoint), budget, os.fspath(tmp_path / "offload"))
     assert _load_with_budget(*args) == SPREAD
     assert distributed_env.run(_load_with_budget, world_size=2, backend="gloo", args=args) == [{}, {}]

@@ -46,9 +46,9 @@ import logging
 
 import pytest
 
-from fixtures.loaders import seed003_dp_before
+from fixtures.loaders import before_dp_dtype
 from pytest_llmload import LoadRequest
-from pytest_llmload.checks.trainer import (
+from pytest_llmload.failures.dp_dtype import (
     _upstream_reading,
     check_trainer_does_not_wrap_placed_model,
     write_stage1_checkpoint,
@@ -68,7 +68,7 @@ def _guard():
 def _require_4bit_here() -> None:
     """Skip unless bitsandbytes 4-bit loads on this machine, naming transformers' refusal and what its
     Trainer would do with the write-up's model where it does load (on a GPU)."""
-    from pytest_llmload.checks.trainer import four_bit_refusal
+    from pytest_llmload.failures.dp_dtype import four_bit_refusal
 
     refusal = four_bit_refusal()
     if refusal is not None:
@@ -93,7 +93,7 @@ def stage1(llmload_checkpoint, tmp_path_factory):
 
 def _before_model(stage1, quantization="4bit"):
     request = LoadRequest(stage1, purpose="train", dtype="bfloat16", quantization=quantization, lora=True)
-    return seed003_dp_before.load(request)[0]
+    return before_dp_dtype.load(request)[0]
 
 
 @pytest.mark.timeout(120)
@@ -101,7 +101,7 @@ def test_check_fails_on_the_write_up_setup(llmload_checkpoint, tmp_path, caplog,
     _require_4bit_here()
     caplog.set_level(logging.INFO, logger="pytest_llmload")
     with pytest.raises(AssertionError) as failure:
-        check_trainer_does_not_wrap_placed_model(seed003_dp_before.load, llmload_checkpoint, tmp_path)
+        check_trainer_does_not_wrap_placed_model(before_dp_dtype.load, llmload_checkpoint, tmp_path)
     message = str(failure.value)
     record_property("upstream", message.splitlines()[1])
     print(message)
@@ -121,9 +121,9 @@ def test_check_passes_with_the_fix(llmload_checkpoint, tmp_path, caplog, record_
     _require_4bit_here()
     caplog.set_level(logging.INFO, logger="pytest_llmload")
     check_trainer_does_not_wrap_placed_model(
-        seed003_dp_before.load, llmload_checkpoint, tmp_path, prepare_args=_guard()
+        before_dp_dtype.load, llmload_checkpoint, tmp_path, prepare_args=_guard()
     )
-    (seen,) = [r.getMessage() for r in caplog.records if r.name == "pytest_llmload.checks.trainer"]
+    (seen,) = [r.getMessage() for r in caplog.records if r.name == "pytest_llmload.failures.dp_dtype"]
     record_property("upstream", seen)
     assert "n_gpu used=1; not wrapped; batch 2 per device -> 2 per step" in seen
     assert any(
@@ -137,7 +137,7 @@ def _load_with_an_lm_head_outside_autocast(request):
     write-up blames on DataParallel's workers, produced here on purpose to test the check's report."""
     import torch
 
-    model, tokenizer = seed003_dp_before.load(request)
+    model, tokenizer = before_dp_dtype.load(request)
     head = model.get_output_embeddings().to(torch.bfloat16)
     forward = head.forward
 

@@ -32,7 +32,8 @@ from typing import NamedTuple, Optional
 
 import pytest
 
-from pytest_llmload import gpus, memory_probe
+from pytest_llmload import gpus
+from pytest_llmload.diagnostics import memory_probe
 from pytest_llmload.memory import format_bytes
 
 MARKER = "limit_torch_memory"

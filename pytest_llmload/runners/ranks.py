@@ -1,4 +1,4 @@
-"""Real multi-process runs for tests, and the rule that says whether this process is one rank of a job.
+"""Real multi-process runs for tests: a function on every rank of a real process group.
 
 ``run_ranks(fn, world_size)`` runs ``fn`` on every rank of a real ``torch.distributed`` process group and
 returns the ranks' results in rank order::
@@ -18,7 +18,7 @@ sees what a launcher would give it (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``
 dies makes ``run_ranks`` raise :class:`DistributedRunFailed` with that rank's traceback, thread stacks or
 exit code; no process, port or temporary directory outlives the call, also on Ctrl-C.
 
-This module imports nothing heavy at import time: the reference loader imports it for :func:`is_distributed`.
+This module imports nothing heavy at import time.
 """
 
 from __future__ import annotations
@@ -29,75 +29,14 @@ import functools
 import importlib
 import importlib.util
 import os
-import re
 import sys
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable, Optional
 
-from pytest_llmload import gpus, isolation
-from pytest_llmload.isolation import ChildOutcome, describe_exitcode  # noqa: F401  (part of this API)
-
-# ---------------------------------------------------------------------------------------------------------
-# Is this process one rank of a distributed job? (write-up 004)
-# ---------------------------------------------------------------------------------------------------------
-
-DISTRIBUTED_ENV_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK")
-_INT_RE = re.compile(r"-?[0-9]+")
-
-
-def _env_int(environ: Mapping[str, str], name: str, *, minimum: int) -> Optional[int]:
-    """``environ[name]`` as an int, ``None`` when unset; a ValueError naming the variable otherwise."""
-    raw = environ.get(name)
-    if raw is None:
-        return None
-    if not isinstance(raw, str) or not _INT_RE.fullmatch(raw.strip()):
-        raise ValueError(
-            f"environment variable {name}={raw!r} is not an integer; a launcher sets it to a number "
-            f"(torchrun, deepspeed and accelerate all do). Unset it or give it a number."
-        )
-    value = int(raw.strip())
-    if value < minimum:
-        raise ValueError(f"environment variable {name}={raw!r} is out of range: it must be at least {minimum}.")
-    return value
-
-
-def is_distributed(environ: Mapping[str, str], deepspeed: bool = False) -> bool:
-    """Whether a process with this environment is one rank of a distributed job (the rule of write-up 004).
-
-    True when ``deepspeed`` is set, when ``WORLD_SIZE`` is not 1, or when ``RANK`` or ``LOCAL_RANK`` is set
-    (so ``WORLD_SIZE=1 RANK=0``, what ``torchrun --nproc-per-node 1`` gives, is distributed: accelerate
-    treats it as such too). ``LOCAL_RANK=-1`` and ``RANK=-1`` mean "not distributed", the convention of
-    ``TrainingArguments.local_rank`` and of accelerate's own check. A value that is empty or not a number
-    raises ``ValueError`` naming the variable and the value, rather than a crash deep inside torch::
-
-        >>> is_distributed({"WORLD_SIZE": "2"})
-        True
-        >>> is_distributed({"LOCAL_RANK": "-1"})
-        False
-        >>> is_distributed({"RANK": ""})
-        Traceback (most recent call last):
-        ...
-        ValueError: environment variable RANK='' is not an integer; ...
-    """
-    if not isinstance(deepspeed, bool):
-        raise TypeError(f"is_distributed(deepspeed={deepspeed!r}): expected True or False.")
-    # Parse every variable first, so an odd value is reported even when another variable decides.
-    world_size = _env_int(environ, "WORLD_SIZE", minimum=1)
-    rank = _env_int(environ, "RANK", minimum=-1)
-    local_rank = _env_int(environ, "LOCAL_RANK", minimum=-1)
-    if deepspeed:
-        return True
-    if world_size is not None and world_size != 1:
-        return True
-    return any(value is not None and value != -1 for value in (rank, local_rank))
-
-
-def local_rank(environ: Mapping[str, str]) -> int:
-    """This rank's index on its machine (``LOCAL_RANK``, else 0): which GPU a rank pins its model to."""
-    value = _env_int(environ, "LOCAL_RANK", minimum=-1)
-    return 0 if value is None or value < 0 else value
-
+from pytest_llmload import gpus
+from pytest_llmload.runners import isolation
+from pytest_llmload.runners.isolation import ChildOutcome, describe_exitcode  # noqa: F401  (part of this API)
 
 # ---------------------------------------------------------------------------------------------------------
 # Running a function on N ranks
@@ -193,7 +132,6 @@ def _use_parents_shm_op() -> None:
         comm_torch.build_shm_op = lambda: module
 
 
-RankOutcome = ChildOutcome  # what became of one rank (``label`` is "rank N", ``index`` the rank)
 
 
 def lost_a_peer(outcome: ChildOutcome) -> bool:
@@ -202,7 +140,7 @@ def lost_a_peer(outcome: ChildOutcome) -> bool:
 
 
 class DistributedRunFailed(AssertionError):
-    """One or more ranks raised, hung or died. ``outcomes`` holds every rank's :class:`RankOutcome`."""
+    """One or more ranks raised, hung or died. ``outcomes`` holds every rank's :class:`~pytest_llmload.runners.isolation.ChildOutcome`."""
 
     def __init__(self, message: str, outcomes: Sequence[ChildOutcome]):
         super().__init__(message)

@@ -16,7 +16,7 @@ child's stdout and stderr are written to this process's streams, and its log rec
 process's loggers (so pytest's "Captured log" and ``caplog`` see them), when it ends. Whatever
 the call changes process-wide (environment variables, patched upstream functions, audit hooks, socket
 guards, a process group, threads it leaves blocked) dies with the child. The same machinery starts the
-ranks of :mod:`pytest_llmload.distributed` (``run_children``).
+ranks of :mod:`pytest_llmload.runners.ranks` (``run_children``).
 
 A process that has initialised CUDA is never forked: its child would inherit a CUDA context it cannot use
 (and hang or fail on its first CUDA call). There the child starts from a forkserver, a clean process that

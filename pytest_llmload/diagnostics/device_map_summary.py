@@ -4,7 +4,7 @@ Modules per device, parameters on ``meta`` (how many, the first few names), weig
 (to cpu or disk, and how much), dtypes per device. Written for write-up 002's failure: a model spread over
 ``max_memory`` with offload, whose ``meta`` parameters could not train::
 
-    >>> from pytest_llmload.device_map_summary import placement_lines
+    >>> from pytest_llmload.diagnostics.device_map_summary import placement_lines
     >>> print("\\n".join(placement_lines(model)))  # doctest: +SKIP
     hf_device_map: cpu 2 (model.embed_tokens, model.layers.0), disk 6 (model.layers.1, model.layers.2, ...)
     modules with weights: cpu 10, meta 29

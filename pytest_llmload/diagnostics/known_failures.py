@@ -22,7 +22,7 @@ def annotate(item: pytest.Item, call: pytest.CallInfo, report: pytest.TestReport
     if not report.failed or call.excinfo is None:
         return
     text = failure_text(call.excinfo)
-    from pytest_llmload import catalog  # only a failing test needs it: plugin load stays cheap
+    from pytest_llmload import failures as catalog  # only a failing test needs it: plugin load stays cheap
 
     found = catalog.match(text)
     if not found:

@@ -65,7 +65,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function):
     isolated, timeout = isolated_timeout(pyfuncitem)
     if not isolated or inspect.iscoroutinefunction(pyfuncitem.obj):
         return None
-    from pytest_llmload import isolation  # imported by the first isolated test, not at plugin load
+    from pytest_llmload.runners import isolation  # imported by the first isolated test, not at plugin load
 
     if isolation.cuda_initialised():
         pytest.fail(
@@ -108,7 +108,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     if not report.failed or call.excinfo is None:
         return
     exc = call.excinfo.value
-    isolation = sys.modules.get("pytest_llmload.isolation")
+    isolation = sys.modules.get("pytest_llmload.runners.isolation")
     if isolation is None:  # nothing ran isolated
         return
     if isinstance(exc, isolation.IsolationFailed):

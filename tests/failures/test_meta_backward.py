@@ -1,7 +1,7 @@
 """Write-up 002 (meta-tensor backward): ``device_map="auto"`` + a ``max_memory`` that offloads + LoRA (with or
 without gradient checkpointing) cannot train. Reproduced on CPU with the write-up's error text (the tier
 below the CPU budget is the disk, so the device in the message is ``cpu``), then the check of
-:mod:`pytest_llmload.checks.offload` shown to fail on the write-up's "before" loader and to pass on the
+:mod:`pytest_llmload.failures.offload_hang` shown to fail on the write-up's "before" loader and to pass on the
 reference loader and on the other behaviours a downstream loader may have.
 """
 
@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from fixtures.loaders import meta_backward_002
+from fixtures.loaders import before_meta_backward
 from pytest_llmload import LoadRequest, call_loader
-from pytest_llmload.checks import offload
+from pytest_llmload import scenarios
+from pytest_llmload.failures import meta_backward
 from pytest_llmload.memory import TrainingBudgetError
 from pytest_llmload.reference_loader import load_model_and_tokenizer as reference_loader
 
@@ -21,7 +22,7 @@ META_BACKWARD = "Function MmBackward0 returned an invalid gradient at index 1 - 
 def offloading_train_request(checkpoint, tmp_path, device="cpu", **fields) -> LoadRequest:
     """The write-up's request: train under a budget that holds half the weights (embeddings + layer 0)."""
     return LoadRequest(checkpoint, purpose="train", device=device, offload_folder=tmp_path / "offload",
-                       max_memory=offload.offload_budget(checkpoint, device, dtype=fields.get("dtype")), **fields)
+                       max_memory=scenarios.offload_budget(checkpoint, device, dtype=fields.get("dtype")), **fields)
 
 
 def input_ids(model, device="cpu"):
@@ -37,7 +38,7 @@ def test_lora_over_offloaded_layers_fails_backward_with_the_writeups_error(
 ):
     request = offloading_train_request(llmload_checkpoint, tmp_path, lora=True,
                                        gradient_checkpointing=gradient_checkpointing)
-    model = call_loader(meta_backward_002.load, request).model
+    model = call_loader(before_meta_backward.load, request).model
     assert set(model.hf_device_map.values()) == {"cpu", "disk"}
     lora = [(name, p) for name, p in model.named_parameters() if "lora_" in name]
     on_meta = [name for name, p in lora if p.device.type == "meta"]
@@ -52,7 +53,7 @@ def test_lora_over_offloaded_layers_fails_backward_with_the_writeups_error(
 
 @pytest.mark.timeout(60)
 def test_without_lora_offloaded_parameters_silently_get_no_gradient(llmload_checkpoint, tmp_path):
-    model = call_loader(meta_backward_002.load, offloading_train_request(llmload_checkpoint, tmp_path)).model
+    model = call_loader(before_meta_backward.load, offloading_train_request(llmload_checkpoint, tmp_path)).model
     ids = input_ids(model)
     model(input_ids=ids, labels=ids).loss.backward()  # no error at all
     params = dict(model.named_parameters())
@@ -65,7 +66,7 @@ def test_without_lora_offloaded_parameters_silently_get_no_gradient(llmload_chec
 @pytest.mark.timeout(60)
 def test_train_check_fails_on_the_before_loader(llmload_checkpoint, tmp_path):
     with pytest.raises(AssertionError) as excinfo:
-        offload.check_train_request_trains(meta_backward_002.load, llmload_checkpoint, tmp_path)
+        meta_backward.check_train_request_trains(before_meta_backward.load, llmload_checkpoint, tmp_path)
     message = str(excinfo.value)
     assert message.startswith("4 of 8 train requests failed")
     assert message.count(f"forward+backward raised RuntimeError: {META_BACKWARD}") == 2  # LoRA, +/- checkpointing
@@ -75,7 +76,7 @@ def test_train_check_fails_on_the_before_loader(llmload_checkpoint, tmp_path):
 
 @pytest.mark.timeout(60)
 def test_train_check_passes_on_the_reference_loader(llmload_checkpoint, tmp_path):
-    offload.check_train_request_trains(reference_loader, llmload_checkpoint, tmp_path)
+    meta_backward.check_train_request_trains(reference_loader, llmload_checkpoint, tmp_path)
 
 
 def loads_whole_anyway(request):
@@ -92,7 +93,7 @@ def refuses_before_loading(request):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("loader", [loads_whole_anyway, refuses_before_loading], ids=lambda f: f.__name__)
 def test_train_check_accepts_loading_whole_or_refusing_before_loading(loader, llmload_checkpoint, tmp_path):
-    offload.check_train_request_trains(loader, llmload_checkpoint, tmp_path)
+    meta_backward.check_train_request_trains(loader, llmload_checkpoint, tmp_path)
 
 
 def refuses_unclearly(request):
@@ -134,7 +135,7 @@ def test_train_check_fails_unclear_late_or_blanket_refusals_and_untrainable_mode
 ):
     variants = [("offloading", True, False), (None, False, False)]  # enough to meet each behaviour
     with pytest.raises(AssertionError) as excinfo:
-        offload.check_train_request_trains(loader, llmload_checkpoint, tmp_path, variants=variants)
+        meta_backward.check_train_request_trains(loader, llmload_checkpoint, tmp_path, variants=variants)
     assert expected in str(excinfo.value)
 
 
@@ -161,8 +162,8 @@ def test_reference_loader_trains_whole_within_a_budget_that_holds_it(llmload_che
     request = offloading_train_request(llmload_checkpoint, tmp_path, lora=True).replace(max_memory={"cpu": "1GB"})
     model = call_loader(reference_loader, request).model
     assert set(getattr(model, "hf_device_map", {}).values()) <= {"cpu"}  # single-device maps are not recorded
-    assert offload._placement_problems(model, "cpu") == []
-    assert offload._train_step_problems(model, "cpu") == []
+    assert scenarios.placement_problems(model, "cpu") == []
+    assert scenarios.train_step_problems(model, "cpu") == []
 
 
 # --- the write-up's own setup, on a GPU runner -------------------------------------------------------------
@@ -174,7 +175,7 @@ def test_gpu_writeups_setup_fails_backward_on_cuda(llmload_checkpoint, tmp_path)
     """max_memory={0: half the weights, "cpu": plenty} sends layers to the CPU; execution on cuda:0."""
     request = offloading_train_request(llmload_checkpoint, tmp_path, device="cuda:0", dtype="float16", lora=True,
                                        gradient_checkpointing=True)
-    model = call_loader(meta_backward_002.load, request).model
+    model = call_loader(before_meta_backward.load, request).model
     assert "cpu" in set(map(str, model.hf_device_map.values()))
     ids = input_ids(model, "cuda:0")
     loss = model(input_ids=ids, labels=ids).loss
@@ -187,18 +188,18 @@ def test_gpu_writeups_setup_fails_backward_on_cuda(llmload_checkpoint, tmp_path)
 @pytest.mark.needs_gpus(1)
 @pytest.mark.timeout(120)
 def test_gpu_train_check_on_cuda(llmload_checkpoint, tmp_path):
-    offload.check_train_request_trains(reference_loader, llmload_checkpoint, tmp_path / "ref", device="cuda:0")
+    meta_backward.check_train_request_trains(reference_loader, llmload_checkpoint, tmp_path / "ref", device="cuda:0")
     with pytest.raises(AssertionError, match="expected device meta but got cuda:0"):
-        offload.check_train_request_trains(meta_backward_002.load, llmload_checkpoint, tmp_path / "before",
+        meta_backward.check_train_request_trains(before_meta_backward.load, llmload_checkpoint, tmp_path / "before",
                                            device="cuda:0")
 
 
 def test_the_budget_holds_half_the_weights_in_the_dtype_they_load_in(llmload_checkpoint, tmp_path):
     """Found on an H100: a float32 budget for a float16 load held the whole model, so only the head was
     offloaded and the write-up's backward error did not happen. On CPU: the same request offloads layers."""
-    full = offload.offload_budget(llmload_checkpoint, "cuda:0")[0]
-    half = offload.offload_budget(llmload_checkpoint, "cuda:0", dtype="float16")[0]
+    full = scenarios.offload_budget(llmload_checkpoint, "cuda:0")[0]
+    half = scenarios.offload_budget(llmload_checkpoint, "cuda:0", dtype="float16")[0]
     assert abs(full - 2 * half) <= 1
     request = offloading_train_request(llmload_checkpoint, tmp_path, dtype="float16", lora=True)
-    model = call_loader(meta_backward_002.load, request).model
+    model = call_loader(before_meta_backward.load, request).model
     assert sorted(set(model.hf_device_map.values())) == ["cpu", "disk"], model.hf_device_map

@@ -1,4 +1,7 @@
-"""Conformance check for write-up 004: a model loaded by one rank of a distributed job must be trainable by it.
+"""distributed-device-map (write-up 004): ``device_map`` spread on every rank of a DeepSpeed/DDP job.
+
+Here: the write-up's fix rule (:func:`is_distributed`, which the reference loader uses) and the check that a
+model loaded by one rank of a distributed job is trainable by it.
 
 The write-up's loader always passed ``device_map="auto"``; under DeepSpeed, ``accelerator.prepare()`` then
 raised ``You can't train a model that has been loaded with `device_map='auto'` in any distributed mode``.
@@ -11,11 +14,11 @@ The check is ``check_<name>(loader, checkpoint, workdir, *, ...)`` like the othe
 ``workdir`` an empty scratch directory (``tmp_path``); it returns ``None`` or raises ``AssertionError`` with
 the figures::
 
-    from pytest_llmload.checks import distributed
+    from pytest_llmload.failures import distributed_device_map
 
     @pytest.mark.timeout(120)
     def test_my_loader_trains_on_every_rank(llmload_checkpoint, tmp_path):
-        distributed.check_distributed_train_step(my_loader, llmload_checkpoint, tmp_path)
+        distributed_device_map.check_distributed_train_step(my_loader, llmload_checkpoint, tmp_path)
 
 Each rank loads ``LoadRequest(checkpoint, purpose="train", deepspeed=<mode is DeepSpeed>)`` under a launcher's
 environment, prepares model and optimizer, and takes one AdamW step on a batch of its own. "The same loss on every
@@ -32,15 +35,100 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
-from pytest_llmload import distributed
+from pytest_llmload.failures.base import Check, KnownFailure
 from pytest_llmload.loading import call_loader
 from pytest_llmload.request import LoadRequest
+from pytest_llmload.runners import ranks
 
 Loader = Callable[[LoadRequest], Any]
+
+FAILURE = KnownFailure(
+    id="distributed-device-map",
+    title="device_map='auto' under DeepSpeed or another distributed launcher",
+    write_up="seeds/004_e47582475487edd3.txt",
+    signatures=(
+        r"You can't train a model that has been loaded with `?device_map='auto'`? in any distributed mode",
+        r"You can't train a model that has been loaded in 8-bit or 4-bit precision on multiple devices in any "
+        r"distributed mode",
+    ),
+    root_cause=(
+        "Each rank loaded the model with device_map='auto', which spreads it over several devices "
+        "(hf_device_map has more than one entry). accelerate refuses to prepare such a model for DeepSpeed or "
+        "DDP, which place and replicate the model themselves."
+    ),
+    fix=(
+        "When WORLD_SIZE/RANK/LOCAL_RANK (or a DeepSpeed flag) say the process is one rank of a job, load "
+        "without device_map, or pin the whole model to the rank's device (device_map={'': local_rank})."
+    ),
+    occurs="accelerate >= 0.20 with DistributedType DEEPSPEED, MULTI_GPU or MULTI_CPU; CPU (gloo) and GPU.",
+)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Is this process one rank of a distributed job? (write-up 004)
+# ---------------------------------------------------------------------------------------------------------
+
+DISTRIBUTED_ENV_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK")
+_INT_RE = re.compile(r"-?[0-9]+")
+
+
+def _env_int(environ: Mapping[str, str], name: str, *, minimum: int) -> Optional[int]:
+    """``environ[name]`` as an int, ``None`` when unset; a ValueError naming the variable otherwise."""
+    raw = environ.get(name)
+    if raw is None:
+        return None
+    if not isinstance(raw, str) or not _INT_RE.fullmatch(raw.strip()):
+        raise ValueError(
+            f"environment variable {name}={raw!r} is not an integer; a launcher sets it to a number "
+            f"(torchrun, deepspeed and accelerate all do). Unset it or give it a number."
+        )
+    value = int(raw.strip())
+    if value < minimum:
+        raise ValueError(f"environment variable {name}={raw!r} is out of range: it must be at least {minimum}.")
+    return value
+
+
+def is_distributed(environ: Mapping[str, str], deepspeed: bool = False) -> bool:
+    """Whether a process with this environment is one rank of a distributed job (the rule of write-up 004).
+
+    True when ``deepspeed`` is set, when ``WORLD_SIZE`` is not 1, or when ``RANK`` or ``LOCAL_RANK`` is set
+    (so ``WORLD_SIZE=1 RANK=0``, what ``torchrun --nproc-per-node 1`` gives, is distributed: accelerate
+    treats it as such too). ``LOCAL_RANK=-1`` and ``RANK=-1`` mean "not distributed", the convention of
+    ``TrainingArguments.local_rank`` and of accelerate's own check. A value that is empty or not a number
+    raises ``ValueError`` naming the variable and the value, rather than a crash deep inside torch::
+
+        >>> is_distributed({"WORLD_SIZE": "2"})
+        True
+        >>> is_distributed({"LOCAL_RANK": "-1"})
+        False
+        >>> is_distributed({"RANK": ""})
+        Traceback (most recent call last):
+        ...
+        ValueError: environment variable RANK='' is not an integer; ...
+    """
+    if not isinstance(deepspeed, bool):
+        raise TypeError(f"is_distributed(deepspeed={deepspeed!r}): expected True or False.")
+    # Parse every variable first, so an odd value is reported even when another variable decides.
+    world_size = _env_int(environ, "WORLD_SIZE", minimum=1)
+    rank = _env_int(environ, "RANK", minimum=-1)
+    local_rank = _env_int(environ, "LOCAL_RANK", minimum=-1)
+    if deepspeed:
+        return True
+    if world_size is not None and world_size != 1:
+        return True
+    return any(value is not None and value != -1 for value in (rank, local_rank))
+
+
+def local_rank(environ: Mapping[str, str]) -> int:
+    """This rank's index on its machine (``LOCAL_RANK``, else 0): which GPU a rank pins its model to."""
+    value = _env_int(environ, "LOCAL_RANK", minimum=-1)
+    return 0 if value is None or value < 0 else value
+
 
 MODES = ("deepspeed", "ddp")
 # DeepSpeed ZeRO-2 with the torch optimizer accelerate is given (hence "untested optimizer"); the micro batch
@@ -78,12 +166,12 @@ def check_distributed_train_step(
             "check_distributed_train_step: mode 'deepspeed' needs the deepspeed package (pip install deepspeed; "
             "DS_ACCELERATOR=cpu on a CPU-only machine); pass modes=('ddp',) to check without it."
         )
-    distributed.preload(
-        (distributed.DEEPSPEED_PRELOAD if "deepspeed" in modes else distributed.HF_PRELOAD) + _model_module(checkpoint)
+    ranks.preload(
+        (ranks.DEEPSPEED_PRELOAD if "deepspeed" in modes else ranks.HF_PRELOAD) + _model_module(checkpoint)
     )
     problems = []
     for mode in modes:
-        results = distributed.run_ranks(
+        results = ranks.run_ranks(
             _load_prepare_and_step, world_size, args=(loader, os.fspath(checkpoint), os.fspath(workdir), mode, backend),
             backend=backend, timeout=timeout,
         )
@@ -149,7 +237,7 @@ def _load_prepare_and_step(loader: Loader, checkpoint: str, workdir: str, mode: 
     from accelerate.utils import DistributedType
 
     rank = dist.get_rank()
-    device = f"cuda:{distributed.local_rank(os.environ)}" if backend == "nccl" else "cpu"
+    device = f"cuda:{local_rank(os.environ)}" if backend == "nccl" else "cpu"
     request = LoadRequest(
         checkpoint, purpose="train", device=device, deepspeed=mode == "deepspeed",
         offload_folder=Path(workdir) / f"offload-{mode}-rank{rank}",
@@ -186,3 +274,9 @@ def _load_prepare_and_step(loader: Loader, checkpoint: str, workdir: str, mode: 
         after = model(input_ids=probe, labels=probe).loss.item()
     return {"device_map": device_map, "distributed_type": str(accelerator.distributed_type),
             "probe_loss_before": before, "step_loss": loss.item(), "probe_loss_after": after}
+
+
+# Not isolated: its work already runs in ranks it forks (deadline, stacks, exit codes included), and the
+# DeepSpeed stack it imports here first (seconds) is what makes those ranks cheap; in a child it would be
+# imported again on every call.
+CHECKS = (Check(check_distributed_train_step, failure=FAILURE, world_size=2, timeout=180),)

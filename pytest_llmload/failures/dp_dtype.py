@@ -1,6 +1,12 @@
-"""Checks from write-up 003: a model loaded for training, handed to a stock ``transformers.Trainer`` that
-sees more than one GPU.
+"""dp-dtype (write-up 003): Trainer wraps a model already placed by ``device_map`` in ``nn.DataParallel``.
 
+The write-up's stage-2 model (a bf16 checkpoint reloaded in 4-bit, ``device_map="balanced"``, LoRA) failed
+under a 2-GPU Trainer with ``expected mat1 and mat2 to have the same dtype, but got: float != c10::BFloat16``;
+the tell was the step count halving. Its fix: ``training_args._n_gpu = 1``
+(:func:`pytest_llmload.trainer_guard.prepare_training_args_for_placed_model`).
+
+The check, a model loaded for training handed to a stock ``transformers.Trainer`` that sees more than one GPU,
+runs on CPU.
 The check runs on CPU. "More than one GPU" is set where Trainer reads it, ``TrainingArguments.n_gpu``
 (see :func:`pytest_llmload.trainer_guard.observe_trainer`); everything after that is Trainer's own code.
 A training script's fix goes in ``prepare_args(args, model)``, called between the two, where the
@@ -14,10 +20,36 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from pytest_llmload.failures.base import Check, KnownFailure
 from pytest_llmload.loading import call_loader
 from pytest_llmload.request import LoadRequest
 
 logger = logging.getLogger(__name__)
+
+FAILURE = KnownFailure(
+    id="dp-dtype",
+    title="nn.DataParallel wrapped around a model already placed with device_map",
+    write_up="seeds/003_b296b1821f4bec50.txt",
+    signatures=(
+        r"mat1 and mat2 (?:to |must )?have the same dtype",
+        r"expected scalar type (?:Float|BFloat16|Half) but found (?:Float|BFloat16|Half)",
+    ),
+    root_cause=(
+        "Trainer saw n_gpu > 1 and wrapped a device_map-placed (4-bit, LoRA) model in nn.DataParallel; its "
+        "replicas run in worker threads and float activations reach a bf16 lm_head. The tell: the number of "
+        "steps halves (136 -> 68)."
+    ),
+    fix=(
+        "Do not let Trainer data-parallelise a placed model: set training_args._n_gpu = 1 when hf_device_map "
+        "spreads the model (pytest_llmload.trainer_guard does this), or launch one process per GPU instead."
+    ),
+    occurs="2+ GPUs; transformers Trainer up to 4.57 wraps 4-bit models, later versions skip 4-bit.",
+    tell=r"data_parallel|parallel_apply",
+    without_tell=(
+        "no DataParallel frame in the traceback: the same dtype symptom, so look for another float/bf16 mix "
+        "(autocast off, a module left in float32)."
+    ),
+)
 
 STAGE1_SHARDS = 4
 # The first step's loss may differ a little from the model's own (dropout, bf16 rounding); a Trainer that
@@ -134,3 +166,24 @@ def check_trainer_does_not_wrap_placed_model(
             f"seed 003 (DataParallel over a placed model): {'; '.join(problems)}.\n"
             f"Upstream behaviour seen: {reading}.\n{obs.describe()}.{hint}"
         )
+
+
+def _with_training_script_fix(check):
+    # Write-up 003's fix lives in the training script, not the loader: the check gives the loader's model
+    # to a 2-GPU Trainer whose arguments went through the fix, as a training script using this package does.
+    # Without it, stock Trainer fails every 4-bit model (tests/failures/test_dp_dtype.py).
+    from pytest_llmload.trainer_guard import prepare_training_args_for_placed_model
+
+    def check_with_fix(loader, checkpoint, workdir):
+        return check(loader, checkpoint, workdir, prepare_args=prepare_training_args_for_placed_model)
+
+    check_with_fix.__doc__ = check.__doc__
+    return check_with_fix
+
+
+# Isolated: Trainer leaves accelerate's process-wide AcceleratorState behind (class-level singletons that later
+# tests and forked ranks inherit) and reseeds the global RNGs; the 4-bit load runs bitsandbytes' native code.
+CHECKS = (
+    Check(_with_training_script_fix(check_trainer_does_not_wrap_placed_model), failure=FAILURE,
+          label="check_trainer_does_not_wrap_placed_model", timeout=180, isolated=True),
+)

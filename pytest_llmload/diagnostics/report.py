@@ -2,13 +2,13 @@
 
 Registered through ``plugin.py``'s ``pytest_plugins``. For every test:
 
-- its phases (:mod:`pytest_llmload.phases`: loads through the loader seam, the checks' steps, your own
+- its phases (:mod:`pytest_llmload.diagnostics.phases`: loads through the loader seam, the checks' steps, your own
   ``with phase(...)``) are recorded; a failing test's report gets a section ``llmload: phases`` with the
   table and the phase that was running when it failed (a pytest-timeout deadline included);
 - a phase that runs longer than ``llmload_phase_progress_seconds`` prints a progress line to the terminal
   (stderr) every that many seconds: write-up 001's silence, broken;
 - a failing test's report gets ``llmload: where the models are`` for each model it loaded
-  (:mod:`pytest_llmload.device_map_summary`);
+  (:mod:`pytest_llmload.diagnostics.device_map_summary`);
 - under pytest-timeout's ``thread`` method, which ends the process without a report, the phase table is
   printed shortly before the deadline instead (5% of it or 0.5 s before, whichever is earlier).
 
@@ -27,9 +27,9 @@ from typing import NamedTuple, Optional
 
 import pytest
 
-from pytest_llmload.device_map_summary import placement_lines
+from pytest_llmload.diagnostics.device_map_summary import placement_lines
 from pytest_llmload.memory import format_bytes
-from pytest_llmload.phases import PhaseRecorder, heartbeat, phase_table, recording
+from pytest_llmload.diagnostics.phases import PhaseRecorder, heartbeat, recording
 
 PROGRESS_INI = "llmload_phase_progress_seconds"
 PROGRESS_OPTION = "--llmload-phase-progress"

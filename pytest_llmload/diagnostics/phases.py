@@ -4,7 +4,7 @@ Write-up 001's team could not tell where a 70B model stalled: the log stopped af
 model.generate()". Here every load and generation done through the plugin's fixtures and checks is a
 phase, and downstream code can add its own::
 
-    from pytest_llmload.phases import phase
+    from pytest_llmload.diagnostics.phases import phase
 
     with phase("generate", max_new_tokens=512):
         out = model.generate(**batch, max_new_tokens=512)
@@ -13,14 +13,14 @@ Inside a pytest run with the plugin, phases go into the running test's record: a
 its deadline gets a report section with the table and the phase that was running, and a phase that runs
 long prints a progress line every ``llmload_phase_progress_seconds``. Outside pytest, record them yourself::
 
-    from pytest_llmload.phases import recording
+    from pytest_llmload.diagnostics.phases import recording
 
     with recording(progress_every=30) as record:
         texts = timed_generate(model, tokenizer, ["Hello"], max_new_tokens=64)
     print(record.table())
 
 Memory is the process RSS (its peak from the kernel) and, where torch has initialised CUDA, each device's
-allocated and reserved bytes (peak allocated from torch); see :mod:`pytest_llmload.memory_probe`.
+allocated and reserved bytes (peak allocated from torch); see :mod:`pytest_llmload.diagnostics.memory_probe`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Callable, Optional
 
-from pytest_llmload import memory_probe
+from pytest_llmload.diagnostics import memory_probe
 from pytest_llmload.memory import format_bytes
 
 Clock = Callable[[], float]

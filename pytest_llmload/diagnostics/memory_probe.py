@@ -8,7 +8,7 @@ Peaks nest: a phase inside a test inside a ``limit_torch_memory`` marker each wa
 stretch, but the kernel and torch keep one peak counter each. :func:`start_peak` folds the current peaks
 into every open watch *before* it resets the counters, so an outer watch never loses the inner peaks::
 
-    >>> from pytest_llmload.memory_probe import start_peak, stop_peak
+    >>> from pytest_llmload.diagnostics.memory_probe import start_peak, stop_peak
     >>> watch = start_peak()
     >>> _ = bytearray(50_000_000)
     >>> stop_peak(watch).rss_peak >= 50_000_000  # doctest: +SKIP

@@ -1,0 +1,113 @@
+"""The two records a known failure is made of: its :class:`KnownFailure` catalog entry and its :class:`Check` records.
+
+Each module of :mod:`pytest_llmload.failures` is one known failure, named by its id (``meta-backward`` lives
+in ``meta_backward.py``) and holding ``FAILURE`` (a :class:`KnownFailure`) and ``CHECKS`` (its :class:`Check`
+records). When a test fails with text matching a signature, the plugin adds a section to the failure report
+naming the failure, its root cause and its fix (:mod:`pytest_llmload.diagnostics.known_failures`).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Callable, NamedTuple, Optional
+
+
+class KnownFailure(NamedTuple):
+    id: str
+    title: str
+    write_up: str
+    signatures: tuple[str, ...]  # regular expressions searched in the failure's text
+    root_cause: str
+    fix: str
+    occurs: str  # versions and hardware where it has been seen or reproduced
+    # Extra words that must also appear in the failure text (e.g. the frame a deadline stopped in).
+    context: tuple[str, ...] = ()
+    # A pattern that makes the match certain (e.g. a DataParallel frame), and what its absence means.
+    tell: str | None = None
+    without_tell: str = ""
+
+    @property
+    def module(self) -> str:
+        """The module that is this failure's home: ``meta-backward`` -> ``pytest_llmload.failures.meta_backward``."""
+        return f"pytest_llmload.failures.{self.id.replace('-', '_')}"
+
+    def matches(self, text: str) -> bool:
+        if not any(re.search(pattern, text) for pattern in self.signatures):
+            return False
+        return all(re.search(pattern, text) for pattern in self.context)
+
+    def explain(self, text: str = "") -> str:
+        lines = [
+            f"[{self.id}] {self.title}",
+            f"  write-up:   {self.write_up}",
+            f"  root cause: {self.root_cause}",
+            f"  fix:        {self.fix}",
+            f"  occurs:     {self.occurs}",
+        ]
+        if self.tell is not None:
+            seen = re.search(self.tell, text) is not None
+            lines.append(f"  evidence:   {'the traceback passes through ' + self.tell if seen else self.without_tell}")
+        return "\n".join(lines)
+
+
+class Check(NamedTuple):
+    """A conformance check: ``function(loader, checkpoint, workdir)`` raises ``AssertionError`` on a faulty loader."""
+
+    function: Callable[[Any, Path, Path], None]
+    failure: KnownFailure  # the known failure it guards against
+    needs_gpus: int = 0
+    world_size: int = 1  # ranks of a process group the check starts itself
+    transformers: Optional[str] = None  # PEP 440 range where the failure exists; elsewhere the check skips
+    timeout: float = 120.0  # seconds; a hang fails the check with every thread's stack
+    label: Optional[str] = None  # the name, where ``function`` is a partial (a GPU variant, say)
+    # Run in a child forked from the test process (pytest_llmload.runners.isolation): for checks that can hang, crash,
+    # or change process-wide state (environment, patched upstream code, audit hooks, sockets).
+    isolated: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.label or self.function.__name__
+
+    @property
+    def summary(self) -> str:
+        doc = getattr(self.function, "__doc__", None) or getattr(getattr(self.function, "func", None), "__doc__", "")
+        return " ".join(doc.strip().split("\n\n")[0].split()) if doc else ""
+
+    def __call__(self, loader: Any, checkpoint: Path, workdir: Path) -> None:
+        from pytest_llmload.loading import as_loader_under_test
+
+        args = (as_loader_under_test(loader), Path(checkpoint), Path(workdir))
+        if not self.isolated:
+            return self.function(*args)
+        from pytest_llmload.failures import preload_for_isolated_checks
+        from pytest_llmload.runners import isolated_marker, isolation
+
+        preload_for_isolated_checks(args[1])
+        isolation.run_isolated(self.function, args, timeout=self.timeout, label=self.name,
+                               render=isolated_marker.render_failure)
+
+    def on_gpu(self) -> "Check":
+        """The same check on ``cuda:0`` (the write-ups' own setup), named ``<name>_cuda``, needing 1 GPU."""
+        function = self.function
+
+        def on_cuda(loader, checkpoint, workdir):
+            return function(loader, checkpoint, workdir, device="cuda:0")
+
+        on_cuda.__doc__ = (function.__doc__ or "").replace(":", " on cuda:0 (the write-up's own setup):", 1)
+        on_cuda.__name__ = on_cuda.__qualname__ = f"{self.name}_cuda"
+        on_cuda.__module__ = function.__module__
+        return self._replace(function=on_cuda, label=f"{self.name}_cuda", needs_gpus=1)
+
+    def version_skip_reason(self) -> Optional[str]:
+        """Why this check does not apply to the installed transformers, or ``None`` when it does."""
+        if self.transformers is None:
+            return None
+        from importlib import metadata
+
+        from packaging.specifiers import SpecifierSet
+
+        installed = metadata.version("transformers")
+        if SpecifierSet(self.transformers).contains(installed, prereleases=True):
+            return None
+        return f"{self.name}: transformers {installed} does not have {self.failure.id}; the check applies to transformers{self.transformers}"

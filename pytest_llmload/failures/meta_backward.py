@@ -1,0 +1,106 @@
+"""meta-backward (write-up 002): training a model whose layers ``device_map`` offloaded to cpu/disk.
+
+The write-up loaded with ``device_map="auto"`` and ``max_memory={0: "14GB", "cpu": "50GB"}`` to fit a 7B model
+for LoRA training; backward then raised ``Function MmBackward0 returned an invalid gradient at index 1 -
+expected device meta but got cuda:0``. Its fix: load whole on one device, no offload, budget the memory.
+
+The check, like every check, is ``check_<name>(loader, checkpoint, workdir, *, ...)``: ``loader`` takes a
+:class:`~pytest_llmload.LoadRequest`; ``checkpoint`` is a local tiny checkpoint (``llmload_checkpoint``);
+``workdir`` an empty scratch directory (``tmp_path``). It returns ``None`` or raises ``AssertionError`` with the
+figures::
+
+    from pytest_llmload.failures import meta_backward
+
+    @pytest.mark.timeout(60)
+    def test_my_loader_trains(llmload_checkpoint, tmp_path):
+        meta_backward.check_train_request_trains(my_loader, llmload_checkpoint, tmp_path)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from pytest_llmload.failures.base import Check, KnownFailure
+from pytest_llmload.loading import call_loader
+from pytest_llmload.probes import spy_classmethod
+from pytest_llmload.request import LoadRequest
+from pytest_llmload.scenarios import offload_budget, placement_problems, refusal_problem, train_step_problems
+
+Loader = Callable[[LoadRequest], Any]
+
+FAILURE = KnownFailure(
+    id="meta-backward",
+    title="backward through a model with offloaded (meta) parameters",
+    write_up="seeds/002_3bbec781721991d8.txt",
+    signatures=(
+        r"returned an invalid gradient at index \d+ - expected device meta but got",
+        r"Cannot copy out of meta tensor",
+        r"Tensor on device meta is not on the expected device",
+    ),
+    root_cause=(
+        "device_map with a max_memory budget offloaded some layers to cpu/disk, so their parameters live on "
+        "the meta device and are only materialised inside forward hooks. Autograd then meets gradients for "
+        "meta tensors (LoRA weights created on meta, or offloaded weights), which it cannot accumulate."
+    ),
+    fix=(
+        "Never offload a model you train: load it whole on one device (device_map={'': device} or None), use "
+        "gradient checkpointing, LoRA, 4-bit or a smaller batch to fit, and refuse a budget that cannot hold it."
+    ),
+    occurs="transformers 4.x-5.x with accelerate offload; any device (cuda:0 on GPU, cpu on CPU).",
+)
+
+
+TRAIN_VARIANTS = tuple((budget, lora, gc) for budget in ("offloading", None) for lora in (False, True)
+                       for gc in (False, True))
+
+
+def check_train_request_trains(loader: Loader, checkpoint, workdir, *, device: str = "cpu",
+                               variants=TRAIN_VARIANTS) -> None:
+    """Guards 002 (meta-backward): a train request gives a model that trains, nothing on meta, or a clear early refusal.
+
+    With or without LoRA and gradient checkpointing, under a ``max_memory`` that would offload part of the
+    model and under none, the loader either refuses with a clear error before loading (offloading budget
+    only: the message names the memory budget and no ``from_pretrained`` ran) or returns a model with no
+    parameter on meta or offloaded whose trainable parameters all get a finite gradient on a real device
+    after one forward and backward. ``variants`` are ``(budget, lora, gradient_checkpointing)`` triples, budget
+    ``"offloading"`` or ``None`` (default: all eight). Needs peft for the LoRA variants."""
+    from transformers import PreTrainedModel
+
+    failures, outcomes = [], []
+    for budget, lora, gc in variants:
+        label = (f"{'max_memory=' + str(offload_budget(checkpoint, device)) if budget else 'no max_memory'}, "
+                 f"lora={lora}, gradient_checkpointing={gc}")
+        request = LoadRequest(
+            checkpoint, purpose="train", device=device, lora=lora, gradient_checkpointing=gc,
+            max_memory=offload_budget(checkpoint, device) if budget else None,
+            offload_folder=Path(workdir) / f"offload-train-{len(outcomes)}",
+        )
+        loads: list = []
+        try:
+            with spy_classmethod(PreTrainedModel, "from_pretrained", loads):
+                model = call_loader(loader, request).model
+        except Exception as exc:
+            why = refusal_problem(exc, loads) if budget else f"raised {type(exc).__name__}: {exc}"
+            if why is not None:
+                failures.append(f"[{label}]\n    {why}")
+            outcomes.append("refused" if why is None else "error")
+            continue
+        problems = placement_problems(model, device) + train_step_problems(model, device)
+        if problems:
+            failures.append(f"[{label}]\n    " + "\n    ".join(problems))
+        outcomes.append("trained" if not problems else "cannot train")
+        del model
+    if failures:
+        counts = {o: outcomes.count(o) for o in ("trained", "refused", "cannot train", "error")}
+        raise AssertionError(
+            f"{len(failures)} of {len(outcomes)} train requests failed (write-up 002: a model that will be "
+            f"trained must not be offloaded); outcomes {counts}:\n  " + "\n  ".join(failures)
+        )
+
+
+# Isolated: the check patches from_pretrained while the loader runs, and a child can be killed at its deadline.
+CHECKS = (
+    Check(check_train_request_trains, failure=FAILURE, isolated=True),
+    Check(check_train_request_trains, failure=FAILURE, isolated=True).on_gpu(),
+)

@@ -1,0 +1,167 @@
+"""offload-hang (write-up 000): ``from_pretrained`` "never returns" after the shards load.
+
+The write-up's loader passed ``device_map="auto"``, ``max_memory``, ``offload_folder`` and
+``offload_state_dict=True``, then called ``GenerationConfig.from_pretrained`` again to set the pad token. What
+was measured here: transformers <= 4.56 honours ``offload_state_dict`` by writing every CPU-bound weight to a
+temporary directory and reading it back, silently (minutes on a 70B model); 4.57 drops the keyword. Its fixes:
+no ``offload_state_dict``, the pad token set directly, nothing reaching for the network after the load.
+
+Checks (see :mod:`pytest_llmload.failures.meta_backward` for the calling convention)::
+
+    from pytest_llmload.failures import offload_hang
+
+    @pytest.mark.timeout(60)
+    def test_my_loader_offloads(llmload_checkpoint, tmp_path):
+        offload_hang.check_offload_inference(my_loader, llmload_checkpoint, tmp_path)
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from pytest_llmload.diagnostics.phases import phase
+from pytest_llmload.failures.base import Check, KnownFailure
+from pytest_llmload.loading import call_loader
+from pytest_llmload.probes import deadline, record_network, record_writes, spy_classmethod, system_tempdir
+from pytest_llmload.request import LoadRequest
+from pytest_llmload.scenarios import input_ids, offload_budget, plain_model
+
+Loader = Callable[[LoadRequest], Any]
+
+FAILURE = KnownFailure(
+    id="offload-hang",
+    title="from_pretrained never returns after the shards load (offload_state_dict round-trip)",
+    write_up="seeds/000_90648e437c1c073a.txt",
+    signatures=(r"Timeout \(>[\d.]+s\) from pytest-timeout", r"deadline .* exceeded", r"Timed out after"),
+    context=(r"from_pretrained|load_state_dict|offload",),
+    root_cause=(
+        "With offload_state_dict=True and a budget that offloads, transformers <= 4.56 writes every CPU-bound "
+        "weight to a temporary directory and reads it back after the progress bar ends, with no output: "
+        "minutes of silence on a 70B model that look like a hang."
+    ),
+    fix=(
+        "Drop offload_state_dict (transformers >= 4.57 ignores it), keep offload_folder only where disk "
+        "offload is wanted, and set pad_token_id directly instead of a second GenerationConfig.from_pretrained."
+    ),
+    occurs="transformers <= 4.56 with device_map + max_memory + offload_folder; any hardware, worst on big models.",
+)
+
+
+def check_offload_inference(loader: Loader, checkpoint, workdir, *, device: str = "cpu",
+                            deadline_s: float = 30.0, new_tokens: int = 4) -> None:
+    """Guards 000 (offload-hang): an offloading inference load returns in time, generates, and its logits are right.
+
+    The ``max_memory`` forces cpu + disk (gpu + cpu on ``cuda:N``). The load returns within ``deadline_s``
+    (a hang fails naming the blocked frame, with every thread's stack), ``generate`` makes ``new_tokens``
+    tokens as the model loaded whole does, and the logits equal that model's (``torch.testing.assert_close``
+    float32 defaults: rtol 1.3e-6, atol 1e-5)."""
+    import torch
+
+    request = LoadRequest(checkpoint, purpose="inference", device=device,
+                          max_memory=offload_budget(checkpoint, device), offload_folder=Path(workdir) / "offload")
+    start = time.monotonic()
+    with deadline(deadline_s, f"the offloading inference load of {checkpoint} (max_memory={request.max_memory_dict})"):
+        model = call_loader(loader, request).model
+    load_s = time.monotonic() - start
+    model.eval()
+    whole = plain_model(checkpoint, device)
+    ids = input_ids(whole, device)
+    with torch.no_grad(), deadline(deadline_s, "a forward pass of the offloaded model"), \
+            phase("forward", f"offloaded and whole, batch {ids.shape[0]} x {ids.shape[1]} tokens"):
+        got, want = model(input_ids=ids).logits, whole(input_ids=ids).logits
+    try:
+        torch.testing.assert_close(got.float().cpu(), want.float().cpu())
+    except AssertionError as exc:
+        diff = (got.float().cpu() - want.float().cpu()).abs().max().item()
+        raise AssertionError(
+            f"the offloaded model's logits differ from the model loaded whole: max abs diff {diff:.3g} "
+            f"(hf_device_map={getattr(model, 'hf_device_map', None)}).\n{exc}"
+        ) from None
+    eos = whole.config.eos_token_id
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                  pad_token_id=eos if isinstance(eos, int) else 0, attention_mask=torch.ones_like(ids[:1]))
+    with torch.no_grad(), deadline(deadline_s, f"generate({new_tokens} tokens) on the offloaded model"), \
+            phase("generate", f"offloaded and whole, max_new_tokens={new_tokens}"):
+        out = model.generate(input_ids=ids[:1], **kwargs)
+        expected = whole.generate(input_ids=ids[:1], **kwargs)
+    if out.shape[-1] != ids.shape[-1] + new_tokens or not torch.equal(out.cpu(), expected.cpu()):
+        raise AssertionError(
+            f"generate on the offloaded model gave {out.tolist()}, the model loaded whole {expected.tolist()} "
+            f"(load took {load_s:.2f} s)."
+        )
+
+
+def check_load_writes_only_offload_folder(loader: Loader, checkpoint, workdir, *, device: str = "cpu") -> None:
+    """Guards 000 (offload-hang): an offloading load writes nothing outside its offload_folder (no temp round-trip).
+
+    ``offload_state_dict=True`` on transformers <= 4.56 silently round-trips every CPU-bound weight through
+    the system temp dir. Watches Python's audit events and a temp dir substituted for the system one."""
+    workdir = Path(workdir)
+    offload_folder = workdir / "offload"
+    system_tmp = workdir / "system-tmp"
+    system_tmp.mkdir(parents=True, exist_ok=True)
+    request = LoadRequest(checkpoint, purpose="inference", device=device,
+                          max_memory=offload_budget(checkpoint, device), offload_folder=offload_folder)
+    before = os.stat(system_tmp).st_mtime_ns
+    with system_tempdir(system_tmp), record_writes() as writes:
+        call_loader(loader, request)
+    inside = os.path.realpath(offload_folder) + os.sep
+    outside = [w for w in writes if not w.at_import and not (w.path + os.sep).startswith(inside)]
+    touched_tmp = os.stat(system_tmp).st_mtime_ns != before
+    if outside or touched_tmp:
+        in_tmp = [w for w in outside if w.path.startswith(os.path.realpath(system_tmp) + os.sep)]
+        shown = "\n  ".join(f"{w.event} {w.path}" for w in outside[:12])
+        kinds = [w.event for w in outside]
+        summary = ", ".join(f"{k} {kinds.count(k)}" for k in sorted(set(kinds), key=lambda k: (-kinds.count(k), k)))
+        raise AssertionError(
+            f"the offloading load wrote outside its offload folder {offload_folder}: {len(outside)} write(s) "
+            f"({summary}), {len(in_tmp)} of them in the system temp dir (redirected to {system_tmp}); the temp dir "
+            f"{'was' if touched_tmp else 'was not'} modified. A silent temporary round-trip of the weights "
+            f"(offload_state_dict=True, write-up 000) looks like a hang on a large model.\n  {shown}"
+        )
+
+
+def check_pad_token_set_offline(loader: Loader, checkpoint, workdir, *, device: str = "cpu") -> None:
+    """Guards 000 (offload-hang, fix 3): pad token set on model and tokenizer, offline, no second config load.
+
+    For a checkpoint without a pad token, ``model.generation_config.pad_token_id`` and the tokenizer's
+    ``pad_token_id`` are set and equal, with no second ``GenerationConfig.from_pretrained`` call and no
+    network access (even one the loader swallows). Needs the loader to return ``(model, tokenizer)``."""
+    from transformers import GenerationConfig
+
+    request = LoadRequest(checkpoint, purpose="inference", device=device)
+    calls: list = []
+    with record_network() as attempts, spy_classmethod(GenerationConfig, "from_pretrained", calls):
+        model, tokenizer = call_loader(loader, request)
+    problems = []
+    outside = [c for c in calls if not c[1].startswith("transformers.")]
+    if outside:
+        problems.append(f"GenerationConfig.from_pretrained was called again by the loader "
+                        f"({len(outside)} call(s), from {[c[2] for c in outside]})")
+    if attempts:
+        problems.append(f"{len(attempts)} network access attempt(s): {attempts[:3]}")
+    model_pad = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
+    if model_pad is None:
+        problems.append("model.generation_config.pad_token_id is None")
+    if tokenizer is None:
+        problems.append("the loader returned no tokenizer; return (model, tokenizer)")
+    elif tokenizer.pad_token_id is None:
+        problems.append("tokenizer.pad_token_id is None")
+    elif model_pad is not None and model_pad != tokenizer.pad_token_id:
+        problems.append(f"model pad_token_id {model_pad} != tokenizer pad_token_id {tokenizer.pad_token_id}")
+    if problems:
+        raise AssertionError("pad token not set as write-up 000's fix 3 does:\n  " + "\n  ".join(problems))
+
+
+# All isolated: each patches process-wide state while the loader runs (from_pretrained spies, the socket guard,
+# TMPDIR and an audit hook that cannot be removed), and a load that hangs in native code (a blocked shard read)
+# ignores the in-process alarm of ``deadline``; a child can be killed at its deadline, with its stacks.
+CHECKS = (
+    Check(check_offload_inference, failure=FAILURE, isolated=True),
+    Check(check_load_writes_only_offload_folder, failure=FAILURE, isolated=True),
+    Check(check_pad_token_set_offline, failure=FAILURE, isolated=True),
+    Check(check_offload_inference, failure=FAILURE, isolated=True).on_gpu(),
+)

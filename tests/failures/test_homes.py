@@ -1,0 +1,54 @@
+"""Every known failure has its homes, all found from its id: its module in ``pytest_llmload/failures/`` (catalog
+entry and checks), its before-loader ``fixtures/loaders/before_<id>.py`` and its regression tests
+``tests/failures/test_<id>.py``; the catalog and the check registry are built from those modules alone."""
+
+import importlib
+import inspect
+from pathlib import Path
+
+import pytest
+
+from pytest_llmload import failures
+from pytest_llmload.failures.base import Check, KnownFailure
+
+ROOT = Path(__file__).resolve().parents[2]
+IDS = [module.FAILURE.id for module in failures.MODULES]
+
+
+@pytest.mark.parametrize("failure_id", IDS)
+def test_every_failure_has_its_module_before_loader_and_tests(failure_id):
+    stem = failure_id.replace("-", "_")
+    failure = failures.BY_ID[failure_id]
+    module = importlib.import_module(failure.module)
+    assert module.__name__ == f"pytest_llmload.failures.{stem}" and module.FAILURE is failure
+    missing = [path for path in (ROOT / "fixtures" / "loaders" / f"before_{stem}.py",
+                                 ROOT / "tests" / "failures" / f"test_{stem}.py") if not path.is_file()]
+    assert not missing, f"{failure_id} lacks {[str(p.relative_to(ROOT)) for p in missing]}"
+    assert importlib.import_module(f"fixtures.loaders.before_{stem}").load
+
+
+def test_no_module_in_the_package_or_the_loaders_without_a_failure():
+    stems = {failure_id.replace("-", "_") for failure_id in IDS}
+    package = {p.stem for p in (ROOT / "pytest_llmload" / "failures").glob("*.py")} - {"__init__", "base"}
+    before = {p.stem.removeprefix("before_") for p in (ROOT / "fixtures" / "loaders").glob("before_*.py")}
+    tests = {p.stem.removeprefix("test_") for p in (ROOT / "tests" / "failures").glob("test_*.py")} - {"homes"}
+    assert package == stems and before == stems and tests == stems
+
+
+@pytest.mark.parametrize("failure_id", IDS)
+def test_every_check_function_is_registered_under_its_own_failure(failure_id):
+    module = importlib.import_module(failures.BY_ID[failure_id].module)
+    assert isinstance(module.FAILURE, KnownFailure)
+    defined = {name for name, f in inspect.getmembers(module, inspect.isfunction)
+               if name.startswith("check_") and f.__module__ == module.__name__}
+    assert {check.name.removesuffix("_cuda") for check in module.CHECKS} == defined
+    assert all(isinstance(check, Check) and check.failure is module.FAILURE for check in module.CHECKS)
+
+
+def test_the_catalog_and_the_registry_are_built_from_the_modules():
+    assert failures.CATALOG == tuple(module.FAILURE for module in failures.MODULES)
+    assert set(failures.REGISTRY) == {check for module in failures.MODULES for check in module.CHECKS}
+    assert len({check.name for check in failures.REGISTRY}) == len(failures.REGISTRY)
+    assert [c.name for c in failures.REGISTRY if c.needs_gpus] == ["check_train_request_trains_cuda",
+                                                                  "check_offload_inference_cuda"]
+    assert all(c.summary for c in failures.REGISTRY), [c.name for c in failures.REGISTRY if not c.summary]
