@@ -1,8 +1,9 @@
-"""The ``needs_gpus(n)`` and ``gpu`` markers: validation, skipping, and marking GPU tests automatically."""
+"""The ``needs_gpus(n)`` and ``gpu`` markers (validation, skipping, marking GPU tests automatically), and the one
+way every llmload marker's arguments are read: :func:`read_marker`."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import pytest
 
@@ -21,25 +22,64 @@ GPU_FIXTURES_HELP = "extra fixture names that need a GPU: tests using them are m
 BUILTIN_GPU_FIXTURES = ("gpu_model",)
 
 
+class InvalidMarker(ValueError):
+    """A marker's arguments are wrong; the message names the test, the marker as written, and what is expected."""
+
+
+class MarkerCall(NamedTuple):
+    name: str
+    written: str  # the arguments as the test wrote them, for messages
+    value: Any  # what the signature function returned
+    expected: str  # what a valid marker looks like
+
+    def invalid(self, item: pytest.Item, detail: str) -> InvalidMarker:
+        """The error for arguments that have the right shape but a wrong value (``detail`` says which)."""
+        return InvalidMarker(f"{item.nodeid}: @pytest.mark.{self.name}({self.written}) is invalid: {detail}; "
+                             f"{self.expected}.")
+
+
+def read_marker(item: pytest.Item, name: str, signature: Callable, expected: str) -> Optional[MarkerCall]:
+    """The closest ``name`` marker's arguments, read by calling ``signature`` with them, so that Python itself
+    rejects a missing, extra or unknown argument (pytest-django's way); ``None`` without the marker.
+
+    Raises :class:`InvalidMarker` with a sentence naming the test, the marker as written, Python's complaint
+    and ``expected``."""
+    marker = item.get_closest_marker(name)
+    if marker is None:
+        return None
+    written = ", ".join([repr(a) for a in marker.args] + [f"{k}={v!r}" for k, v in marker.kwargs.items()])
+    try:
+        value = signature(*marker.args, **marker.kwargs)
+    except TypeError as exc:
+        why = str(exc).replace(f"{signature.__name__}()", f"{name}()")
+        error = InvalidMarker(f"{item.nodeid}: @pytest.mark.{name}({written}) is invalid ({why}); {expected}.")
+    else:
+        return MarkerCall(name, written, value, expected)
+    raise error  # outside the except block: the report shows no chained TypeError
+
+
+def fail_invalid_markers(item: pytest.Item, read: Callable[[pytest.Item], Any]) -> Any:
+    """``read(item)``, or the test fails at once with the :class:`InvalidMarker` sentence (no traceback)."""
+    try:
+        return read(item)
+    except InvalidMarker as exc:
+        message = str(exc)
+    pytest.fail(message, pytrace=False)
+
+
 def _needs_gpus_signature(n):  # Python itself rejects a missing or unexpected argument
     return n
 
 
-def needed_gpus(item: pytest.Item) -> tuple[Optional[int], Optional[str]]:
-    """``(n, None)`` for a valid ``needs_gpus`` marker, ``(None, message)`` for an invalid one, ``(None, None)``."""
-    marker = item.get_closest_marker("needs_gpus")
-    if marker is None:
-        return None, None
-    written = ", ".join([repr(a) for a in marker.args] + [f"{k}={v!r}" for k, v in marker.kwargs.items()])
-    expected = "expected one positive int, the number of GPUs the test needs, e.g. @pytest.mark.needs_gpus(2)"
-    try:
-        n = _needs_gpus_signature(*marker.args, **marker.kwargs)
-    except TypeError as exc:
-        why = str(exc).replace("_needs_gpus_signature()", "needs_gpus()")
-        return None, f"{item.nodeid}: @pytest.mark.needs_gpus({written}) is invalid ({why}); {expected}."
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        return None, f"{item.nodeid}: @pytest.mark.needs_gpus({written}) is invalid: got {n!r}; {expected}."
-    return n, None
+def needed_gpus(item: pytest.Item) -> Optional[int]:
+    """``n`` for a valid ``needs_gpus`` marker, ``None`` without one; raises :class:`InvalidMarker`."""
+    call = read_marker(item, "needs_gpus", _needs_gpus_signature,
+                       "expected one positive int, the number of GPUs the test needs, e.g. @pytest.mark.needs_gpus(2)")
+    if call is None:
+        return None
+    if isinstance(call.value, bool) or not isinstance(call.value, int) or call.value < 1:
+        raise call.invalid(item, f"got {call.value!r}")
+    return call.value
 
 
 def gpu_fixture_names(config: pytest.Config) -> set[str]:
@@ -58,9 +98,7 @@ def mark_gpu_tests(config: pytest.Config, items: list[pytest.Item]) -> None:
 
 def enforce_needs_gpus(item: pytest.Item) -> None:
     """At setup: an invalid marker errors the test; too few GPUs skips it with the counts."""
-    n, error = needed_gpus(item)
-    if error is not None:
-        pytest.fail(error, pytrace=False)
+    n = fail_invalid_markers(item, needed_gpus)
     if n is not None:
         reason = gpus.skip_reason(n)
         if reason is not None:
@@ -81,5 +119,8 @@ def will_start_deepspeed(item: pytest.Item) -> bool:
     GPUs (what :func:`enforce_needs_gpus` decides at setup), so `pytest -m gpu` on a CPU runner builds nothing."""
     if not needs_deepspeed(item):
         return False
-    n, error = needed_gpus(item)
-    return error is None and (n is None or gpus.skip_reason(n) is None)
+    try:
+        n = needed_gpus(item)
+    except InvalidMarker:
+        return False
+    return n is None or gpus.skip_reason(n) is None

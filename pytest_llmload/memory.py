@@ -12,7 +12,7 @@ refuse a budget that cannot hold the model for training instead of offloading so
 
 :func:`estimate_inference_memory` does the same for a load and a generation (weights, KV cache, the
 prefill's working set). Neither counts allocator slack or the CUDA context; how close they come to what
-is measured is stated in ``docs/diagnostics.md`` and checked in ``tests/regression/test_memory_estimate_accuracy.py``.
+is measured is stated in ``docs/diagnostics.md`` and checked in ``tests/test_memory_estimate_accuracy.py``.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from pytest_llmload.request import LoadRequest
+from pytest_llmload.sizes import format_bytes, parse_size
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # The reference loader's adapter (pytest_llmload.reference_loader): rank 8 on q_proj/v_proj; peft keeps
@@ -42,41 +43,6 @@ class TrainingBudgetError(ValueError):
     """A train request whose ``max_memory`` cannot hold the model for training, refused before loading."""
 
 
-def parse_size(size: Union[int, str]) -> int:
-    """Bytes in a ``max_memory`` value, read as accelerate reads it: ``"5GB"`` is 10**9-based, ``"5GiB"``
-    2**30-based, ``"5Gb"`` is bits; an int is bytes. ``parse_size("400KB") == 400_000``."""
-    if isinstance(size, bool):
-        raise ValueError(f"max_memory value {size!r} is not a size; use an int (bytes) or a string like '14GB'.")
-    if isinstance(size, int):
-        if size < 0:
-            raise ValueError(f"max_memory value {size!r} is negative.")
-        return size
-    text = str(size).strip()
-    units = (("GIB", 2**30, False), ("MIB", 2**20, False), ("KIB", 2**10, False),
-             ("GB", 10**9, True), ("MB", 10**6, True), ("KB", 10**3, True))
-    for suffix, factor, may_be_bits in units:
-        if text.upper().endswith(suffix):
-            try:
-                value = int(float(text[: -len(suffix)]) * factor)
-            except ValueError:
-                break
-            return value // 8 if may_be_bits and text.endswith("b") else value
-    raise ValueError(
-        f"max_memory value {size!r} is not a size; use an int (bytes) or a string with a unit like '14GB' or '500MiB'."
-    )
-
-
-def format_bytes(n: float) -> str:
-    """``format_bytes(1536) == '1.5 KiB'``."""
-    if abs(n) < 1024:
-        return f"{n:.0f} B"
-    for unit in ("KiB", "MiB", "GiB"):
-        n /= 1024
-        if abs(n) < 1024 or unit == "GiB":
-            break
-    return f"{n:.1f} {unit}"
-
-
 def budget_for_device(max_memory: Mapping, device: str) -> Optional[int]:
     """The bytes ``max_memory`` gives ``device`` (``"cpu"``, ``"cuda:0"`` under key ``0``, ``"0"`` or
     ``"cuda:0"``), or ``None`` when it does not name it (accelerate then puts nothing there)."""
@@ -84,7 +50,7 @@ def budget_for_device(max_memory: Mapping, device: str) -> Optional[int]:
     keys = [device] if kind != "cuda" else [int(index or 0), str(index or 0), f"cuda:{index or 0}"]
     for key in keys:
         if key in max_memory:
-            return parse_size(max_memory[key])
+            return parse_size(max_memory[key], what="max_memory value")
     return None
 
 
@@ -160,14 +126,13 @@ class MemoryEstimate:
         lines += [f"  {name:<{width}}  {format_bytes(nbytes):>10}  {how}" for name, nbytes, how in self.rows]
         lines.append(f"  {'total':<{width}}  {format_bytes(self.total):>10}")
         if budget is not None:
-            nbytes = parse_size(budget)
+            nbytes = parse_size(budget, what="budget")
             left = nbytes - self.total
             verdict = f"margin {format_bytes(left)}" if left >= 0 else f"SHORT by {format_bytes(-left)}"
             lines.append(f"  {'budget':<{width}}  {format_bytes(nbytes):>10}  {verdict}")
         return "\n".join(lines)
 
 
-TrainingMemoryEstimate = MemoryEstimate  # the name this class had before inference estimates
 
 
 def _is_quantized(t: TensorInfo) -> bool:
@@ -363,7 +328,7 @@ def estimate_inference_memory(
     return MemoryEstimate(subject, tuple(rows), kind="inference")
 
 
-def check_training_budget(request: LoadRequest, **estimate_kwargs) -> Optional[TrainingMemoryEstimate]:
+def check_training_budget(request: LoadRequest, **estimate_kwargs) -> Optional[MemoryEstimate]:
     """Refuse, before loading, a train request whose ``max_memory`` cannot hold the model for training on
     ``request.device``; raises :class:`TrainingBudgetError` with the estimate and the budget. Returns the
     estimate (``None`` when the request has no budget or is not for training)."""

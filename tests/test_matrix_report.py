@@ -22,8 +22,8 @@ def matrix_report():
 @pytest.fixture
 def junit(pytester):
     pytester.mkdir("tests")
-    pytester.mkpydir("tests/regression")
-    pytester.path.joinpath("tests", "regression", "test_writeup.py").write_text(
+    pytester.mkpydir("tests/failures")
+    pytester.path.joinpath("tests", "failures", "test_writeup.py").write_text(
         "import pytest\n"
         "def test_fix_holds(): pass\n"
         "def test_broken(): assert False, 'the fix regressed'\n"

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from typing import Any, Optional
 
-from pytest_llmload.memory import format_bytes
+from pytest_llmload.sizes import format_bytes
 
 SHOWN_NAMES = 3
 _WRAPPER_PREFIXES = ("base_model.model.", "module.", "_orig_mod.")

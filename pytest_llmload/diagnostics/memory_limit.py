@@ -21,12 +21,12 @@ What is measured, during the test's call (not its fixtures' setup, as pytest-mem
 
 It skips with the reason where it cannot measure (no torch; ``device="cuda"`` and no GPU; a torch whose
 profiler reports no memory events; another profiler already running). Sizes read as ``max_memory`` does:
-``KB``/``MB``/``GB`` are powers of 1000, ``KiB``/``MiB``/``GiB`` powers of 1024.
+``KB``/``MB``/``GB`` are powers of 1000, ``KiB``/``MiB``/``GiB`` powers of 1024, ``Mb`` bits
+(:mod:`pytest_llmload.sizes`).
 """
 
 from __future__ import annotations
 
-import re
 import sys
 from typing import NamedTuple, Optional
 
@@ -34,7 +34,8 @@ import pytest
 
 from pytest_llmload import gpus
 from pytest_llmload.diagnostics import memory_probe
-from pytest_llmload.memory import format_bytes
+from pytest_llmload.markers import fail_invalid_markers, read_marker
+from pytest_llmload.sizes import format_bytes, parse_size
 
 MARKER = "limit_torch_memory"
 HELP = (
@@ -43,9 +44,6 @@ HELP = (
     "visible (device='cuda'), else torch's CPU allocator (device='cpu', profiler memory events). Skips, "
     "saying why, where it cannot measure."
 )
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
 limit_key = pytest.StashKey["MemoryLimit"]()
 measured_key = pytest.StashKey["Measured"]()
 _EXPECTED = ("expected a size such as '24 MB' (powers of 1000), '1.5 GiB' (powers of 1024) or a positive int of "
@@ -64,44 +62,22 @@ class Measured(NamedTuple):
     how: str
 
 
-def parse_limit(value) -> int:
-    """Bytes in a limit: ``parse_limit("24 MB") == 24_000_000``; raises ``ValueError`` saying why not."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ValueError(f"{value!r} is a {type(value).__name__}, not a size")
-    if isinstance(value, (int, float)):
-        nbytes = value
-    else:
-        match = _SIZE.match(value)
-        if match is None or match.group(2).lower() not in _UNITS:
-            unit = match.group(2) if match else None
-            raise ValueError(f"{value!r} is not a size" + (f" (unknown unit {unit!r})" if unit else ""))
-        nbytes = float(match.group(1)) * _UNITS[match.group(2).lower()]
-    if nbytes <= 0:
-        raise ValueError(f"{value!r} is not a positive size")
-    return int(nbytes)
-
-
 def _signature(limit, /, *, device=None):  # Python itself rejects missing or unexpected arguments
     return limit, device
 
 
 def limit_for(item: pytest.Item) -> Optional[MemoryLimit]:
-    """The item's limit, ``None`` without the marker; raises ``ValueError`` with the sentence for a bad one."""
-    marker = item.get_closest_marker(MARKER)
-    if marker is None:
+    """The item's limit, ``None`` without the marker; raises :class:`~pytest_llmload.markers.InvalidMarker`."""
+    call = read_marker(item, MARKER, _signature, _EXPECTED)
+    if call is None:
         return None
-    written = ", ".join([repr(a) for a in marker.args] + [f"{k}={v!r}" for k, v in marker.kwargs.items()])
-    where = f"{item.nodeid}: @pytest.mark.{MARKER}({written}) is invalid"
+    limit, device = call.value
     try:
-        limit, device = _signature(*marker.args, **marker.kwargs)
-    except TypeError as exc:
-        raise ValueError(f"{where} ({str(exc).replace('_signature()', MARKER + '()')}); {_EXPECTED}.") from None
-    try:
-        nbytes = parse_limit(limit)
+        nbytes = parse_size(limit, positive=True)
     except ValueError as exc:
-        raise ValueError(f"{where}: {exc}; {_EXPECTED}.") from None
+        raise call.invalid(item, str(exc)) from None
     if device not in (None, "cuda", "cpu"):
-        raise ValueError(f"{where}: device={device!r} is neither 'cuda' nor 'cpu'; {_EXPECTED}.")
+        raise call.invalid(item, f"device={device!r} is neither 'cuda' nor 'cpu'")
     if device is None:
         device = "cuda" if gpus.visible_gpu_count() > 0 else "cpu"
     return MemoryLimit(nbytes, limit if isinstance(limit, str) else f"{limit} B", device)
@@ -228,12 +204,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    try:
-        limit, error = limit_for(item), None
-    except ValueError as exc:
-        limit, error = None, str(exc)
-    if error is not None:  # failed outside the except block: one message, no "during handling" chain
-        pytest.fail(error, pytrace=False)
+    limit = fail_invalid_markers(item, limit_for)
     if limit is None:
         return
     reason = skip_reason(limit)

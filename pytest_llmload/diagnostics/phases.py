@@ -36,7 +36,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Optional
 
 from pytest_llmload.diagnostics import memory_probe
-from pytest_llmload.memory import format_bytes
+from pytest_llmload.sizes import format_bytes
 
 Clock = Callable[[], float]
 

@@ -28,7 +28,7 @@ from typing import NamedTuple, Optional
 import pytest
 
 from pytest_llmload.diagnostics.device_map_summary import placement_lines
-from pytest_llmload.memory import format_bytes
+from pytest_llmload.sizes import format_bytes
 from pytest_llmload.diagnostics.phases import PhaseRecorder, heartbeat, recording
 
 PROGRESS_INI = "llmload_phase_progress_seconds"

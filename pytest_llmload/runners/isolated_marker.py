@@ -24,6 +24,8 @@ import sys
 
 import pytest
 
+from pytest_llmload.markers import fail_invalid_markers, read_marker
+
 MARKER = "llmload_isolated"
 ISOLATED_HELP = (
     f"{MARKER}(timeout=None): run the test's body in a child forked from the test process (fixtures stay "
@@ -37,22 +39,18 @@ def _isolated_signature(*, timeout=None):  # Python itself rejects positional or
 
 
 def isolated_timeout(item: pytest.Item):
-    """``(True, timeout)`` for a valid marker, ``(False, None)`` without one; a usage failure otherwise."""
-    marker = item.get_closest_marker(MARKER)
-    if marker is None:
+    """``(True, timeout)`` for a valid marker, ``(False, None)`` without one; the test fails on a bad one."""
+    return fail_invalid_markers(item, _read_isolated)
+
+
+def _read_isolated(item: pytest.Item):
+    call = read_marker(item, MARKER, _isolated_signature,
+                       f"expected @pytest.mark.{MARKER} or @pytest.mark.{MARKER}(timeout=<positive seconds>)")
+    if call is None:
         return False, None
-    written = ", ".join([repr(a) for a in marker.args] + [f"{k}={v!r}" for k, v in marker.kwargs.items()])
-    expected = f"expected @pytest.mark.{MARKER} or @pytest.mark.{MARKER}(timeout=<positive seconds>)"
-    why = None
-    try:
-        timeout = _isolated_signature(*marker.args, **marker.kwargs)
-    except TypeError as exc:
-        why = str(exc).replace("_isolated_signature()", f"{MARKER}()")
-    if why is not None:  # failed outside the except block: the report shows no chained TypeError
-        pytest.fail(f"{item.nodeid}: @pytest.mark.{MARKER}({written}) is invalid ({why}); {expected}.", pytrace=False)
+    timeout = call.value
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
-        pytest.fail(f"{item.nodeid}: @pytest.mark.{MARKER}({written}) is invalid: timeout={timeout!r}; {expected}.",
-                    pytrace=False)
+        raise call.invalid(item, f"timeout={timeout!r}")
     return True, timeout
 
 

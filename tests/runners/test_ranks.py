@@ -256,7 +256,7 @@ def test_deepspeed_ranks_reuse_the_parents_shm_op_instead_of_building_it(monkeyp
     assert run_ranks(shm_op_builder, 2, timeout=30) == ["deepspeed.comm.torch"] * 2
 
 
-# Ctrl-C during a run (ranks killed, temp dir removed): tests/test_isolation.py, with the isolated runner that
+# Ctrl-C during a run (ranks killed, temp dir removed): tests/runners/test_isolation.py, with the isolated runner that
 # starts the ranks.
 
 

@@ -12,13 +12,12 @@ import struct
 import pytest
 
 from pytest_llmload import LoadRequest
+from pytest_llmload.sizes import format_bytes, parse_size
 from pytest_llmload.memory import (
     TrainingBudgetError,
     budget_for_device,
     check_training_budget,
     estimate_training_memory,
-    format_bytes,
-    parse_size,
 )
 
 GB = 10**9
@@ -36,7 +35,7 @@ def test_sizes_read_as_accelerate_reads_them(size):
 @pytest.mark.parametrize("size", ["lots", "14 parsecs", -1, True, "GB"])
 def test_a_bad_size_is_named(size):
     with pytest.raises(ValueError, match=f"max_memory value {size!r} is"):
-        parse_size(size)
+        parse_size(size, what="max_memory value")
 
 
 @pytest.mark.timeout(30)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_llmload.diagnostics.memory_limit import parse_limit
+from pytest_llmload.sizes import parse_size
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -132,8 +132,8 @@ def test_a_gpu_test_over_its_limit_fails_with_each_devices_peak(pytester):
 
 
 @pytest.mark.parametrize(("written", "nbytes"), [
-    ("24 MB", 24_000_000), ("24MB", 24_000_000), ("24 mb", 24_000_000), ("1.5 GiB", 3 * 2**29),
+    ("24 MB", 24_000_000), ("24MB", 24_000_000), ("24 mb", 3_000_000), ("24Mb", 3_000_000), ("2TB", 2 * 10**12), ("1.5 GiB", 3 * 2**29),
     ("512KiB", 512 * 1024), ("100 B", 100), (4096, 4096), ("2", 2),
 ])
 def test_sizes(written, nbytes):
-    assert parse_limit(written) == nbytes
+    assert parse_size(written, positive=True) == nbytes
