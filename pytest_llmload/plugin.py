@@ -1,4 +1,7 @@
-"""pytest-llmload's pytest plugin (entry point ``pytest11: llmload``): options, markers, header, fixtures.
+"""pytest-llmload's pytest plugin (entry point ``pytest11: llmload``): the whole plugin surface in one place.
+
+Every option, ini key and marker is declared here (each help text is defined once, beside the code that reads
+it); the sub-plugins in ``pytest_plugins`` add hooks only. Fixtures are in :mod:`pytest_llmload.fixtures`.
 
 This module is imported on every pytest run of a repo that has the plugin installed, so it imports
 nothing heavy: torch and the Hugging Face stack load only when a fixture asks for them.
@@ -12,8 +15,9 @@ import sys
 import pytest
 
 from pytest_llmload import loading, markers
-from pytest_llmload.runners import isolated_marker
 from pytest_llmload.diagnostics import known_failures as known_failure_report
+from pytest_llmload.diagnostics import memory_limit, report
+from pytest_llmload.runners import isolated_marker
 from pytest_llmload.fixtures import (  # noqa: F401  (pytest discovers fixtures on the plugin module)
     distributed_env,
     gpu_model,
@@ -28,9 +32,12 @@ from pytest_llmload.fixtures import (  # noqa: F401  (pytest discovers fixtures 
     lora_model,
 )
 
-# Phase timings, device-map summaries, the session summary, and the limit_torch_memory marker: each module
-# registers its own options, markers and hooks.
-pytest_plugins = ["pytest_llmload.diagnostics.report", "pytest_llmload.diagnostics.memory_limit"]
+# The sub-plugins, loaded one way: their hooks only. Every option, ini key and marker is declared below.
+pytest_plugins = [
+    "pytest_llmload.runners.isolated_marker",  # llmload_isolated: the test body in a forked child
+    "pytest_llmload.diagnostics.report",  # phase tables, device-map summaries, the session summary
+    "pytest_llmload.diagnostics.memory_limit",  # limit_torch_memory
+]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -47,6 +54,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--llmload-progress", dest="llmload_progress", metavar="PATH",
         help="append one JSON line per test outcome to PATH (used by 'python -m pytest_llmload').",
     )
+    group.addoption(report.PROGRESS_OPTION, dest="llmload_phase_progress", metavar="SECONDS",
+                    help=report.PROGRESS_HELP)
+    parser.addini(report.PROGRESS_INI, help=report.PROGRESS_HELP, default=None)
+    parser.addini(report.NEAR_DEADLINE_INI, help=report.NEAR_DEADLINE_HELP, default=None)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -54,7 +65,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", markers.GPU_HELP)
     config.addinivalue_line("markers", markers.DEEPSPEED_HELP)
     config.addinivalue_line("markers", isolated_marker.ISOLATED_HELP)
-    config.pluginmanager.register(isolated_marker, "llmload-isolated")
+    config.addinivalue_line("markers", memory_limit.HELP)
     try:
         choice = loading.choose_loader(
             config.getoption("llmload_loader"), os.environ, config.getini(loading.INI_KEY)
@@ -126,10 +137,11 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     markers.enforce_needs_gpus(item)
 
 
-@pytest.hookimpl(hookwrapper=True)
+@pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
-    outcome = yield
-    known_failure_report.annotate(item, call, outcome.get_result())
+    report = yield
+    known_failure_report.annotate(item, call, report)
+    return report
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:

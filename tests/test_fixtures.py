@@ -111,3 +111,24 @@ def test_fixtures_are_documented(pytester):
     for name in ("llmload_checkpoint", "llmload_checkpoint_factory", "llmload_loader", "llmload_load", "gpu_model",
                  "lora_model", "distributed_env", "llmload_offline", "llmload_device", "llmload_tokenizer"):
         result.stdout.fnmatch_lines([f"{name}*", "    *"])
+
+
+def test_the_tiny_llamas_numbers_are_what_the_tests_expect(llmload_checkpoint, tmp_path):
+    """fixtures/tiny_llama.py declares them once; here they are measured."""
+    from fixtures import tiny_llama
+    from fixtures.loaders import before_meta_backward
+    from pytest_llmload import LoadRequest, call_loader
+    from pytest_llmload.memory import checkpoint_tensors
+    from pytest_llmload.scenarios import offload_budget
+
+    tensors = checkpoint_tensors(llmload_checkpoint)
+    assert (len(tensors), sum(t.nbytes for t in tensors)) == (tiny_llama.PARAMETERS, tiny_llama.WEIGHT_BYTES)
+    assert offload_budget(llmload_checkpoint) == {"cpu": tiny_llama.HALF_BUDGET}
+    model = call_loader(before_meta_backward.load, LoadRequest(
+        llmload_checkpoint, purpose="train", lora=True, max_memory={"cpu": tiny_llama.HALF_BUDGET},
+        offload_folder=tmp_path / "offload")).model
+    params = dict(model.named_parameters())
+    lora = [name for name in params if "lora_" in name]
+    on_meta = [name for name, p in params.items() if p.device.type == "meta"]
+    assert len(lora) == tiny_llama.LORA_WEIGHTS
+    assert len(on_meta) == tiny_llama.OFFLOADED + tiny_llama.LORA_WEIGHTS_ON_META

@@ -199,10 +199,6 @@ def failure_message(limit: MemoryLimit, measured: Measured) -> Optional[str]:
 # --- hooks (registered through plugin.py's pytest_plugins) ------------------------------------------------
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", HELP)
-
-
 def pytest_runtest_setup(item: pytest.Item) -> None:
     limit = fail_invalid_markers(item, limit_for)
     if limit is None:

@@ -121,13 +121,6 @@ class TerminalLines:
 # --- configuration ----------------------------------------------------------------------------------------
 
 
-def pytest_addoption(parser: pytest.Parser) -> None:
-    group = parser.getgroup("llmload")
-    group.addoption(PROGRESS_OPTION, dest="llmload_phase_progress", metavar="SECONDS", help=PROGRESS_HELP)
-    parser.addini(PROGRESS_INI, help=PROGRESS_HELP, default=None)
-    parser.addini(NEAR_DEADLINE_INI, help=NEAR_DEADLINE_HELP, default=None)
-
-
 def pytest_configure(config: pytest.Config) -> None:
     option, ini = config.getoption("llmload_phase_progress"), config.getini(PROGRESS_INI)
     if option is not None:

@@ -99,18 +99,18 @@ def render_failure(exc: BaseException):
     return str(excinfo.getrepr(style="long", chain=True, truncate_locals=True))
 
 
-@pytest.hookimpl(hookwrapper=True)
+@pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
-    outcome = yield
-    report = outcome.get_result()
+    report = yield
     if not report.failed or call.excinfo is None:
-        return
+        return report
     exc = call.excinfo.value
     isolation = sys.modules.get("pytest_llmload.runners.isolation")
     if isolation is None:  # nothing ran isolated
-        return
+        return report
     if isinstance(exc, isolation.IsolationFailed):
         # The test process only waited: its frames say nothing. The message has the child's stacks or signal.
         report.longrepr = str(exc)
     elif getattr(exc, "llmload_child_report", None):
         report.longrepr = exc.llmload_child_report
+    return report

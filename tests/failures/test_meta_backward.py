@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from fixtures import tiny_llama
 from fixtures.loaders import before_meta_backward
 from pytest_llmload import LoadRequest, call_loader
 from pytest_llmload import scenarios
@@ -42,8 +43,8 @@ def test_lora_over_offloaded_layers_fails_backward_with_the_writeups_error(
     assert set(model.hf_device_map.values()) == {"cpu", "disk"}
     lora = [(name, p) for name, p in model.named_parameters() if "lora_" in name]
     on_meta = [name for name, p in lora if p.device.type == "meta"]
-    # Layers 1-3 are on disk: their 12 adapter matrices are created on meta, those of layer 0 on cpu.
-    assert (len(on_meta), len(lora)) == (12, 16), on_meta
+    # Layers 1-3 are on disk: their adapter matrices are created on meta, those of layer 0 on cpu.
+    assert (len(on_meta), len(lora)) == (tiny_llama.LORA_WEIGHTS_ON_META, tiny_llama.LORA_WEIGHTS), on_meta
     ids = input_ids(model)
     loss = model(input_ids=ids, labels=ids).loss  # computed through meta adapters: its value means nothing
     with pytest.raises(RuntimeError) as excinfo:
@@ -59,7 +60,7 @@ def test_without_lora_offloaded_parameters_silently_get_no_gradient(llmload_chec
     params = dict(model.named_parameters())
     no_grad = {name for name, p in params.items() if p.requires_grad and p.grad is None}
     on_meta = {name for name, p in params.items() if p.device.type == "meta"}
-    assert (len(no_grad), len(params)) == (29, 39)
+    assert (len(no_grad), len(params)) == (tiny_llama.OFFLOADED, tiny_llama.PARAMETERS)
     assert no_grad == on_meta  # exactly the offloaded ones: layers 1-3, the final norm and the head
 
 
@@ -70,8 +71,10 @@ def test_train_check_fails_on_the_before_loader(llmload_checkpoint, tmp_path):
     message = str(excinfo.value)
     assert message.startswith("4 of 8 train requests failed")
     assert message.count(f"forward+backward raised RuntimeError: {META_BACKWARD}") == 2  # LoRA, +/- checkpointing
-    assert message.count("29 of 39 trainable parameters got no gradient") == 2  # no LoRA, +/- checkpointing
-    assert message.count("41 of 55 parameters are on meta") == 2  # LoRA: 29 base + 12 adapter weights
+    t = tiny_llama
+    assert message.count(f"{t.OFFLOADED} of {t.PARAMETERS} trainable parameters got no gradient") == 2  # no LoRA
+    on_meta, total = t.OFFLOADED + t.LORA_WEIGHTS_ON_META, t.PARAMETERS + t.LORA_WEIGHTS
+    assert message.count(f"{on_meta} of {total} parameters are on meta") == 2  # LoRA: base + adapter weights
 
 
 @pytest.mark.timeout(60)
@@ -151,7 +154,7 @@ def test_reference_loader_refuses_an_unfit_budget_before_loading(llmload_checkpo
     with pytest.raises(TrainingBudgetError) as excinfo:
         reference_loader(request)
     message = str(excinfo.value)
-    assert "the training memory estimate is 2.9 MiB but max_memory={'cpu': 377984} gives cpu 369.1 KiB" in message
+    assert f"the training memory estimate is 2.9 MiB but max_memory={{'cpu': {tiny_llama.HALF_BUDGET}}} gives cpu 369.1 KiB" in message
     for row in ("weights", "adapters", "gradients", "optimizer state", "activations", "total"):
         assert f"\n  {row} " in message, row
     assert not (tmp_path / "offload").exists()

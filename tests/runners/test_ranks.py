@@ -296,7 +296,7 @@ def failing_ranks(pytester, monkeypatch):
     # In-process pytester: the inner run sees this machine as one without GPUs, whatever it has.
     monkeypatch.setattr(gpus, "visible_gpu_count", lambda: 0)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    pytester.makepyfile(test_ranks=FAILING_RANKS)
+    pytester.makepyfile(test_failing_ranks=FAILING_RANKS)
     return pytester
 
 
