@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import types
 from collections.abc import Mapping
 from typing import Any, Literal, Optional, Union
 
@@ -37,7 +36,9 @@ class LoadRequest:
     """What to load, and for what.
 
     ``max_memory`` is the budget the loader must respect, in ``from_pretrained``'s own format
-    (``{0: "10GiB", "cpu": "20GiB"}``); ``None`` means no budget. Example::
+    (``{0: "10GiB", "cpu": "20GiB"}``), a plain ``dict`` (each request has its own copy), so it can be passed
+    to ``from_pretrained`` as it is; ``None`` means no budget. ``zero_stage`` is the DeepSpeed ZeRO stage the
+    run uses (with ``deepspeed=True``; ``None`` when unknown). Example::
 
         >>> from pytest_llmload import LoadRequest
         >>> r = LoadRequest("/tmp/ckpt", purpose="train", lora=True)
@@ -49,13 +50,14 @@ class LoadRequest:
     purpose: Purpose = "inference"
     dtype: str = "float32"
     device: str = "cpu"
-    max_memory: Optional[Mapping[Union[int, str], Union[int, str]]] = None
+    max_memory: Optional[dict[Union[int, str], Union[int, str]]] = dataclasses.field(default=None, hash=False)
     offload_folder: Optional[Union[str, os.PathLike]] = None
     quantization: Quantization = None
     lora: bool = False
     gradient_checkpointing: bool = False
-    # The training script runs under DeepSpeed (the write-up 004's explicit flag).
+    # The training script runs under DeepSpeed (the write-up 004's explicit flag), and with which ZeRO stage.
     deepspeed: bool = False
+    zero_stage: Optional[int] = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise through the back door, once
@@ -73,10 +75,16 @@ class LoadRequest:
                     f"LoadRequest.max_memory={self.max_memory!r} must be a mapping like "
                     "{0: '10GiB', 'cpu': '20GiB'} (from_pretrained's format)."
                 )
-            set_(self, "max_memory", types.MappingProxyType(dict(self.max_memory)))
+            set_(self, "max_memory", dict(self.max_memory))  # plain: from_pretrained deep-copies it
         for flag in ("lora", "gradient_checkpointing", "deepspeed"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"LoadRequest.{flag}={getattr(self, flag)!r} must be True or False.")
+        if self.zero_stage is not None:
+            if isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2, 3):
+                raise ValueError(f"LoadRequest.zero_stage={self.zero_stage!r}; expected None, 0, 1, 2 or 3.")
+            if not self.deepspeed:
+                raise ValueError(f"LoadRequest.zero_stage={self.zero_stage!r} needs deepspeed=True: the ZeRO stage "
+                                 "is DeepSpeed's.")
 
     @property
     def torch_dtype(self):
