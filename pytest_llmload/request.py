@@ -54,6 +54,8 @@ class LoadRequest:
     offload_folder: Optional[Union[str, os.PathLike]] = None
     quantization: Quantization = None
     lora: bool = False
+    # A trained PEFT adapter (a directory peft saved) to put on the model; None: no adapter to load.
+    adapter_path: Optional[Union[str, os.PathLike]] = None
     gradient_checkpointing: bool = False
     # The training script runs under DeepSpeed (the write-up 004's explicit flag), and with which ZeRO stage.
     deepspeed: bool = False
@@ -62,8 +64,9 @@ class LoadRequest:
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise through the back door, once
         set_(self, "model_path", os.fspath(self.model_path))
-        if self.offload_folder is not None:
-            set_(self, "offload_folder", os.fspath(self.offload_folder))
+        for path_field in ("offload_folder", "adapter_path"):
+            if getattr(self, path_field) is not None:
+                set_(self, path_field, os.fspath(getattr(self, path_field)))
         if self.purpose not in PURPOSES:
             raise ValueError(f"LoadRequest.purpose={self.purpose!r}; expected 'inference' or 'train'.")
         if self.quantization not in QUANTIZATIONS:
