@@ -16,9 +16,11 @@ from pytest_llmload.loading import (
     LoaderChoice,
     LoaderSpecError,
     LoaderUnderTest,
+    PURPOSES_INI,
     LoadResult,
     as_loader_under_test,
     import_loader,
+    parse_purposes,
 )
 
 loader_choice_key = pytest.StashKey[LoaderChoice]()
@@ -72,7 +74,14 @@ def llmload_loader(request, llmload_offline) -> LoaderUnderTest:
         function = import_loader(choice)
     except LoaderSpecError as exc:  # normally caught at collection; here for plugins loaded by hand
         pytest.fail(str(exc), pytrace=False)
-    return as_loader_under_test(function, name=choice.spec, source=choice.source)
+    loader = as_loader_under_test(function, name=choice.spec, source=choice.source)
+    declared = request.config.getini(PURPOSES_INI)
+    if declared:
+        try:
+            loader = loader._replace(purposes=parse_purposes(declared, f"ini '{PURPOSES_INI}'"))
+        except LoaderSpecError as exc:
+            pytest.fail(str(exc), pytrace=False)
+    return loader
 
 
 @pytest.fixture(scope="session")

@@ -34,7 +34,31 @@ class LoaderSpecError(Exception):
 
 
 class LoaderContractError(TypeError):
-    """A loader that returned something other than a model or ``(model, tokenizer)``."""
+    """A loader that returned something other than a model or ``(model, tokenizer)``, or that changed
+    process-wide state the harness needs (its own ``Accelerator()``)."""
+
+
+class LoaderError(Exception):
+    """The loader raised. Not a known failure by itself: a check names a failure only when it sees the failure's
+    own mechanism; anything else is the loader's own error, reported as an ``error`` row. ``original`` is the
+    loader's exception (also chained as ``__cause__``, so the full traceback is in the log)."""
+
+    def __init__(self, original: BaseException, loader_name: str, request: "LoadRequest") -> None:
+        self.original = original
+        frames = _own_frames(original)
+        where = f"\n  in the loader's code: {' <- '.join(frames)}" if frames else ""
+        super().__init__(f"loader error: {type(original).__name__}: {original} (loader {loader_name}, "
+                         f"{_phase_detail(request)}){where}")
+
+
+def _own_frames(exc: BaseException, keep: int = 3) -> list[str]:
+    """The innermost frames of the traceback outside installed libraries and this module, innermost first."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if "site-packages" not in f.filename and "/lib/python" not in f.filename
+              and not f.filename.endswith(os.path.join("pytest_llmload", "loading.py"))]
+    return [f"{f.name} ({f.filename}:{f.lineno})" for f in reversed(frames[-keep:])]
 
 
 class LoaderChoice(NamedTuple):
@@ -125,12 +149,23 @@ def normalise_result(value: Any, *, loader_name: str, request: "LoadRequest") ->
     )
 
 
+PURPOSES_ATTRIBUTE = "llmload_purposes"
+PURPOSES_INI = "llmload_loader_purposes"
+PURPOSES_HELP = (
+    "what the loader under test is for, one per line: inference and/or train (default: both). Checks of the "
+    "other purpose skip, saying so. A loader function can say the same with an attribute: "
+    "load.llmload_purposes = ('inference',)."
+)
+
+
 class LoaderUnderTest(NamedTuple):
-    """A loader together with its name, called under the contract: ``loader(request) -> LoadResult``."""
+    """A loader together with its name, called under the contract: ``loader(request) -> LoadResult``.
+    ``purposes`` is what the loader declares it is for (``None``: anything)."""
 
     function: Callable[["LoadRequest"], Any]
     name: str
     source: str = "fixture"
+    purposes: Optional[tuple[str, ...]] = None
 
     def __call__(self, request: "LoadRequest") -> LoadResult:
         return call_loader(self.function, request, loader_name=self.name)
@@ -143,10 +178,27 @@ def call_loader(loader: Callable[["LoadRequest"], Any], request: "LoadRequest", 
     from pytest_llmload.diagnostics.phases import phase, track_model
 
     name = loader_name or getattr(loader, "__qualname__", None) or repr(loader)
+    accelerate_state = _accelerate_state()
     with phase("load", _phase_detail(request)) as timed:
-        result = normalise_result(loader(request), loader_name=name, request=request)
+        try:
+            returned = loader(request)
+        except Exception as exc:
+            raise LoaderError(exc, name, request) from exc
+        result = normalise_result(returned, loader_name=name, request=request)
+    if accelerate_state is not None and not accelerate_state and _accelerate_state():
+        raise LoaderContractError(
+            f"loader {name} created accelerate's process-wide state (an Accelerator() or AcceleratorState()) while "
+            "loading: the training script and the harness make their own, and the one a loader fixes first wins "
+            "(distributed type, mixed precision, device). Create the Accelerator in the training script, not the loader."
+        )
     track_model(result.model, request.model_path, timed.seconds)
     return result
+
+
+def _accelerate_state() -> Optional[bool]:
+    """Whether accelerate's shared state is set up; ``None`` where accelerate is not imported."""
+    state = sys.modules.get("accelerate.state")
+    return None if state is None else bool(getattr(state.AcceleratorState, "_shared_state", {}))
 
 
 def _phase_detail(request: "LoadRequest") -> str:
@@ -169,4 +221,22 @@ def as_loader_under_test(loader: Any, *, name: str = "", source: str = "fixture"
         )
     module = getattr(loader, "__module__", None)
     qualname = getattr(loader, "__qualname__", None)
-    return LoaderUnderTest(loader, name or (f"{module}:{qualname}" if module and qualname else repr(loader)), source)
+    name = name or (f"{module}:{qualname}" if module and qualname else repr(loader))
+    declared = getattr(loader, PURPOSES_ATTRIBUTE, None)
+    purposes = None if declared is None else parse_purposes(declared, f"{name}.{PURPOSES_ATTRIBUTE}")
+    return LoaderUnderTest(loader, name, source, purposes)
+
+
+def parse_purposes(declared: Any, source: str) -> tuple[str, ...]:
+    """``("inference",)`` from an attribute or ini lines; :class:`LoaderSpecError` naming ``source`` otherwise."""
+    values = (declared,) if isinstance(declared, str) else declared
+    try:
+        purposes = tuple(str(v).strip() for v in values if str(v).strip())
+    except TypeError:
+        purposes = ()
+    if not purposes or any(p not in ("inference", "train") for p in purposes):
+        raise LoaderSpecError(
+            f"{source} = {declared!r} is not a list of purposes; use 'inference' and/or 'train', "
+            "e.g. load.llmload_purposes = ('inference',) for an evaluation loader."
+        )
+    return purposes

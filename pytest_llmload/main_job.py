@@ -36,13 +36,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-k", dest="keyword", metavar="EXPR", help="only checks matching this pytest -k expression")
     parser.add_argument("--log", metavar="PATH", help="where pytest's full output goes (default: a temp file)")
     parser.add_argument("--list", action="store_true", help="list the checks and the failures they guard, then exit")
+    parser.add_argument("--strict", action="store_true",
+                        help="count a check that could not judge the loader (skipped 'not exercised') as failed")
+    parser.add_argument("--json", metavar="PATH", dest="json_path",
+                        help="also write the results to PATH: one object per check (check, outcome, failure, "
+                        "reason, seconds, detail)")
     parser.add_argument("pytest_args", nargs="*", help=argparse.SUPPRESS)
     return parser
 
 
-def pytest_command(loader: Optional[str], keyword: Optional[str], progress: Path, extra: list[str]) -> list[str]:
+def pytest_command(loader: Optional[str], keyword: Optional[str], progress: Path, extra: list[str],
+                   strict: bool = False) -> list[str]:
     argv = [sys.executable, "-m", "pytest", "--pyargs", "pytest_llmload.suite", "-p", "no:cacheprovider",
             "-o", "python_files=test_*.py", "--tb=short", "-q", "--llmload-progress", str(progress)]
+    if strict:
+        argv.append("--llmload-strict")
     if loader:
         argv += [OPTION, loader]
     if keyword:
@@ -52,8 +60,13 @@ def pytest_command(loader: Optional[str], keyword: Optional[str], progress: Path
 
 def _row(done: int, total: int, record: dict) -> str:
     width = len(str(total)) if total else 2
-    outcome = record["outcome"].upper() if record["outcome"] in FAILED_OUTCOMES else record["outcome"]
+    outcome = _shown(record["outcome"])
     return f"[{done:>{width}}/{total or '?'}] {record['check']:<48} {outcome:<8} {record['seconds']:7.2f}s"
+
+
+def _shown(outcome: str) -> str:
+    """The result column: passed, FAILED (the check saw its failure), error (the loader's own error), skipped."""
+    return outcome.upper() if outcome in ("failed", "xpassed") else outcome
 
 
 def _first_line(text: str) -> str:
@@ -98,8 +111,8 @@ def summary_table(results: list[dict]) -> list[str]:
     rows = [("check", "guards against", "result", "time")]
     for record in results:
         failure = _failure_of(record["check"])
-        guards = "" if failure is None else f"{failure.id} ({failure.write_up.split('/')[-1][:3]})"
-        outcome = record["outcome"].upper() if record["outcome"] in FAILED_OUTCOMES else record["outcome"]
+        guards = "" if failure is None else f"{failure.id} ({_source_tag(failure)})"
+        outcome = _shown(record["outcome"])
         if record["outcome"] in ("skipped", "xfailed") and record["reason"]:
             outcome += f" ({record['reason']})"
         rows.append((record["check"], guards, outcome, f"{record['seconds']:.2f}s"))
@@ -107,6 +120,31 @@ def summary_table(results: list[dict]) -> list[str]:
     lines = [f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]:>7}" for r in rows]
     lines.insert(1, "-" * len(lines[0]))
     return lines
+
+
+def json_records(results: list[dict]) -> list[dict]:
+    """``--json``: one object per check. ``failure`` is the catalog id the row is attributed to: the check's own
+    for a failed check; for an error, a known failure only where its signature is in the error; else null."""
+    from pytest_llmload import failures
+
+    records = []
+    for record in results:
+        outcome, failure = record["outcome"], None
+        if outcome in ("failed", "xpassed") and "llmload strict: " not in record["reason"]:
+            guarded = _failure_of(record["check"])
+            failure = guarded.id if guarded is not None else None
+        elif outcome == "error":
+            matched = failures.match(record["reason"])
+            failure = matched[0].id if matched else None
+        detail = _first_line(record["reason"]) if outcome in FAILED_OUTCOMES else record["reason"]
+        records.append({"check": record["check"], "outcome": outcome, "failure": failure,
+                        "reason": record["reason"], "seconds": record["seconds"], "detail": detail})
+    return records
+
+
+def _source_tag(failure) -> str:
+    """``002`` for a write-up in shared/seeds, ``field`` for a failure taken from upstream issue trackers."""
+    return failure.write_up.split("/")[-1][:3] if failure.write_up.startswith("seeds/") else "field"
 
 
 def _failure_of(check: str):
@@ -135,7 +173,7 @@ def run(argv: Optional[list[str]] = None, out=None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="llmload-main-"))
     progress = workdir / "progress.jsonl"
     log_path = Path(args.log) if args.log else workdir / "pytest.log"
-    command = pytest_command(args.loader, args.keyword, progress, args.pytest_args)
+    command = pytest_command(args.loader, args.keyword, progress, args.pytest_args, strict=args.strict)
     started = time.monotonic()
     with log_path.open("w", encoding="utf-8") as log:
         child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
@@ -163,7 +201,10 @@ def run(argv: Optional[list[str]] = None, out=None) -> int:
         counts[record["outcome"]] = counts.get(record["outcome"], 0) + 1
     print("", file=out)
     for record in failed:
-        print(f"FAILED {record['check']}: {_first_line(record['reason'])}", file=out)
+        label = "ERROR" if record["outcome"] == "error" else "FAILED"
+        print(f"{label} {record['check']}: {_first_line(record['reason'])}", file=out)
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(json_records(results), indent=1) + "\n", encoding="utf-8")
     summary = ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items()))
     print(f"llmload: {summary} in {time.monotonic() - started:.1f}s; pytest output: {log_path}", file=out)
     return EXIT_FAILED if failed or code not in (0, 5) else EXIT_OK

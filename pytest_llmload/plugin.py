@@ -40,10 +40,18 @@ pytest_plugins = [
 ]
 
 
+STRICT_HELP = (
+    "count a check that could not judge the loader (skipped 'not exercised: ...', e.g. nothing was offloaded, "
+    "the 4-bit request was ignored) as a failure. Precedence: --llmload-strict, then the ini key."
+)
+strict_key = pytest.StashKey[bool]()
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("llmload", "pytest-llmload: Hugging Face model-loading regression checks")
     group.addoption("--llmload-loader", dest="llmload_loader", metavar="MODULE:FUNCTION", help=loading.LOADER_HELP)
     parser.addini(loading.INI_KEY, help=loading.LOADER_HELP, default=None)
+    parser.addini(loading.PURPOSES_INI, help=loading.PURPOSES_HELP, type="linelist", default=[])
     parser.addini(markers.GPU_FIXTURES_INI, help=markers.GPU_FIXTURES_HELP, type="linelist", default=[])
     parser.addini(
         "llmload_expected_failed_checks", type="linelist", default=[],
@@ -54,6 +62,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--llmload-progress", dest="llmload_progress", metavar="PATH",
         help="append one JSON line per test outcome to PATH (used by 'python -m pytest_llmload').",
     )
+    group.addoption("--llmload-strict", dest="llmload_strict", action="store_true", default=None, help=STRICT_HELP)
+    parser.addini("llmload_strict", type="bool", default=False, help=STRICT_HELP)
     group.addoption(report.PROGRESS_OPTION, dest="llmload_phase_progress", metavar="SECONDS",
                     help=report.PROGRESS_HELP)
     parser.addini(report.PROGRESS_INI, help=report.PROGRESS_HELP, default=None)
@@ -73,6 +83,8 @@ def pytest_configure(config: pytest.Config) -> None:
     except loading.LoaderSpecError as exc:
         raise pytest.UsageError(str(exc)) from None
     config.stash[loader_choice_key] = choice
+    option = config.getoption("llmload_strict")
+    config.stash[strict_key] = bool(option if option is not None else config.getini("llmload_strict"))
     if config.getoption("llmload_progress") and not hasattr(config, "workerinput"):
         from pytest_llmload import progress  # only the main job asks for it: plugin load stays cheap
 
@@ -141,6 +153,13 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     report = yield
     known_failure_report.annotate(item, call, report)
+    if report.skipped and item.config.stash.get(strict_key, False) and isinstance(report.longrepr, tuple):
+        from pytest_llmload.failures.base import NOT_EXERCISED
+
+        reason = report.longrepr[2].removeprefix("Skipped: ")
+        if reason.startswith(NOT_EXERCISED):
+            report.outcome = "failed"
+            report.longrepr = f"llmload strict: a check that exercised nothing is a failure here: {reason}"
     return report
 
 

@@ -23,6 +23,17 @@ def check_name(nodeid: str) -> str:
     return found.group(1) if found else nodeid.rpartition("::")[2]
 
 
+_LOADER_ERRORS = ("pytest_llmload.loading.LoaderError", "pytest_llmload.loading.LoaderContractError",
+                  "LoaderError: ", "LoaderContractError: ")
+
+
+def _raised_by_the_loader(report: pytest.TestReport) -> bool:
+    crash = getattr(report.longrepr, "reprcrash", None)
+    message = getattr(crash, "message", "") if crash is not None else str(report.longrepr)
+    return any(message.startswith(prefix) or f"\n{prefix}" in message for prefix in _LOADER_ERRORS) or \
+        "loader error: " in (message.splitlines() or [""])[0]
+
+
 class ProgressWriter:
     def __init__(self, path: str) -> None:
         self._file = open(path, "a", buffering=1, encoding="utf-8")  # line-buffered: the reader sees each line
@@ -50,6 +61,8 @@ class ProgressWriter:
             reason = report.longrepr[2].removeprefix("Skipped: ")
         elif report.failed:
             outcome, reason = ("failed" if report.when == "call" else "error"), report.longreprtext
+            if _raised_by_the_loader(report):
+                outcome = "error"  # the loader's own error, or a broken contract: not the check's failure
         started = self._started.get(report.nodeid, time.perf_counter())
         self.write(event="result", nodeid=report.nodeid, check=check_name(report.nodeid), outcome=outcome,
                    reason=reason, seconds=round(time.perf_counter() - started, 3))

@@ -6,6 +6,9 @@
   device, and a budget that cannot hold it for training is refused before loading.
 - 004 (device_map under DeepSpeed): no ``device_map`` spread when the process is one rank of a
   distributed job.
+- Taken from the field (``pytest_llmload/failures/``): no ``device_map`` at all under ZeRO-3
+  (zero3-device-map); the dtype passed to ``from_pretrained``, never cast after a quantized load
+  (quantized-cast); trainable weights kept in float32 for fp16 mixed precision (fp16-unscale).
 
 Example::
 
@@ -40,10 +43,21 @@ def _quantization_kwarg(request: LoadRequest) -> dict:
     return {"quantization_config": config}
 
 
+def _zero3_enabled() -> bool:
+    """Whether a DeepSpeed ZeRO-3 config is alive in this process (transformers' own test, where it is loaded)."""
+    import sys
+
+    integrations = sys.modules.get("transformers.integrations.deepspeed")
+    return bool(integrations is not None and integrations.is_deepspeed_zero3_enabled())
+
+
 def placement_kwargs(request: LoadRequest) -> dict:
     """Where the weights go: the one decision every write-up is about."""
-    distributed = is_distributed(os.environ, deepspeed=request.deepspeed)
-    if request.purpose == "train" and not request.deepspeed:
+    # zero3-device-map: with a ZeRO-3 config alive (Trainer or accelerate made it), any device_map is refused,
+    # even 004's {"": local_rank}; DeepSpeed places the weights itself.
+    deepspeed = request.deepspeed or _zero3_enabled()
+    distributed = is_distributed(os.environ, deepspeed=deepspeed)
+    if request.purpose == "train" and not deepspeed:
         # 002: a model to be trained is never spread over cpu/disk/meta, so a budget that cannot hold it for
         # training is refused here, before from_pretrained reads a weight. A DDP rank holds the whole model
         # too; under DeepSpeed, ZeRO partitions gradients and optimizer state, so this estimate would be high.
@@ -55,7 +69,7 @@ def placement_kwargs(request: LoadRequest) -> dict:
         # (accelerate refuses to prepare a model whose hf_device_map has several entries in any distributed
         # mode). On CPU, and under DeepSpeed (which places and partitions the weights), no device_map at
         # all; on GPU the whole model goes to this rank's own device.
-        if request.device.startswith("cuda") and not request.deepspeed:
+        if request.device.startswith("cuda") and not deepspeed:
             return {"device_map": {"": f"cuda:{local_rank(os.environ)}"}}
         return {}
     if request.purpose == "train":
@@ -115,5 +129,10 @@ def load_model_and_tokenizer(request: LoadRequest):
         model.config.use_cache = False
     if request.lora:
         model = _apply_lora(model, request)
+    if request.purpose == "train":
+        # fp16-unscale: under fp16 mixed precision the trainable weights must be float32 master weights
+        from pytest_llmload.failures.fp16_unscale import upcast_trainable_parameters
+
+        upcast_trainable_parameters(model)
     model.train(request.purpose == "train")
     return model, tokenizer

@@ -3,8 +3,9 @@
 - :func:`offload_budget`: a ``max_memory`` that sends half of a checkpoint's weights one tier down
 - :func:`plain_model`: the checkpoint loaded whole with plain ``from_pretrained``, the ground truth
 - :func:`placement_problems`: parameters on meta, on another device, or behind an offloading hook
+- :func:`offloaded_parts` / :func:`where_loaded`: whether a model was offloaded at all, and where it is
 - :func:`train_step_problems`: one forward and backward; what did not get a finite gradient
-- :func:`refusal_problem`: whether an exception is a clear refusal made before loading
+- :func:`refusal_problem`: whether an exception is the loader's refusal of a memory budget
 
 torch and transformers are imported inside the functions that need them.
 """
@@ -128,8 +129,9 @@ def train_step_problems(model, device: str) -> list[str]:
     return problems
 
 
-def refusal_problem(exc: BaseException, loads: list) -> Optional[str]:
-    """``None`` when ``exc`` is a clear refusal made before loading, else why it is not."""
+def refusal_problem(exc: BaseException) -> Optional[str]:
+    """``None`` when ``exc`` is a refusal that names the memory budget, raised by the loader's own code (not from
+    inside the loading libraries), else why it is not."""
     text = f"{type(exc).__name__}: {exc}"
     short = text if len(text) < 400 else text[:400] + "..."
     if not any(word in str(exc).lower() for word in ("max_memory", "budget", "memory")):
@@ -139,8 +141,30 @@ def refusal_problem(exc: BaseException, loads: list) -> Optional[str]:
         module, tb = tb.tb_frame.f_globals.get("__name__", ""), tb.tb_next
     if module and module.split(".")[0] in LOADING_LIBRARIES:
         return f"raised {short} inside {module} while loading -- not a refusal before loading"
-    if loads:
-        return f"refused with {short} only after from_pretrained ran {len(loads)} time(s)"
     return None
 
 
+
+
+def offloaded_parts(model) -> list[str]:
+    """What of ``model`` is offloaded (parameters on meta, accelerate hooks that offload, ``hf_device_map``
+    entries on cpu/disk next to an accelerator); empty when it was loaded whole. The premise of every check
+    of an offloading load: without it, the offloaded path was not exercised."""
+    params = list(model.named_parameters())
+    meta = [n for n, p in params if p.device.type == "meta"]
+    hooked = [n for n, m in model.named_modules() if getattr(getattr(m, "_hf_hook", None), "offload", False)]
+    tiers = {str(v) for v in (getattr(model, "hf_device_map", None) or {}).values()}
+    parts = []
+    if meta:
+        parts.append(f"{len(meta)} of {len(params)} parameters on meta")
+    if hooked:
+        parts.append(f"{len(hooked)} modules with an offloading hook")
+    if "disk" in tiers or ("cpu" in tiers and len(tiers) > 1):
+        parts.append(f"hf_device_map tiers {sorted(tiers)}")
+    return parts
+
+
+def where_loaded(model) -> str:
+    """``"whole on cpu"``, or the devices the parameters are on: what a skip reason says the loader did."""
+    devices = sorted({str(p.device) for p in model.parameters()})
+    return f"whole on {devices[0]}" if len(devices) == 1 else f"on {', '.join(devices)}"

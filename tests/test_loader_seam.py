@@ -2,7 +2,8 @@
 
 import pytest
 
-from pytest_llmload.loading import REFERENCE_SPEC
+from pytest_llmload import LoadRequest, call_loader
+from pytest_llmload.loading import REFERENCE_SPEC, LoaderContractError, LoaderSpecError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -154,3 +155,45 @@ def test_overridden_fixture_that_is_not_callable(pytester):
     result = pytester.runpytest()
     result.stdout.fnmatch_lines(["*LoaderSpecError: the loader from fixture is a str ('nope'), not a callable; "
                                  "the llmload_loader fixture must return a function*"])
+
+
+def test_a_loader_declares_what_it_is_for_by_attribute_or_ini(pytester):
+    from pytest_llmload.loading import as_loader_under_test
+
+    def evaluate(request):
+        return None
+
+    evaluate.llmload_purposes = ("inference",)
+    assert as_loader_under_test(evaluate).purposes == ("inference",)
+    evaluate.llmload_purposes = ("inference", "serving")
+    with pytest.raises(LoaderSpecError, match=r"evaluate.llmload_purposes = \('inference', 'serving'\) is not a "
+                                              r"list of purposes; use 'inference' and/or 'train'"):
+        as_loader_under_test(evaluate)
+    pytester.makeini("[pytest]\nllmload_loader_purposes = inference\n")
+    pytester.makepyfile("def test_purposes(llmload_loader):\n    assert llmload_loader.purposes == ('inference',)\n")
+    pytester.runpytest().assert_outcomes(passed=1)
+
+
+@pytest.mark.timeout(60)
+def test_a_loader_that_sets_up_accelerate_breaks_the_contract(llmload_checkpoint):
+    from pytest_llmload.runners.isolation import run_isolated
+
+    def makes_its_own_accelerator(request):
+        from accelerate import Accelerator
+
+        from pytest_llmload.reference_loader import load_model_and_tokenizer
+
+        Accelerator(cpu=True)  # fixes accelerate's process-wide state before the training script can
+        return load_model_and_tokenizer(request)
+
+    def load_it():
+        import accelerate.state  # noqa: F401  (imported, not set up: what a test process has)
+
+        try:
+            call_loader(makes_its_own_accelerator, LoadRequest(llmload_checkpoint))
+        except LoaderContractError as exc:
+            return str(exc)
+        return "no error"
+
+    message = run_isolated(load_it, (), timeout=50, label="accelerate state")  # the state dies with the child
+    assert "created accelerate's process-wide state (an Accelerator() or AcceleratorState()) while loading" in message

@@ -58,3 +58,65 @@ def test_list_names_every_check_and_its_failure():
     for line in ("check_train_request_trains", "meta-backward", "check_distributed_train_step",
                  "distributed-device-map", "check_trainer_does_not_wrap_placed_model", "dp-dtype"):
         assert line in run.stdout
+
+
+LOADERS = '''
+from pytest_llmload.reference_loader import load_model_and_tokenizer
+
+
+def breaks_on_train(request):
+    """A loader's own bug (a keyword its helper does not take): an error, not a known failure."""
+    if request.purpose == "train":
+        raise TypeError("load_model() got an unexpected keyword argument 'load_in_4bit'")
+    return load_model_and_tokenizer(request)
+
+
+def never_offloads(request):
+    """Ignores the budget: loads whole, so an offloading check exercises nothing."""
+    return load_model_and_tokenizer(request.replace(max_memory=None))
+
+
+def for_evaluation(request):
+    return load_model_and_tokenizer(request)
+
+
+for_evaluation.llmload_purposes = ("inference",)
+'''
+
+
+@pytest.fixture
+def odd_loaders(tmp_path):
+    (tmp_path / "odd_loaders.py").write_text(LOADERS)
+    return tmp_path
+
+
+def test_a_loaders_own_error_is_an_error_row_not_a_known_failure(odd_loaders):
+    import json
+
+    run = main_job("--loader", "odd_loaders:breaks_on_train", "-k", "train_request_trains and not cuda",
+                   "--json", str(odd_loaders / "out.json"), cwd=odd_loaders)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert re.search(r"^check_train_request_trains +meta-backward \(002\) +error ", run.stdout, re.M), run.stdout
+    assert "ERROR check_train_request_trains: " in run.stdout and "'load_in_4bit'" in run.stdout
+    (record,) = json.loads((odd_loaders / "out.json").read_text())
+    assert (record["check"], record["outcome"], record["failure"]) == ("check_train_request_trains", "error", None)
+    assert set(record) == {"check", "outcome", "failure", "reason", "seconds", "detail"}
+
+
+def test_a_check_that_exercised_nothing_skips_and_strict_fails_it(odd_loaders):
+    run = main_job("--loader", "odd_loaders:never_offloads", "-k", "check_offload_inference and not cuda",
+                   cwd=odd_loaders)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "skipped (not exercised: check_offload_inference: the loader loaded the model whole on cpu" in run.stdout
+    strict = main_job("--loader", "odd_loaders:never_offloads", "-k", "check_offload_inference and not cuda",
+                      "--strict", cwd=odd_loaders)
+    assert strict.returncode == 1, strict.stdout + strict.stderr
+    assert "FAILED check_offload_inference: llmload strict: a check that exercised nothing is a failure" in strict.stdout
+
+
+def test_an_inference_only_loader_skips_the_training_checks(odd_loaders):
+    run = main_job("--loader", "odd_loaders:for_evaluation", "-k", "train_request_trains and not cuda",
+                   cwd=odd_loaders)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "skipped (check_train_request_trains: loader odd_loaders:for_evaluation is declared for inference only" \
+        in run.stdout

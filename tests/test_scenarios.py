@@ -21,6 +21,7 @@ from pytest_llmload.memory import (
     checkpoint_tensors,
     estimate_training_memory,
 )
+from pytest_llmload.loading import LoaderError
 from pytest_llmload.reference_loader import load_model_and_tokenizer as reference_loader
 
 MODULES = ("model.embed_tokens", "model.layers.0", "model.layers.1", "model.layers.2", "model.layers.3",
@@ -101,7 +102,8 @@ def test_any_train_request_through_the_reference_loader_has_nothing_on_meta(data
         request.max_memory, "cpu")
     try:
         model = call_loader(reference_loader, request).model
-    except TrainingBudgetError:
+    except LoaderError as exc:
+        assert isinstance(exc.original, TrainingBudgetError), exc
         event("refused before loading")
         assert not fits
         return

@@ -13,6 +13,18 @@ from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional
 
 
+# A check that cannot judge (the loader did not put the model in the state its scenario needs) skips with a
+# reason that starts so; `--llmload-strict` (ini `llmload_strict`, the main job's --strict) counts it as a failure.
+NOT_EXERCISED = "not exercised: "
+
+
+def not_exercised(check: str, did_instead: str, missing: str) -> None:
+    """Skip: ``check`` cannot judge this loader, which ``did_instead``, so ``missing`` was not exercised."""
+    import pytest
+
+    pytest.skip(f"{NOT_EXERCISED}{check}: the loader {did_instead}; {missing} was not exercised")
+
+
 class KnownFailure(NamedTuple):
     id: str
     title: str
@@ -61,6 +73,7 @@ class Check(NamedTuple):
     transformers: Optional[str] = None  # PEP 440 range where the failure exists; elsewhere the check skips
     timeout: float = 120.0  # seconds; a hang fails the check with every thread's stack
     label: Optional[str] = None  # the name, where ``function`` is a partial (a GPU variant, say)
+    purpose: str = "inference"  # what the check asks the loader for; a loader declared for the other one skips it
     # Run in a child forked from the test process (pytest_llmload.runners.isolation): for checks that can hang, crash,
     # or change process-wide state (environment, patched upstream code, audit hooks, sockets).
     isolated: bool = False
@@ -78,6 +91,12 @@ class Check(NamedTuple):
         from pytest_llmload.loading import as_loader_under_test
 
         args = (as_loader_under_test(loader), Path(checkpoint), Path(workdir))
+        declared = args[0].purposes
+        if declared is not None and self.purpose not in declared:
+            import pytest
+
+            pytest.skip(f"{self.name}: loader {args[0].name} is declared for {' and '.join(declared)} only; this "
+                        f"check needs a {self.purpose} load")
         if not self.isolated:
             return self.function(*args)
         from pytest_llmload.failures import preload_for_isolated_checks

@@ -279,4 +279,4 @@ def _load_prepare_and_step(loader: Loader, checkpoint: str, workdir: str, mode: 
 # Not isolated: its work already runs in ranks it forks (deadline, stacks, exit codes included), and the
 # DeepSpeed stack it imports here first (seconds) is what makes those ranks cheap; in a child it would be
 # imported again on every call.
-CHECKS = (Check(check_distributed_train_step, failure=FAILURE, world_size=2, timeout=180),)
+CHECKS = (Check(check_distributed_train_step, failure=FAILURE, world_size=2, timeout=180, purpose="train"),)

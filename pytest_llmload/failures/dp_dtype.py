@@ -20,9 +20,10 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from pytest_llmload.failures.base import Check, KnownFailure
+from pytest_llmload.failures.base import Check, KnownFailure, not_exercised
 from pytest_llmload.loading import call_loader
 from pytest_llmload.request import LoadRequest
+from pytest_llmload.scenarios import where_loaded
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,11 @@ STAGE1_SHARDS = 4
 # The first step's loss may differ a little from the model's own (dropout, bf16 rounding); a Trainer that
 # counts n_gpu devices it does not use scales it by n_gpu.
 LOSS_RATIO_TOLERANCE = 0.25
+
+
+def _is_4bit(model: Any) -> bool:
+    """bitsandbytes 4-bit layers in the model (through a peft wrapper too)."""
+    return any(type(module).__name__ == "Linear4bit" for module in model.modules())
 
 
 def write_stage1_checkpoint(checkpoint: Path, dest: Path) -> Path:
@@ -128,6 +134,10 @@ def check_trainer_does_not_wrap_placed_model(
 
     request = LoadRequest(stage1, purpose="train", dtype="bfloat16", device="cpu", quantization="4bit", lora=True)
     model = call_loader(loader, request).model
+    if not _is_4bit(model):
+        # DataParallel over a plain, unplaced model is ordinary and works: not this failure's scenario.
+        not_exercised("check_trainer_does_not_wrap_placed_model", f"ignored the 4-bit request: it returned an "
+                      f"unquantized model, {where_loaded(model)}", "a placed 4-bit model handed to Trainer")
     obs = observe_trainer(model, workdir / "trainer", simulated_n_gpu=simulated_n_gpu, prepare_args=prepare_args)
     reading = _upstream_reading(obs)
     logger.info("seed 003: %s -- %s", obs.describe(), reading)
@@ -185,5 +195,6 @@ def _with_training_script_fix(check):
 # tests and forked ranks inherit) and reseeds the global RNGs; the 4-bit load runs bitsandbytes' native code.
 CHECKS = (
     Check(_with_training_script_fix(check_trainer_does_not_wrap_placed_model), failure=FAILURE,
-          label="check_trainer_does_not_wrap_placed_model", timeout=180, isolated=True),
+          label="check_trainer_does_not_wrap_placed_model", timeout=180, purpose="train",
+          isolated=True),
 )

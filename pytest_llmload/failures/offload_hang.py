@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from pytest_llmload.diagnostics.phases import phase
-from pytest_llmload.failures.base import Check, KnownFailure
+from pytest_llmload.failures.base import Check, KnownFailure, not_exercised
 from pytest_llmload.loading import call_loader
 from pytest_llmload.probes import deadline, record_network, record_writes, spy_classmethod, system_tempdir
 from pytest_llmload.request import LoadRequest
-from pytest_llmload.scenarios import input_ids, offload_budget, plain_model
+from pytest_llmload.scenarios import input_ids, offload_budget, offloaded_parts, plain_model, where_loaded
 
 Loader = Callable[[LoadRequest], Any]
 
@@ -66,6 +66,9 @@ def check_offload_inference(loader: Loader, checkpoint, workdir, *, device: str 
     with deadline(deadline_s, f"the offloading inference load of {checkpoint} (max_memory={request.max_memory_dict})"):
         model = call_loader(loader, request).model
     load_s = time.monotonic() - start
+    if not offloaded_parts(model):
+        not_exercised("check_offload_inference", f"loaded the model {where_loaded(model)} under "
+                      f"max_memory={request.max_memory}: nothing was offloaded", "the offloaded path")
     model.eval()
     whole = plain_model(checkpoint, device)
     ids = input_ids(whole, device)
@@ -107,7 +110,7 @@ def check_load_writes_only_offload_folder(loader: Loader, checkpoint, workdir, *
                           max_memory=offload_budget(checkpoint, device), offload_folder=offload_folder)
     before = os.stat(system_tmp).st_mtime_ns
     with system_tempdir(system_tmp), record_writes() as writes:
-        call_loader(loader, request)
+        model = call_loader(loader, request).model
     inside = os.path.realpath(offload_folder) + os.sep
     outside = [w for w in writes if not w.at_import and not (w.path + os.sep).startswith(inside)]
     touched_tmp = os.stat(system_tmp).st_mtime_ns != before
@@ -122,14 +125,21 @@ def check_load_writes_only_offload_folder(loader: Loader, checkpoint, workdir, *
             f"{'was' if touched_tmp else 'was not'} modified. A silent temporary round-trip of the weights "
             f"(offload_state_dict=True, write-up 000) looks like a hang on a large model.\n  {shown}"
         )
+    if not offloaded_parts(model):
+        not_exercised("check_load_writes_only_offload_folder", f"loaded the model {where_loaded(model)} under "
+                      f"max_memory={request.max_memory}: nothing was offloaded", "an offloading load")
 
 
 def check_pad_token_set_offline(loader: Loader, checkpoint, workdir, *, device: str = "cpu") -> None:
-    """Guards 000 (offload-hang, fix 3): pad token set on model and tokenizer, offline, no second config load.
+    """Guards 000 (offload-hang, fix 3): no second config load, no network, and batched generation works offline.
 
-    For a checkpoint without a pad token, ``model.generation_config.pad_token_id`` and the tokenizer's
-    ``pad_token_id`` are set and equal, with no second ``GenerationConfig.from_pretrained`` call and no
-    network access (even one the loader swallows). Needs the loader to return ``(model, tokenizer)``."""
+    Write-up 000's fix 3 is about what happens after the weights load: no second
+    ``GenerationConfig.from_pretrained`` (a network reach and a heavy re-initialisation) and nothing else
+    reaching for the network, even an attempt the loader swallows. Then a batch of two prompts of different
+    lengths, padded with the pad token the loader provided (on the tokenizer, on the generation config, or
+    else the EOS token, which a caller passes to ``generate()``), generates offline. How the pad token is
+    provided is the loader's choice; the checkpoint has none."""
+    import torch
     from transformers import GenerationConfig
 
     request = LoadRequest(checkpoint, purpose="inference", device=device)
@@ -142,18 +152,26 @@ def check_pad_token_set_offline(loader: Loader, checkpoint, workdir, *, device: 
         problems.append(f"GenerationConfig.from_pretrained was called again by the loader "
                         f"({len(outside)} call(s), from {[c[2] for c in outside]})")
     if attempts:
-        problems.append(f"{len(attempts)} network access attempt(s): {attempts[:3]}")
-    model_pad = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
-    if model_pad is None:
-        problems.append("model.generation_config.pad_token_id is None")
-    if tokenizer is None:
-        problems.append("the loader returned no tokenizer; return (model, tokenizer)")
-    elif tokenizer.pad_token_id is None:
-        problems.append("tokenizer.pad_token_id is None")
-    elif model_pad is not None and model_pad != tokenizer.pad_token_id:
-        problems.append(f"model pad_token_id {model_pad} != tokenizer pad_token_id {tokenizer.pad_token_id}")
+        problems.append(f"{len(attempts)} network access attempt(s) while loading: {attempts[:3]}")
+    generation_config = getattr(model, "generation_config", None)
+    pad = next((p for p in (getattr(tokenizer, "pad_token_id", None), getattr(generation_config, "pad_token_id", None),
+                            getattr(generation_config, "eos_token_id", None), model.config.eos_token_id)
+                if isinstance(p, int)), 0)
+    prompts = [[2, 3, 4, 5, 6], [7, 8]]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)  # left-padded
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    model.eval()
+    with record_network() as generate_attempts, torch.no_grad(), phase("generate", "batch of 2, left-padded"):
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, min_new_tokens=2,
+                             do_sample=False, pad_token_id=pad)
+    if generate_attempts:
+        problems.append(f"{len(generate_attempts)} network access attempt(s) during generate: {generate_attempts[:3]}")
+    if tuple(out.shape) != (2, width + 2):
+        problems.append(f"batched generate returned shape {tuple(out.shape)}, expected {(2, width + 2)}")
     if problems:
-        raise AssertionError("pad token not set as write-up 000's fix 3 does:\n  " + "\n  ".join(problems))
+        raise AssertionError("write-up 000's fix 3 not applied: after loading, the loader reached for the config "
+                             "or the network, or generation did not run offline:\n  " + "\n  ".join(problems))
 
 
 # All isolated: each patches process-wide state while the loader runs (from_pretrained spies, the socket guard,

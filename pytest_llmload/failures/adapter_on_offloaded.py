@@ -1,0 +1,417 @@
+"""adapter-on-offloaded: a trained LoRA adapter put onto a base model that ``device_map`` offloaded to cpu/disk.
+
+The serving-side twin of write-up 002 (meta-backward). The field's inference scripts (tloen/alpaca-lora's
+``generate.py`` and its forks) load the base with ``device_map="auto"`` and then call
+``PeftModel.from_pretrained(base, adapter_dir)``. When the budget offloads part of the base, peft's
+``load_adapter`` removes accelerate's hooks (leaving the offloaded weights on ``meta``), plans a new device map
+*without* the loader's ``max_memory``, finds that the model now "fits" one device, and ``dispatch_model`` calls
+``model.to(device)``: ``NotImplementedError: Cannot copy out of meta tensor; no data! Please use
+torch.nn.Module.to_empty() instead of torch.nn.Module.to() when moving module from meta to a different device.``
+Measured here (peft 0.21, accelerate 1.15, transformers 5.23, torch 2.13, CPU with disk offload):
+
+- ``PeftModel.from_pretrained(offloaded_base, adapter_dir)`` raises that error, in ``load_adapter`` ->
+  ``accelerate.big_modeling.dispatch_model`` -> ``Module.to``; before raising it writes copies of the
+  offloaded shards to a path *relative to the working directory* (peft's ``_update_offload`` rebuilds an
+  absolute path with ``os.path.join(*path.split(os.sep))``, which drops the leading ``/``);
+- passing the budget on (``PeftModel.from_pretrained(base, dir, max_memory=..., offload_folder=...)``, or
+  ``AutoPeftModelForCausalLM.from_pretrained(dir, device_map="auto", max_memory=...)``) loads, but every LoRA
+  weight is left on ``meta`` and ``generate``/``merge_and_unload`` raise ``KeyError:
+  '...q_proj.base_layer.weight'`` (the new map sends a layer to disk that the offload index does not hold);
+- transformers' own ``base.load_adapter(dir)`` (and ``AutoModelForCausalLM.from_pretrained(adapter_dir,
+  device_map="auto", max_memory=...)``) loads *silently* with the LoRA weights of the disk-offloaded layers on
+  ``meta`` and generates garbage (token 0 repeated here).
+
+The fix that worked in the field (tloen/alpaca-lora#368): one device, no offload -- load the base whole
+(``device_map={"": device}``), then the adapter. :func:`adapter_placement_kwargs` and :func:`put_adapter` do
+that honestly: whole on the device when the budget holds it; on an accelerator whose budget cannot, whole on
+the host, merge there, and dispatch the *merged* model under the budget (:func:`merge_and_dispatch`); else a
+clear refusal before loading (:class:`AdapterBudgetError`).
+
+The check (see :mod:`pytest_llmload.failures.meta_backward` for the calling convention)::
+
+    from pytest_llmload.failures import adapter_on_offloaded
+
+    @pytest.mark.timeout(120)
+    def test_my_loader_serves_an_adapter_under_a_budget(llmload_checkpoint, tmp_path):
+        adapter_on_offloaded.check_adapter_on_offloaded_base(my_loader, llmload_checkpoint, tmp_path)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from pytest_llmload.failures.base import Check, KnownFailure, not_exercised
+from pytest_llmload.loading import call_loader
+from pytest_llmload.request import LoadRequest
+from pytest_llmload.scenarios import input_ids, offload_budget, plain_model, refusal_problem
+
+Loader = Callable[[LoadRequest], Any]
+
+# torch's text when a meta tensor is copied to a real device (Module.to on a model with offloaded weights).
+META_COPY = r"Cannot copy out of meta tensor"
+# The check's own verdicts and the fix's refusal all carry the id.
+TAG = "adapter-on-offloaded"
+# Frames where an adapter is put on (or merged into) a model: peft's and transformers' integration.
+ADAPTER_FRAMES = r"\bin (load_adapter|merge_and_unload|_unload_and_optionally_merge)\b"
+
+FAILURE = KnownFailure(
+    id="adapter-on-offloaded",
+    title="a trained PEFT adapter put onto a base model that device_map offloaded to cpu/disk",
+    write_up=("tloen/alpaca-lora#368, tloen/alpaca-lora#536, SCIR-HI/Huatuo-Llama-Med-Chinese#75, "
+              "QwenLM/Qwen3#297"),
+    signatures=(META_COPY, TAG),
+    # meta-backward also lists META_COPY (Trainer moving an offloaded model): this entry needs the adapter's frames.
+    context=(rf"{ADAPTER_FRAMES}|{TAG}",),
+    root_cause=(
+        "The base was loaded with device_map and a max_memory it exceeds, so part of it is on 'meta' behind "
+        "accelerate's hooks. PeftModel.from_pretrained/load_adapter removes the hooks and re-dispatches the model "
+        "with a device map planned without the loader's budget: when that map has one device it calls "
+        "model.to(device) on meta weights (the error); otherwise the adapter weights of offloaded layers stay on "
+        "meta, and generate or merge_and_unload fail (KeyError in accelerate's weights map) or, through "
+        "transformers' load_adapter, silently generate garbage."
+    ),
+    fix=(
+        "Do not put an adapter on an offloaded base: load the base whole on one device (device_map={'': device}) "
+        "and then the adapter (tloen/alpaca-lora#368); where the device's budget cannot hold it, load it whole on "
+        "the host, merge_and_unload there and dispatch the merged model under the budget, or refuse the budget "
+        "before loading (pytest_llmload.failures.adapter_on_offloaded.adapter_placement_kwargs / put_adapter)."
+    ),
+    occurs=("peft 0.x with accelerate offload (reproduced: peft 0.21, accelerate 1.15, transformers 5.23, "
+            "torch 2.13, CPU with disk offload); reports on cuda:N with cpu/disk offload, 8-bit bases included."),
+    tell=r"big_modeling\.py\", line \d+, in dispatch_model",
+    without_tell=(
+        "no accelerate dispatch_model frame in the traceback: check hf_device_map for 'cpu'/'disk' entries and "
+        "where the adapter's lora_ weights are (meta?) before blaming the adapter load."
+    ),
+)
+
+LORA_TARGETS = ("q_proj", "v_proj")
+
+
+class AdapterBudgetError(ValueError):
+    """A request to put an adapter on a model whose ``max_memory`` cannot hold it on one device, refused
+    before loading (an offloaded base cannot take an adapter)."""
+
+
+# --- the adapter -----------------------------------------------------------------------------------------
+
+
+def write_adapter(checkpoint, dest, *, seed: int = 0, r: int = 8, lora_alpha: int = 32,
+                  targets: tuple[str, ...] = LORA_TARGETS) -> Path:
+    """Save a LoRA adapter for ``checkpoint`` to ``dest`` (``get_peft_model(...).save_pretrained(dest)``).
+
+    Its weights are random, not zero (``init_lora_weights=False``): they stand in for a trained adapter, and
+    what matters is that the adapter changes what the model generates (a fresh LoRA's ``B`` is zero and would
+    change nothing). Same ``seed``, same adapter. Returns ``dest``."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    dest = Path(dest)
+    base = AutoModelForCausalLM.from_pretrained(checkpoint, local_files_only=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = get_peft_model(base, LoraConfig(r=r, lora_alpha=lora_alpha, lora_dropout=0.0,
+                                                target_modules=list(targets), init_lora_weights=False,
+                                                task_type="CAUSAL_LM"))
+    model.save_pretrained(dest)
+    return dest
+
+
+def adapter_bytes(adapter_path) -> int:
+    """Bytes of an adapter's weights, from its safetensors header (0 when it has none)."""
+    from pytest_llmload.memory import _safetensors_header
+
+    path = Path(adapter_path) / "adapter_model.safetensors"
+    if not path.is_file():
+        return 0
+    header = _safetensors_header(path)
+    return sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__")
+
+
+# --- the fix ---------------------------------------------------------------------------------------------
+
+
+def _weights_bytes(request: LoadRequest) -> int:
+    from pytest_llmload.memory import estimate_inference_memory
+
+    return estimate_inference_memory(request, prompt_len=1).rows[0][1]
+
+
+def _spreads(placement: dict, device: str) -> bool:
+    """Whether ``from_pretrained(**placement)`` may put part of the model anywhere but ``device``."""
+    device_map = placement.get("device_map")
+    if isinstance(device_map, str):
+        return True
+    if isinstance(device_map, dict):
+        return {str(v) for v in device_map.values()} - {device, device.partition(":")[2]} != set()
+    return False
+
+
+def adapter_placement_kwargs(request: LoadRequest, placement: dict | None = None) -> dict:
+    """Where the base goes when ``request.adapter_path`` will be put on it: never an offloading spread.
+
+    ``placement`` is what the loader would pass otherwise (the reference loader's ``placement_kwargs``);
+    it is returned as is unless it could offload. Then: whole on ``request.device`` when ``max_memory``
+    gives it the weights and the adapter (or there is no budget); on ``cuda:N``, whole on the host when the
+    budget's ``"cpu"`` holds them (:func:`put_adapter` then merges there and dispatches the merged model under
+    the budget); else :class:`AdapterBudgetError`, raised here, before anything is loaded."""
+    from pytest_llmload.memory import budget_for_device
+    from pytest_llmload.sizes import format_bytes
+
+    placement = dict(placement) if placement is not None else {"device_map": {"": request.device}}
+    if not _spreads(placement, request.device) and "max_memory" not in placement:
+        return placement
+    whole = {"device_map": {"": request.device}}
+    if request.max_memory is None:
+        return whole
+    need = _weights_bytes(request) + adapter_bytes(request.adapter_path)
+    on_device = budget_for_device(request.max_memory, request.device)
+    if on_device is not None and need <= on_device:
+        return whole
+    on_host = budget_for_device(request.max_memory, "cpu")
+    if (request.device != "cpu" and request.purpose == "inference" and request.quantization is None
+            and on_host is not None and need <= on_host):
+        return {"device_map": {"": "cpu"}}
+    raise AdapterBudgetError(
+        f"refusing to load {request.model_path} with the adapter {request.adapter_path} on {request.device}: "
+        f"base + adapter need {format_bytes(need)} but max_memory={dict(request.max_memory)!r} gives "
+        f"{request.device} {format_bytes(on_device) if on_device is not None else 'nothing'}"
+        + ("" if request.device == "cpu" else f" and the host {format_bytes(on_host) if on_host else 'nothing'}")
+        + f". Offloading the rest would leave the base on 'meta', and a PEFT adapter cannot be put on it "
+        f"({TAG}: 'Cannot copy out of meta tensor', or adapter weights left on meta). Raise the budget, or merge "
+        "the adapter into the base offline and serve the merged checkpoint with the budget."
+    )
+
+
+def merge_and_dispatch(peft_model, max_memory: dict, offload_folder=None):
+    """Merge the adapter into a base held whole on one device, then spread the *merged* model over
+    ``max_memory`` with accelerate (what does not fit goes to the cpu, then to ``offload_folder`` on disk).
+    An offloaded merged model has no adapter weights left to strand on meta."""
+    from accelerate import dispatch_model, infer_auto_device_map
+
+    merged = peft_model.merge_and_unload()
+    no_split = list(getattr(merged, "_no_split_modules", None) or [])
+    device_map = infer_auto_device_map(merged, max_memory=dict(max_memory), no_split_module_classes=no_split)
+    if "disk" in device_map.values() and offload_folder is None:
+        raise AdapterBudgetError(
+            f"max_memory={dict(max_memory)!r} sends part of the merged model to disk but no offload_folder was "
+            "given; pass one (LoadRequest.offload_folder) or raise the budget.")
+    return dispatch_model(merged, device_map=device_map,
+                          offload_dir=os.fspath(offload_folder) if offload_folder is not None else None)
+
+
+def put_adapter(model, request: LoadRequest):
+    """Put ``request.adapter_path`` on ``model`` (loaded with :func:`adapter_placement_kwargs`).
+
+    Returns the ``PeftModel`` (trainable for ``purpose="train"``); a base that was loaded on the host for a
+    ``cuda:N`` request is merged there and dispatched under the budget (:func:`merge_and_dispatch`). Raises
+    :class:`AdapterBudgetError` for a base that is already offloaded instead of letting peft fail on it."""
+    from peft import PeftModel
+
+    from pytest_llmload.scenarios import offloaded_parts
+
+    offloaded = offloaded_parts(model)
+    if offloaded:
+        raise AdapterBudgetError(
+            f"{TAG}: the base model is offloaded ({'; '.join(offloaded)}); a PEFT adapter put on it fails "
+            f"('Cannot copy out of meta tensor') or stays on meta. Load the base with "
+            f"adapter_placement_kwargs(request) (max_memory={request.max_memory!r}).")
+    peft_model = PeftModel.from_pretrained(model, request.adapter_path, is_trainable=request.purpose == "train")
+    on_host = {p.device.type for p in model.parameters()} == {"cpu"} and request.device != "cpu"
+    if on_host and request.purpose == "inference" and request.max_memory is not None:
+        return merge_and_dispatch(peft_model, request.max_memory_dict, request.offload_folder)
+    return peft_model
+
+
+# --- the check -------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _record_loads(loads: list) -> Iterator[None]:
+    """Record ``(caller module, hf_device_map of the result)`` for each ``PreTrainedModel.from_pretrained``."""
+    from transformers import PreTrainedModel
+
+    original = PreTrainedModel.__dict__["from_pretrained"]
+
+    def spy(klass, *args, **kwargs):
+        caller = sys._getframe(1).f_globals.get("__name__", "?")
+        model = original.__func__(klass, *args, **kwargs)
+        loads.append((caller, dict(getattr(model, "hf_device_map", None) or {})))
+        return model
+
+    PreTrainedModel.from_pretrained = classmethod(spy)
+    try:
+        yield
+    finally:
+        PreTrainedModel.from_pretrained = original
+
+
+_opened: list[list[str]] = []
+_audit_installed = False
+
+
+def _audit(event: str, args: tuple) -> None:
+    if _opened and event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+        for record in _opened:
+            record.append(os.fsdecode(args[0]))
+
+
+@contextlib.contextmanager
+def _record_opens(record: list) -> Iterator[None]:
+    """Every file Python opens meanwhile (audit hook; a hook cannot be removed, so it idles outside)."""
+    global _audit_installed
+    if not _audit_installed:
+        sys.addaudithook(_audit)
+        _audit_installed = True
+    _opened.append(record)
+    try:
+        yield
+    finally:
+        _opened.remove(record)
+
+
+def _offloaded_tiers(device_map: dict, device: str) -> dict:
+    """The entries of an ``hf_device_map`` that are not on ``device`` (disk; cpu below cuda:N)."""
+    keep = {device, device.partition(":")[2]}
+    return {k: v for k, v in device_map.items() if str(v) not in keep}
+
+
+def _frames(exc: BaseException) -> str:
+    """The library frames an exception passed through: ``peft.peft_model:load_adapter -> ...``."""
+    names = []
+    for frame in traceback.extract_tb(exc.__traceback__):
+        parts = frame.filename.replace(os.sep, "/").split("/site-packages/")
+        if len(parts) == 2 and parts[1].split("/")[0] in ("peft", "accelerate", "transformers", "torch"):
+            name = f"{parts[1].removesuffix('.py').replace('/', '.')}:{frame.name}"
+            if not names or names[-1] != name:
+                names.append(name)
+    kept = [n for n in names[:-1] if not n.startswith("torch.")] + names[-1:]  # torch's recursion says little
+    return " -> ".join(kept)
+
+
+def _lora_parameters(model) -> list:
+    return [(n, p) for n, p in model.named_parameters() if "lora_" in n]
+
+
+def _greedy(model, ids, new_tokens: int):
+    import torch
+
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits.float().cpu()
+        out = model.generate(input_ids=ids[:1], attention_mask=torch.ones_like(ids[:1]), do_sample=False,
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+    return logits, out.cpu()
+
+
+def _close(a, b) -> bool:
+    import torch
+
+    return bool(torch.isfinite(a).all()) and torch.allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def check_adapter_on_offloaded_base(loader: Loader, checkpoint, workdir, *, device: str = "cpu",
+                                    new_tokens: int = 6) -> None:
+    """Guards adapter-on-offloaded: an adapter under an offloading budget is served with real weights, or refused.
+
+    A LoRA adapter (:func:`write_adapter`) is requested (``LoadRequest.adapter_path``) for inference under a
+    ``max_memory`` that holds half the weights on ``device`` (:func:`~pytest_llmload.scenarios.offload_budget`).
+    The loader either refuses clearly (an error naming the memory budget, raised by its own code, before or
+    after loading the base: either way no adapter met an offloaded base) or returns a model with no ``lora_``
+    weight on meta whose logits (rtol/atol 1e-4) and ``new_tokens`` greedy tokens equal those of the ground
+    truth: the base loaded whole on ``device`` with the adapter merged. A loader error raised while peft puts
+    the adapter on an offloaded base fails the check; any other loader error propagates as it is. Skips when
+    the budget could hold the model whole, or the loader ignored ``adapter_path`` (never read the adapter and
+    serves the base). The loader runs with ``workdir`` as working directory: peft writes files relative to it."""
+    import torch
+    from peft import PeftModel
+
+    from pytest_llmload.loading import LoaderError
+    from pytest_llmload.memory import budget_for_device, checkpoint_tensors
+    from pytest_llmload.sizes import format_bytes
+
+    name = "check_adapter_on_offloaded_base"
+    workdir = Path(workdir)
+    adapter = write_adapter(checkpoint, workdir / "adapter")
+    budget = offload_budget(checkpoint, device)
+    weights = sum(t.nbytes for t in checkpoint_tensors(checkpoint))
+    given = budget_for_device(budget, device)
+    if given is not None and weights <= given:
+        not_exercised(name, f"was given max_memory={budget} that holds all {format_bytes(weights)} of weights",
+                      "an adapter on an offloaded base")
+    request = LoadRequest(checkpoint, purpose="inference", device=device, max_memory=budget,
+                          offload_folder=workdir / "offload", adapter_path=adapter)
+    label = (f"{Path(checkpoint).name} + its adapter on {device}, max_memory={budget} "
+             f"({format_bytes(weights)} of weights)")
+
+    loads: list = []
+    opened: list = []
+    try:
+        with _record_loads(loads), _record_opens(opened), contextlib.chdir(workdir):
+            model = call_loader(loader, request).model
+    except Exception as exc:
+        original = exc.original if isinstance(exc, LoaderError) else exc
+        if refusal_problem(original) is None:
+            return  # a clear refusal of the budget by the loader's own code: no adapter was put on an offloaded base
+        offloaded = [_offloaded_tiers(m, device) for _, m in loads if _offloaded_tiers(m, device)]
+        frames = _frames(original)
+        if offloaded and ("peft." in frames or META_COPY in str(original)):
+            spread = offloaded[-1]
+            raise AssertionError(
+                f"{TAG}: putting the adapter on the offloaded base raised {type(original).__name__}: {original}\n"
+                f"  [{label}]\n  the base was loaded with {len(spread)} modules off {device}: "
+                f"{dict(list(spread.items())[:4])}\n  raised in: {frames}"
+            ) from original
+        raise
+
+    base = plain_model(checkpoint, device)
+    ids = input_ids(base, device)
+    base_logits, _ = _greedy(base, ids, new_tokens)
+    truth = PeftModel.from_pretrained(base, adapter).merge_and_unload().eval()
+    want_logits, want_tokens = _greedy(truth, ids, new_tokens)
+    del truth, base
+
+    model.eval()
+    lora = _lora_parameters(model)
+    on_meta = [n for n, p in lora if p.device.type == "meta"]
+    read_adapter = any(os.path.realpath(p).startswith(os.path.realpath(adapter) + os.sep) for p in opened)
+    device_map = getattr(model, "hf_device_map", None) or {}
+    spread = _offloaded_tiers(device_map, device)
+    where = (f"hf_device_map sends {len(spread)} modules off {device}: {dict(list(spread.items())[:4])}" if spread
+             else f"parameters on {sorted({str(p.device) for p in model.parameters()})}")
+    problems = []
+    if on_meta:
+        problems.append(f"{len(on_meta)} of {len(lora)} adapter (lora_) weights are on meta, e.g. {on_meta[:2]}")
+    try:
+        logits, tokens = _greedy(model, ids, new_tokens)
+    except Exception as exc:
+        if not (on_meta or spread or any(p.device.type == "meta" for p in model.parameters())):
+            raise  # a model whole on its device that cannot generate: the loader's own bug
+        problems.append(f"the model raised {type(exc).__name__}: {str(exc)[:300]} in its forward/generate")
+    else:
+        if not lora and not read_adapter and _close(logits, base_logits) and not _close(logits, want_logits):
+            not_exercised(name, f"ignored adapter_path (never read {adapter}; no lora_ weights; it generates as "
+                                f"the base alone), {where}", "an adapter on an offloaded base")
+        if not (_close(logits, want_logits) and torch.equal(tokens, want_tokens)):
+            diff = (logits - want_logits).abs().max().item()
+            as_base = " -- as the base without the adapter" if _close(logits, base_logits) else ""
+            problems.append(
+                f"it generates {tokens[0, ids.shape[1]:].tolist()}, base + adapter merged on one device "
+                f"{want_tokens[0, ids.shape[1]:].tolist()}{as_base}; logits max abs diff {diff:.3g}")
+    if problems:
+        raise AssertionError(
+            f"{TAG}: the adapter request returned a model that does not serve the adapter "
+            f"({'PeftModel' if isinstance(model, PeftModel) else type(model).__name__}, {len(lora)} lora_ weights, "
+            f"{where}):\n  [{label}]\n  " + "\n  ".join(problems)
+        )
+
+
+# Isolated: the check patches from_pretrained and adds an audit hook while the loader runs, and changes the
+# working directory (peft writes offload copies relative to it).
+CHECKS = (Check(check_adapter_on_offloaded_base, failure=FAILURE, isolated=True),)

@@ -1,0 +1,194 @@
+"""fp16-unscale: weights loaded in float16 and trained under fp16 mixed precision; GradScaler refuses their gradients.
+
+Seen in the field (huggingface/transformers#23165, huggingface/peft#341, hiyouga/LlamaFactory#1764,
+Vision-CAIR/MiniGPT-4#213, sillsdev/silnlp#292): a model loaded with ``torch_dtype=torch.float16`` and trained,
+fully or through LoRA adapters that ended up in float16, with Trainer's ``fp16=True`` or a hand-written
+``torch.amp.GradScaler`` loop. The first optimizer step fails inside ``GradScaler.unscale_`` with
+``ValueError: Attempting to unscale FP16 gradients.`` (torch/amp/grad_scaler.py, ``_unscale_grads_``, called
+with ``allow_fp16=False``). fp16 mixed precision is float32 master weights + float16 compute under autocast:
+the scaler multiplies the loss, then divides the gradients back in place, and it refuses float16 gradients
+(the gradients of float16 parameters), whose range that round trip would overflow. peft 0.11 and later cast
+float16/bfloat16 LoRA adapters to float32 by default (huggingface/peft#1706, ``autocast_adapter_dtype=True``),
+so LoRA meets it now only with ``autocast_adapter_dtype=False``, ``model.half()`` after ``get_peft_model`` or
+adapters created by hand; a full fine-tune of a float16 load meets it every time.
+
+The fix: keep the trainable parameters in float32. Load in float32 and let autocast compute in float16, or
+load in float16 and upcast what will be trained (:func:`upcast_trainable_parameters`; peft's default does
+this for adapters). Frozen weights may stay float16.
+
+On CPU, ``torch.amp.GradScaler("cpu")`` (torch 2.13) raises the same text. Trainer does not get there on CPU:
+accelerate 1.15 creates no scaler when the device is ``cpu`` (``Accelerator.__init__``: fp16 and
+``device.type != "cpu"``), so ``fp16=True`` on CPU trains the float16 weights without a scaler, silently.
+The check therefore runs the step Trainer runs on a GPU, by hand: autocast float16, ``scaler.scale(loss)
+.backward()``, ``scaler.unscale_(optimizer)`` (Trainer's gradient clipping), ``scaler.step``::
+
+    from pytest_llmload.failures import fp16_unscale
+
+    @pytest.mark.timeout(60)
+    def test_my_loader_trains_in_fp16(llmload_checkpoint, tmp_path):
+        fp16_unscale.check_fp16_train_request_keeps_fp32_master_weights(my_loader, llmload_checkpoint, tmp_path)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from pytest_llmload.failures.base import Check, KnownFailure
+from pytest_llmload.loading import call_loader
+from pytest_llmload.request import LoadRequest
+
+Loader = Callable[[LoadRequest], Any]
+
+UNSCALE_ERROR = "Attempting to unscale FP16 gradients."
+
+FAILURE = KnownFailure(
+    id="fp16-unscale",
+    title="float16 trainable weights under fp16 mixed precision: GradScaler refuses to unscale their gradients",
+    write_up=("huggingface/transformers#23165, huggingface/peft#341, hiyouga/LlamaFactory#1764, "
+              "Vision-CAIR/MiniGPT-4#213, sillsdev/silnlp#292; fix in peft: huggingface/peft#1706"),
+    signatures=(r"Attempting to unscale FP16 gradients",),
+    root_cause=(
+        "The model was loaded with torch_dtype=float16 and its trainable parameters (the whole model, or LoRA "
+        "adapters created in the base dtype: autocast_adapter_dtype=False, model.half(), peft < 0.11) stayed "
+        "float16, so their gradients are float16. fp16 mixed precision (Trainer fp16=True, torch.amp.GradScaler) "
+        "expects float32 master weights: GradScaler.unscale_ refuses float16 gradients."
+    ),
+    fix=(
+        "Keep the trainable parameters in float32: load in float32 and let autocast compute in float16, or "
+        "upcast the trainable parameters after loading (pytest_llmload.failures.fp16_unscale."
+        "upcast_trainable_parameters; for LoRA, keep peft's default autocast_adapter_dtype=True). Or train "
+        "in bf16 (bf16=True), which needs no GradScaler."
+    ),
+    occurs=(
+        "any torch with GradScaler (torch.cuda.amp and torch.amp); on GPU under Trainer/accelerate fp16, on CPU "
+        "with torch.amp.GradScaler('cpu') (torch 2.13 here); LoRA only with peft < 0.11 or "
+        "autocast_adapter_dtype=False."
+    ),
+)
+
+LORA_VARIANTS = (False, True)
+
+
+def upcast_trainable_parameters(model, dtype=None) -> list[str]:
+    """Cast every trainable float16 parameter of ``model`` to float32 in place; returns their names.
+
+    The fix for a float16 load that will be trained under fp16 mixed precision: the trainable parameters
+    become float32 master weights and the frozen ones stay float16. Parameters keep their identity (only
+    ``.data`` changes), so tied weights stay tied and an optimizer built before still holds them. ``dtype``:
+    the dtypes to upcast (default: float16 only; bfloat16 training needs no GradScaler). Example::
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float16)
+        model = get_peft_model(model, config, autocast_adapter_dtype=False)  # or a full fine-tune
+        upcast_trainable_parameters(model)
+    """
+    import torch
+
+    dtypes = (torch.float16,) if dtype is None else tuple(dtype)
+    upcast, seen = [], set()
+    for name, param in model.named_parameters():
+        if param.requires_grad and param.dtype in dtypes and id(param) not in seen:
+            seen.add(id(param))
+            param.data = param.data.to(torch.float32)
+            upcast.append(name)
+    return upcast
+
+
+def _numel(params: Iterable) -> int:
+    return sum(p.numel() for p in params)
+
+
+def _fp16_step(model, device: str) -> tuple[str | None, int, bool]:
+    """One fp16 mixed-precision step as Trainer runs it on a GPU; returns (unscale error, fp16 grads, step skipped)."""
+    import torch
+
+    from pytest_llmload.diagnostics.phases import phase
+    from pytest_llmload.scenarios import input_ids
+
+    device_type = torch.device(device).type
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-4)
+    scaler = torch.amp.GradScaler(device_type)
+    ids = input_ids(model, device, batch=1, length=8)
+    model.train()
+    with phase("train step", f"fp16 autocast + GradScaler({device_type!r}), batch 1 x {ids.shape[-1]} tokens"):
+        with torch.autocast(device_type, dtype=torch.float16):
+            loss = model(input_ids=ids, labels=ids).loss
+        scaler.scale(loss).backward()
+        fp16_grads = sum(1 for p in trainable if p.grad is not None and p.grad.dtype == torch.float16)
+        try:
+            scaler.unscale_(optimizer)  # Trainer: before clipping the gradient norm
+        except ValueError as exc:
+            if UNSCALE_ERROR not in str(exc):
+                raise
+            return f"{type(exc).__name__}: {exc}", fp16_grads, True
+        scale_before = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        skipped = scaler.get_scale() < scale_before  # an inf/nan gradient: the step was skipped, as designed
+    optimizer.zero_grad(set_to_none=True)
+    return None, fp16_grads, skipped
+
+
+def check_fp16_train_request_keeps_fp32_master_weights(loader: Loader, checkpoint, workdir, *, device: str = "cpu",
+                                                       variants: Iterable[bool] = LORA_VARIANTS) -> None:
+    """Guards fp16-unscale: a dtype="float16" train request (+/- LoRA) gives float32 trainable weights; one fp16 GradScaler step runs.
+
+    For each LoRA switch in ``variants`` (default: without and with LoRA), the loader gets
+    ``LoadRequest(checkpoint, purpose="train", dtype="float16", device=device, lora=...)``. The returned model
+    must have trainable parameters (else the check skips: nothing to train), none of them float16, and one fp16
+    mixed-precision step must run: autocast float16, ``scaler.scale(loss).backward()``,
+    ``scaler.unscale_(optimizer)``, ``scaler.step(optimizer)``. A float16 trainable parameter, or the scaler's
+    ``Attempting to unscale FP16 gradients.``, fails it with the figures. Loaders that load float32 (autocast
+    computes in float16) or upcast what they train pass. A loader's own error propagates as it is."""
+    import torch
+
+    failures, passed, untrainable = [], [], []
+    for lora in variants:
+        label = f"dtype=float16, lora={lora}"
+        request = LoadRequest(checkpoint, purpose="train", dtype="float16", device=device, lora=lora)
+        model = call_loader(loader, request).model
+        named = list(model.named_parameters())
+        trainable = [(n, p) for n, p in named if p.requires_grad]
+        if not trainable:
+            untrainable.append(f"{label}: none of its {len(named)} parameters requires grad")
+            del model
+            continue
+        by_dtype: dict[str, int] = {}
+        for _, p in named:
+            by_dtype[str(p.dtype).removeprefix("torch.")] = by_dtype.get(str(p.dtype).removeprefix("torch."), 0) + 1
+        half = [(n, p) for n, p in trainable if p.dtype == torch.float16]
+        error, fp16_grads, skipped = _fp16_step(model, device)
+        problems = []
+        if half:
+            problems.append(
+                f"{len(half)} of {len(trainable)} trainable parameters are float16 ({_numel(p for _, p in half):,} of "
+                f"{_numel(p for _, p in trainable):,} trainable elements), e.g. {[n for n, _ in half[:3]]}: "
+                "no float32 master weights")
+        if error is not None:
+            problems.append(f"GradScaler.unscale_ raised {error} ({fp16_grads} float16 gradients, on {device})")
+        if problems:
+            failures.append(f"[{label}; parameters by dtype {by_dtype}]\n    " + "\n    ".join(problems))
+        else:
+            passed.append(f"{label}: {len(trainable)} float32 trainable parameters, step "
+                          f"{'skipped on inf/nan (scaler backed off)' if skipped else 'taken'}")
+        del model
+    if failures:
+        raise AssertionError(
+            f"{len(failures)} of {len(failures) + len(passed) + len(untrainable)} float16 train requests cannot "
+            "take an fp16 mixed-precision step (fp16-unscale: GradScaler needs float32 trainable weights; "
+            "keep them float32, e.g. pytest_llmload.failures.fp16_unscale.upcast_trainable_parameters):\n  "
+            + "\n  ".join(failures))
+    if untrainable:
+        import pytest
+
+        ran = f"; passed: {'; '.join(passed)}" if passed else ""
+        pytest.skip(f"check_fp16_train_request_keeps_fp32_master_weights: the loader returned a model with no "
+                    f"trainable parameter ({'; '.join(untrainable)}); no fp16 mixed-precision step was exercised "
+                    f"for it{ran}")
+
+
+CHECKS = (
+    Check(check_fp16_train_request_keeps_fp32_master_weights, failure=FAILURE, purpose="train"),
+    Check(check_fp16_train_request_keeps_fp32_master_weights, failure=FAILURE, purpose="train").on_gpu(),
+)

@@ -1,0 +1,295 @@
+"""zero3-device-map: any ``device_map`` passed to ``from_pretrained`` while DeepSpeed ZeRO-3 is active.
+
+When a stage-3 DeepSpeed config is alive in the process (``transformers.integrations.HfDeepSpeedConfig``: the
+Trainer makes one from ``TrainingArguments(deepspeed=...)``, accelerate's ``DeepSpeedPlugin`` when the
+``Accelerator`` is created), ``is_deepspeed_zero3_enabled()`` is true and ``from_pretrained`` builds the model
+under ``deepspeed.zero.Init``, which partitions every parameter over the ranks as it is created. A
+``device_map`` says where whole modules go, which contradicts that, so transformers refuses any non-None
+``device_map`` before reading a weight (``check_and_set_device_map`` in ``transformers/integrations/accelerate.py``,
+transformers 5.x)::
+
+    ValueError: DeepSpeed Zero-3 is not compatible with passing a `device_map`.
+
+Up to transformers 4.4x the same refusal read ``DeepSpeed Zero-3 is not compatible with `low_cpu_mem_usage=True`
+or with passing a `device_map`.`` (a ``device_map`` turned ``low_cpu_mem_usage`` on; 5.x ignores that argument).
+Seen in huggingface/peft#306 (``device_map={'': 0}`` under an accelerate ZeRO-3 config), huggingface/accelerate#2543
+(accelerate ZeRO-3 with ``zero3_init_flag``), hiyouga/LlamaFactory#199 and #3949, QwenLM/Qwen#833 (the
+fine-tuning script's ``device_map`` under ``--deepspeed`` ZeRO-3), shibing624/MedicalGPT#477 (the 5.x text).
+
+It is what write-up 004's fix becomes under ZeRO-3: ``device_map={"": LOCAL_RANK}`` (the whole model on the
+rank's device) is right under DDP and ZeRO-0/1/2, where every rank holds the whole model, and is refused under
+ZeRO-3. The fix: under ZeRO-3 pass no ``device_map`` at all (DeepSpeed places the partitions itself); decide it
+from the run (``LoadRequest.zero_stage == 3``, or ``transformers.integrations.is_deepspeed_zero3_enabled()``,
+which also covers a script that does not know its stage), never from the device alone. The reference loader
+passes no ``device_map`` under ``deepspeed=True`` at all, on CPU and on GPU.
+
+The check runs on ranks of a real process group (:func:`pytest_llmload.runners.ranks.run_ranks`, 2 gloo ranks on
+CPU with ``DS_ACCELERATOR=cpu``): each rank creates its ``Accelerator`` with a ZeRO-3 ``DeepSpeedPlugin`` first,
+as a training script does, then loads ``LoadRequest(checkpoint, purpose="train", deepspeed=True, zero_stage=3)``
+through the loader, then prepares the model with accelerate and takes one AdamW step::
+
+    from pytest_llmload.failures import zero3_device_map
+
+    @pytest.mark.timeout(120)
+    def test_my_loader_loads_under_zero3(llmload_checkpoint, tmp_path):
+        zero3_device_map.check_zero3_load(my_loader, llmload_checkpoint, tmp_path)
+
+The HfDeepSpeedConfig lives only in the ranks (forked children): nothing of ZeRO-3 stays in the test process.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pytest_llmload.failures.base import Check, KnownFailure
+from pytest_llmload.loading import call_loader
+from pytest_llmload.request import LoadRequest
+from pytest_llmload.runners import ranks
+
+Loader = Callable[[LoadRequest], Any]
+
+# transformers >= 5 (integrations/accelerate.py, check_and_set_device_map) and transformers 4.x
+# (modeling_utils.from_pretrained, when device_map or low_cpu_mem_usage=True was given).
+ERROR_RE = (r"DeepSpeed Zero-3 is not compatible with (?:`?low_cpu_mem_usage=True`? or with )?passing a "
+            r"`?device_map`?")
+
+FAILURE = KnownFailure(
+    id="zero3-device-map",
+    title="a device_map passed to from_pretrained under DeepSpeed ZeRO-3",
+    write_up=("huggingface/peft#306, huggingface/accelerate#2543, hiyouga/LlamaFactory#199, "
+              "hiyouga/LlamaFactory#3949, QwenLM/Qwen#833, shibing624/MedicalGPT#477"),
+    signatures=(ERROR_RE,),
+    root_cause=(
+        "A stage-3 DeepSpeed config was alive (HfDeepSpeedConfig, made by Trainer or accelerate's DeepSpeedPlugin), "
+        "so from_pretrained builds the model under deepspeed.zero.Init, partitioned over the ranks; it refuses any "
+        "device_map, even {'': LOCAL_RANK}, write-up 004's fix for DDP and ZeRO-0/1/2."
+    ),
+    fix=(
+        "Under ZeRO-3 pass no device_map (and no low_cpu_mem_usage on transformers 4.x): decide from the run's "
+        "stage (transformers.integrations.is_deepspeed_zero3_enabled(), or LoadRequest.zero_stage == 3); keep "
+        "{'': LOCAL_RANK} for DDP and ZeRO-0/1/2 only."
+    ),
+    occurs=("transformers >= 4.2x with DeepSpeed ZeRO-3 (Trainer --deepspeed, accelerate DeepSpeedPlugin with "
+            "zero3_init_flag); CPU (DS_ACCELERATOR=cpu, gloo) and GPU; reproduced on transformers 5.23, "
+            "accelerate 1.15, deepspeed 0.19.8."),
+)
+
+
+# DeepSpeed ZeRO-3 with the torch optimizer accelerate is given (hence "untested optimizer").
+BATCH = 2
+SEQUENCE = 16
+ZERO3_CONFIG = {
+    "train_micro_batch_size_per_gpu": BATCH,
+    "gradient_accumulation_steps": 1,
+    "zero_optimization": {"stage": 3},
+    "zero_allow_untested_optimizer": True,
+    "steps_per_print": 2**31 - 1,
+}
+LEARNING_RATE = 1e-2
+# Ranks run the same float32 code on the same (gathered) weights: their probe losses agree closely.
+REL_TOL = 1e-5
+
+
+class LoaderFailedOnRank(RuntimeError):
+    """The loader (or the model it returned) failed on a rank for a reason other than ZeRO-3's device_map refusal."""
+
+
+def check_zero3_load(
+    loader: Loader,
+    checkpoint: os.PathLike | str,
+    workdir: os.PathLike | str,
+    *,
+    device: str = "cpu",
+    world_size: int | None = None,
+    timeout: float = 120.0,
+) -> None:
+    """Guards zero3-device-map: on 2 ranks under an accelerate ZeRO-3 plugin a train load passes no device_map and trains."""
+    import pytest
+
+    from pytest_llmload import gpus
+
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    if world_size is None:
+        world_size = 2 if backend == "gloo" else max(1, min(2, gpus.visible_gpu_count()))
+    if _missing("deepspeed"):
+        raise RuntimeError("check_zero3_load needs the deepspeed package (pip install deepspeed; DS_ACCELERATOR=cpu "
+                           "on a CPU-only machine).")
+    ranks.preload(ranks.DEEPSPEED_PRELOAD + _model_module(checkpoint))
+    # GPU ranks start from a clean forkserver and import DeepSpeed themselves: they must pick its CUDA
+    # accelerator even when the test process was told DS_ACCELERATOR=cpu.
+    env = {"DS_ACCELERATOR": "cuda"} if backend == "nccl" else None
+    try:
+        results = ranks.run_ranks(
+            _load_under_zero3, world_size, args=(loader, os.fspath(checkpoint), os.fspath(workdir), device, backend),
+            backend=backend, timeout=timeout, env=env,
+        )
+    except ranks.DistributedRunFailed as exc:  # an AssertionError subclass: not this failure's verdict
+        raise LoaderFailedOnRank(
+            f"check_zero3_load: a rank failed outside the ZeRO-3 device_map decision (not zero3-device-map):\n{exc}"
+        ) from exc
+
+    refused = [(rank, r) for rank, r in enumerate(results) if "zero3_error" in r]
+    if refused:
+        lines = [f"rank {rank}: from_pretrained(device_map={r['device_map']}) raised ValueError: {r['zero3_error']}"
+                 for rank, r in refused]
+        raise AssertionError(
+            f"zero3-device-map: under DeepSpeed ZeRO-3 (an accelerate DeepSpeedPlugin with zero_optimization.stage=3, "
+            f"is_deepspeed_zero3_enabled() True before the load) the loader passed a device_map to from_pretrained "
+            f"on {len(refused)} of {world_size} ranks ({backend}, device={device!r}), and transformers refused it:\n  "
+            + "\n  ".join(lines)
+            + "\nUnder ZeRO-3 load with no device_map at all (DeepSpeed partitions the weights over the ranks); "
+            "device_map={'': LOCAL_RANK} is the fix for DDP and ZeRO-0/1/2 only. Decide it from "
+            "transformers.integrations.is_deepspeed_zero3_enabled() or LoadRequest.zero_stage == 3."
+        )
+    errors = [(rank, r["loader_error"]) for rank, r in enumerate(results) if "loader_error" in r]
+    if errors:
+        raise LoaderFailedOnRank(
+            "check_zero3_load: the loader raised under ZeRO-3, not the device_map refusal (not zero3-device-map):\n"
+            + "\n".join(f"----- rank {rank}\n{text}" for rank, text in errors)
+        )
+    unpartitioned = [(rank, r) for rank, r in enumerate(results) if r["ds_params"] == 0]
+    if unpartitioned:
+        rank, r = unpartitioned[0]
+        pytest.skip(
+            f"check_zero3_load: the loader built the model outside ZeRO-3's zero.Init (rank {rank}: none of its "
+            f"{r['params']} parameters has a ds_id; is_deepspeed_zero3_enabled() was {r['zero3_after']} after the "
+            f"load); from_pretrained did not run under ZeRO-3, so its device_map decision there was not exercised"
+        )
+    problems = _judge_step(results)
+    if problems:
+        raise LoaderFailedOnRank(
+            "check_zero3_load: the model loaded under ZeRO-3 without a device_map but did not train (not "
+            "zero3-device-map):\n  " + "\n  ".join(problems)
+        )
+
+
+def _missing(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is None
+
+
+def _model_module(checkpoint) -> tuple[str, ...]:
+    from pytest_llmload.failures.distributed_device_map import (
+        _model_module as model_module,
+    )
+
+    return model_module(checkpoint)
+
+
+def _judge_step(results: list[dict]) -> list[str]:
+    problems = []
+    for rank, result in enumerate(results):
+        bad = {k: v for k, v in result.items() if k.endswith("loss") and not math.isfinite(v)}
+        if bad:
+            problems.append(f"rank {rank}: non-finite losses {bad}")
+    for key, what in (("probe_loss_before", "the loss before the step"),
+                      ("probe_loss_after", "the loss after the step")):
+        values = [result[key] for result in results]
+        if not all(math.isclose(v, values[0], rel_tol=REL_TOL) for v in values):
+            problems.append(f"{what} differs between ranks: {values}")
+    first = results[0]
+    if math.isclose(first["probe_loss_after"], first["probe_loss_before"], rel_tol=1e-7):
+        problems.append(f"the step did not change the loss ({first['probe_loss_before']}): nothing trained")
+    return problems
+
+
+def zero3_refusal(exc: BaseException) -> BaseException | None:
+    """The ``ValueError`` of ZeRO-3's device_map refusal in ``exc`` or in what it wraps (``call_loader``'s
+    ``LoaderError.original``, ``__cause__``, ``__context__``); ``None`` when there is none."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [exc]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, ValueError) and re.search(ERROR_RE, str(current)):
+            return current
+        pending += [getattr(current, "original", None), current.__cause__, current.__context__]
+    return None
+
+
+def device_map_in_traceback(exc: BaseException) -> str:
+    """The ``device_map`` the caller gave ``from_pretrained``, read from the frames of ``exc``'s traceback.
+
+    The outermost ``transformers.modeling_utils`` ``from_pretrained`` frame holds the argument as passed (the
+    refusal is raised before it is reassigned); failing that, any frame's ``device_map`` local. ``"?"`` when no
+    frame has one.
+    """
+    frames = [frame for frame, _ in traceback.walk_tb(exc.__traceback__)]
+    for frame in frames:
+        if (frame.f_code.co_name == "from_pretrained" and frame.f_globals.get("__name__") == "transformers.modeling_utils"
+                and frame.f_locals.get("device_map") is not None):
+            return repr(frame.f_locals["device_map"])
+    for frame in reversed(frames):
+        if frame.f_locals.get("device_map") is not None:
+            return repr(frame.f_locals["device_map"])
+    return "?"
+
+
+def _load_under_zero3(loader: Loader, checkpoint: str, workdir: str, device: str, backend: str) -> dict:
+    """On one rank: ZeRO-3 set up as accelerate does, the loader's train load, prepare and one step."""
+    import torch
+    import torch.distributed as dist
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin, DistributedType
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    rank = dist.get_rank()
+    # The Accelerator first, as a training script makes it: its DeepSpeedPlugin keeps the HfDeepSpeedConfig
+    # alive (transformers holds it only by a weak reference) for as long as the accelerator state lives.
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=dict(ZERO3_CONFIG)))
+    if accelerator.distributed_type != DistributedType.DEEPSPEED or not is_deepspeed_zero3_enabled():
+        raise RuntimeError(  # the harness is wrong, not the loader
+            f"rank {rank}: accelerate chose {accelerator.distributed_type}, is_deepspeed_zero3_enabled()="
+            f"{is_deepspeed_zero3_enabled()}: ZeRO-3 is not set up"
+        )
+    request = LoadRequest(checkpoint, purpose="train", device=device, deepspeed=True, zero_stage=3,
+                          offload_folder=Path(workdir) / f"offload-zero3-rank{rank}")
+    try:
+        model = call_loader(loader, request).model
+    except Exception as exc:  # noqa: BLE001 - judged here: the refusal, or the loader's own error
+        refusal = zero3_refusal(exc)
+        if refusal is not None:
+            return {"zero3_error": str(refusal), "device_map": device_map_in_traceback(refusal)}
+        return {"loader_error": traceback.format_exc()}
+
+    params = list(model.parameters())
+    found = {
+        "params": len(params),
+        "ds_params": sum(hasattr(p, "ds_id") for p in params),
+        "ds_numel": sum(getattr(p, "ds_numel", 0) for p in params),
+        "zero3_after": is_deepspeed_zero3_enabled(),
+    }
+    if found["ds_params"] == 0:
+        return found
+    optimizer = torch.optim.AdamW([p for p in params if p.requires_grad], lr=LEARNING_RATE)
+    try:
+        model, optimizer = accelerator.prepare(model, optimizer)
+        vocab = accelerator.unwrap_model(model).config.vocab_size
+        probe = torch.randint(2, vocab, (BATCH, SEQUENCE), generator=torch.Generator().manual_seed(0))
+        batch = torch.randint(2, vocab, (BATCH, SEQUENCE), generator=torch.Generator().manual_seed(1 + rank))
+        probe, batch = probe.to(accelerator.device), batch.to(accelerator.device)
+        with torch.no_grad():
+            before = model(input_ids=probe, labels=probe).loss.item()
+        loss = model(input_ids=batch, labels=batch).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.no_grad():
+            after = model(input_ids=probe, labels=probe).loss.item()
+    except Exception:  # noqa: BLE001 - the model did not train: reported, not judged as this failure
+        return {"loader_error": "the loaded model failed in prepare() or the step:\n" + traceback.format_exc()}
+    return {**found, "probe_loss_before": before, "step_loss": loss.item(), "probe_loss_after": after}
+
+
+# Not isolated: the ZeRO-3 config lives only in the ranks it forks (deadline, stacks, exit codes included), and
+# the DeepSpeed stack it preloads here is what makes those ranks cheap.
+CHECKS = (Check(check_zero3_load, failure=FAILURE, world_size=2, timeout=180, purpose="train"),)

@@ -1,0 +1,350 @@
+"""fp16-unscale: a float16 load trained under fp16 mixed precision fails in ``GradScaler.unscale_`` with
+``ValueError: Attempting to unscale FP16 gradients.`` (huggingface/transformers#23165 and others, see
+:mod:`pytest_llmload.failures.fp16_unscale`).
+
+Reproduced on CPU with torch 2.13's ``torch.amp.GradScaler("cpu")``, which raises the reports' text word for
+word. Trainer itself cannot be the reproduction here: with ``fp16=True`` on CPU, accelerate 1.15 creates no
+scaler and the float16 weights train without one (shown below), so the check runs Trainer's GPU step by hand.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from fixtures import tiny_llama
+from fixtures.loaders import before_fp16_unscale
+from pytest_llmload import LoadRequest, call_loader
+from pytest_llmload import failures as catalog
+from pytest_llmload.failures import fp16_unscale
+from pytest_llmload.reference_loader import load_model_and_tokenizer as reference_loader
+
+pytestmark = pytest.mark.timeout(120)
+
+UNSCALE = "Attempting to unscale FP16 gradients."
+CHECK = fp16_unscale.check_fp16_train_request_keeps_fp32_master_weights
+
+
+def fp16_train_request(checkpoint, lora: bool) -> LoadRequest:
+    return LoadRequest(checkpoint, purpose="train", dtype="float16", lora=lora)
+
+
+# --- (a) the failure, reproduced with its own error text --------------------------------------------------
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_fp16_step_on_the_before_loaders_model_raises_the_reports_error(llmload_checkpoint, lora):
+    import torch
+
+    model = call_loader(before_fp16_unscale.load, fp16_train_request(llmload_checkpoint, lora)).model
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert len(trainable) == (tiny_llama.LORA_WEIGHTS if lora else tiny_llama.PARAMETERS)
+    assert {p.dtype for p in trainable} == {torch.float16}
+    optimizer = torch.optim.AdamW(trainable, lr=1e-4)
+    scaler = torch.amp.GradScaler("cpu")
+    ids = torch.randint(2, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(input_ids=ids, labels=ids).loss
+    scaler.scale(loss).backward()  # forward and backward run: the error comes at the optimizer step
+    with pytest.raises(ValueError) as excinfo:
+        scaler.unscale_(optimizer)
+    assert str(excinfo.value) == UNSCALE
+    assert excinfo.traceback[-1].name == "_unscale_grads_"  # torch/amp/grad_scaler.py, as in the reports
+
+
+def test_peft_casts_float16_adapters_to_float32_unless_told_not_to(llmload_checkpoint):
+    """Why LoRA meets the failure only with autocast_adapter_dtype=False or model.half() (huggingface/peft#1706)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    def lora_dtypes(**kwargs):
+        base = AutoModelForCausalLM.from_pretrained(llmload_checkpoint, dtype=torch.float16, local_files_only=True)
+        model = get_peft_model(base, LoraConfig(r=8, target_modules=["q_proj", "v_proj"]), **kwargs)
+        return model, {p.dtype for p in model.parameters() if p.requires_grad}
+
+    assert lora_dtypes()[1] == {torch.float32}
+    assert lora_dtypes(autocast_adapter_dtype=False)[1] == {torch.float16}
+    model, _ = lora_dtypes()
+    assert {p.dtype for p in model.half().parameters() if p.requires_grad} == {torch.float16}
+
+
+def test_trainer_fp16_on_cpu_creates_no_scaler_and_trains_float16_weights_silently(llmload_checkpoint, tmp_path):
+    """Why the check runs the step by hand: on CPU, Trainer(fp16=True) never reaches GradScaler."""
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    model = call_loader(before_fp16_unscale.load, fp16_train_request(llmload_checkpoint, lora=False)).model
+    rows = torch.randint(2, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    args = TrainingArguments(output_dir=str(tmp_path), fp16=True, use_cpu=True, max_steps=1,
+                             per_device_train_batch_size=2, report_to=[], save_strategy="no")
+    trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in rows])
+    assert trainer.accelerator.mixed_precision == "fp16" and trainer.accelerator.scaler is None
+    trainer.train()  # no error: float16 weights updated in float16, no loss scaling at all
+    assert {p.dtype for p in model.parameters()} == {torch.float16}
+
+
+# --- (b) the check fails on the before-loader, naming the mechanism ------------------------------------------
+
+
+def test_check_fails_on_the_before_loader_with_the_figures(llmload_checkpoint, tmp_path):
+    with pytest.raises(AssertionError) as excinfo:
+        CHECK(before_fp16_unscale.load, llmload_checkpoint, tmp_path)
+    message = str(excinfo.value)
+    assert message.startswith("2 of 2 float16 train requests cannot take an fp16 mixed-precision step")
+    n, lora = tiny_llama.PARAMETERS, tiny_llama.LORA_WEIGHTS
+    assert "[dtype=float16, lora=False; parameters by dtype {'float16': 39}]" in message
+    assert f"{n} of {n} trainable parameters are float16 (" in message
+    assert f"{lora} of {lora} trainable parameters are float16 (" in message
+    assert f"GradScaler.unscale_ raised ValueError: {UNSCALE} ({n} float16 gradients, on cpu)" in message
+    assert f"GradScaler.unscale_ raised ValueError: {UNSCALE} ({lora} float16 gradients, on cpu)" in message
+    assert "upcast_trainable_parameters" in message
+
+
+def halves_after_peft(request):
+    """LoRA with peft's default float32 adapters, then model.half(): the adapters are float16 again."""
+    model, tokenizer = reference_loader(request)
+    return model.half(), tokenizer
+
+
+def upcasts_only_lora(request):
+    """Full fine-tune left in float16: the LoRA path is right, the other is not."""
+    return reference_loader(request)
+
+
+@pytest.mark.parametrize(("loader", "expected"), [
+    (halves_after_peft, [f"[dtype=float16, lora=True; parameters by dtype {{'float16': {tiny_llama.PARAMETERS + tiny_llama.LORA_WEIGHTS}}}]",
+                         f"{tiny_llama.LORA_WEIGHTS} of {tiny_llama.LORA_WEIGHTS} trainable parameters are float16"]),
+    (upcasts_only_lora, ["1 of 2 float16 train requests", "[dtype=float16, lora=False;",
+                         f"GradScaler.unscale_ raised ValueError: {UNSCALE}"]),
+], ids=lambda v: v.__name__ if callable(v) else "")
+def test_check_fails_wherever_a_trainable_parameter_is_float16(loader, expected, llmload_checkpoint, tmp_path):
+    with pytest.raises(AssertionError) as excinfo:
+        CHECK(loader, llmload_checkpoint, tmp_path)
+    for text in expected:
+        assert text in str(excinfo.value)
+    if loader is upcasts_only_lora:
+        assert "lora=True" not in str(excinfo.value)  # peft's default float32 adapters pass
+
+
+# --- (c) the reference loader, and the fix it needs ---------------------------------------------------------
+
+
+@pytest.mark.xfail(strict=False, reason="wired by integration: the reference loader must call "
+                   "fp16_unscale.upcast_trainable_parameters for train requests")
+def test_check_passes_on_the_reference_loader(llmload_checkpoint, tmp_path):
+    CHECK(reference_loader, llmload_checkpoint, tmp_path)
+
+
+def test_reference_loaders_lora_path_passes_today(llmload_checkpoint, tmp_path):
+    CHECK(reference_loader, llmload_checkpoint, tmp_path, variants=(True,))
+
+
+def reference_with_the_fix(request):
+    """The reference loader with the wiring it needs: upcast what will be trained."""
+    model, tokenizer = reference_loader(request)
+    if request.purpose == "train":
+        fp16_unscale.upcast_trainable_parameters(model)
+    return model, tokenizer
+
+
+def test_check_passes_on_the_reference_loader_with_the_fix(llmload_checkpoint, tmp_path):
+    CHECK(reference_with_the_fix, llmload_checkpoint, tmp_path)
+
+
+def test_upcast_keeps_frozen_weights_float16_and_tied_weights_tied(llmload_checkpoint):
+    import torch
+
+    model = call_loader(before_fp16_unscale.load, fp16_train_request(llmload_checkpoint, lora=True)).model
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    names = fp16_unscale.upcast_trainable_parameters(model)
+    assert len(names) == tiny_llama.LORA_WEIGHTS and all("lora_" in n for n in names)
+    params = dict(model.named_parameters())
+    assert {params[n].dtype for n in names} == {torch.float32}
+    assert {params[n].dtype for n in frozen} == {torch.float16}
+    assert fp16_unscale.upcast_trainable_parameters(model) == []  # idempotent
+
+    full = call_loader(before_fp16_unscale.load, fp16_train_request(llmload_checkpoint, lora=False)).model
+    full.lm_head.weight = full.model.embed_tokens.weight  # tie them, as tie_word_embeddings does
+    before = full.lm_head.weight
+    fp16_unscale.upcast_trainable_parameters(full)
+    assert full.lm_head.weight is full.model.embed_tokens.weight is before
+    assert before.dtype == torch.float32
+
+
+# --- (d) correct loaders written another way ---------------------------------------------------------------
+
+
+def loads_float32_and_relies_on_autocast(request):
+    """Ignore float16 for training: load float32, let autocast compute in float16 (Trainer's fp16 design)."""
+    if request.purpose == "train":
+        request = request.replace(dtype="float32")
+    return reference_loader(request)
+
+
+def upcasts_the_whole_model_for_full_fine_tune(request):
+    """Full fine-tune: model.float() after loading; LoRA: peft's default float32 adapters over a float16 base."""
+    model, tokenizer = reference_loader(request)
+    if request.purpose == "train" and not request.lora:
+        model = model.float()
+    return model, tokenizer
+
+
+@pytest.mark.parametrize("loader", [loads_float32_and_relies_on_autocast, upcasts_the_whole_model_for_full_fine_tune],
+                         ids=lambda f: f.__name__)
+def test_check_passes_on_loaders_that_keep_fp32_master_weights_another_way(loader, llmload_checkpoint, tmp_path):
+    CHECK(loader, llmload_checkpoint, tmp_path)
+
+
+# --- (e) the check skips when there is nothing to train ----------------------------------------------------
+
+
+def returns_a_frozen_model(request):
+    model, tokenizer = loads_float32_and_relies_on_autocast(request)
+    model.requires_grad_(False)
+    return model, tokenizer
+
+
+def freezes_the_full_fine_tune(request):
+    model, tokenizer = loads_float32_and_relies_on_autocast(request)
+    if not request.lora:
+        model.requires_grad_(False)
+    return model, tokenizer
+
+
+def test_check_skips_when_the_loader_returns_nothing_trainable(llmload_checkpoint, tmp_path):
+    with pytest.raises(pytest.skip.Exception) as excinfo:
+        CHECK(returns_a_frozen_model, llmload_checkpoint, tmp_path)
+    reason = str(excinfo.value)
+    assert reason.startswith("check_fp16_train_request_keeps_fp32_master_weights: the loader returned a model with "
+                             "no trainable parameter")
+    assert f"dtype=float16, lora=False: none of its {tiny_llama.PARAMETERS} parameters requires grad" in reason
+    assert "no fp16 mixed-precision step was exercised" in reason
+
+
+def test_check_skips_naming_what_passed_when_one_variant_is_untrainable(llmload_checkpoint, tmp_path):
+    with pytest.raises(pytest.skip.Exception) as excinfo:
+        CHECK(freezes_the_full_fine_tune, llmload_checkpoint, tmp_path)
+    reason = str(excinfo.value)
+    assert "dtype=float16, lora=False: none of its" in reason
+    assert f"passed: dtype=float16, lora=True: {tiny_llama.LORA_WEIGHTS} float32 trainable parameters" in reason
+
+
+def test_a_loaders_own_error_propagates_as_it_is(llmload_checkpoint, tmp_path):
+    def broken(request):
+        raise OSError("no such checkpoint shard")
+
+    with pytest.raises(Exception) as excinfo:
+        CHECK(broken, llmload_checkpoint, tmp_path)
+    assert not isinstance(excinfo.value, AssertionError)
+    assert "no such checkpoint shard" in str(excinfo.value)
+
+
+# --- (f) the known-failure report names it; signatures do not cross ----------------------------------------
+
+
+@pytest.fixture
+def catalog_with_fp16_unscale(monkeypatch):
+    """The catalog with this failure in it, whether or not the integration has wired it into MODULES yet."""
+    if fp16_unscale.FAILURE not in catalog.CATALOG:
+        monkeypatch.setattr(catalog, "CATALOG", catalog.CATALOG + (fp16_unscale.FAILURE,))
+    return catalog
+
+
+def test_a_real_unscale_error_is_named_in_the_report(pytester, llmload_checkpoint, request, catalog_with_fp16_unscale):
+    pytester.syspathinsert(request.config.rootpath)
+    pytester.makepyfile(f"""
+        import torch
+        from fixtures.loaders import before_fp16_unscale
+        from pytest_llmload import LoadRequest
+
+        def test_fp16_mixed_precision_step():
+            model, _ = before_fp16_unscale.load(LoadRequest({str(llmload_checkpoint)!r}, purpose="train",
+                                                            dtype="float16"))
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            scaler = torch.amp.GradScaler("cpu")
+            ids = torch.tensor([[2, 3, 4, 5]])
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(input_ids=ids, labels=ids).loss
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+    """)
+    result = pytester.runpytest()  # in-process: sees the catalog above
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        f"*ValueError: {UNSCALE}",
+        "*- llmload: known failure -*",
+        "[[]fp16-unscale[]] float16 trainable weights under fp16 mixed precision*",
+        "  write-up:   huggingface/transformers#23165, *",
+        "  root cause: The model was loaded with torch_dtype=float16*",
+        "*llmload: failures matching known failures: fp16-unscale (1)*",
+    ])
+    for other in catalog.CATALOG:
+        if other is not fp16_unscale.FAILURE:
+            assert f"[{other.id}]" not in result.stdout.str()
+
+
+def real_error_texts() -> dict[str, str]:
+    """Errors the other catalog entries are about: torch's own where this machine can raise them."""
+    import traceback
+
+    import torch
+
+    def text_of(action):
+        try:
+            action()
+        except (NotImplementedError, RuntimeError) as exc:
+            return "".join(traceback.format_exception(exc))
+        raise AssertionError("no error")
+
+    return {
+        "meta-backward": text_of(lambda: torch.empty(2, device="meta").to("cpu")),
+        "meta-backward/grad": ("RuntimeError: Function MmBackward0 returned an invalid gradient at index 1 - "
+                               "expected device meta but got cpu"),
+        "dp-dtype": text_of(lambda: torch.nn.Linear(4, 4).to(torch.bfloat16)(torch.randn(2, 4))),
+        "offload-hang": "Failed: Timeout (>3.0s) from pytest-timeout.\n  in from_pretrained",
+        "distributed-device-map": ("ValueError: You can't train a model that has been loaded with "
+                                   "`device_map='auto'` in any distributed mode."),
+    }
+
+
+def test_signatures_do_not_cross_with_the_other_catalog_entries():
+    import traceback
+
+    import torch
+
+    m = torch.nn.Linear(4, 4).half()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(m(torch.randn(2, 4).half()).float().sum()).backward()
+    try:
+        scaler.unscale_(opt)
+    except ValueError as exc:
+        ours = "".join(traceback.format_exception(exc))
+    assert fp16_unscale.FAILURE.matches(ours)
+    others = [f for f in catalog.CATALOG if f.id != fp16_unscale.FAILURE.id]
+    assert [f.id for f in others if f.matches(ours)] == []
+    for label, text in real_error_texts().items():
+        assert not fp16_unscale.FAILURE.matches(text), label
+
+
+# --- the reports' own setup, on a GPU runner --------------------------------------------------------------
+
+
+@pytest.mark.needs_gpus(1)
+@pytest.mark.timeout(180)
+def test_gpu_trainer_fp16_raises_the_reports_error_and_the_check_on_cuda(llmload_checkpoint, tmp_path):
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    model = call_loader(before_fp16_unscale.load, fp16_train_request(llmload_checkpoint, lora=True).replace(
+        device="cuda:0")).model
+    rows = torch.randint(2, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    args = TrainingArguments(output_dir=str(tmp_path / "trainer"), fp16=True, max_steps=1, max_grad_norm=1.0,
+                             per_device_train_batch_size=2, report_to=[], save_strategy="no")
+    trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in rows])
+    with pytest.raises(ValueError) as excinfo:
+        trainer.train()
+    assert str(excinfo.value) == UNSCALE
+    with pytest.raises(AssertionError, match="on cuda:0"):
+        CHECK(before_fp16_unscale.load, llmload_checkpoint, tmp_path / "before", device="cuda:0")
+    CHECK(reference_with_the_fix, llmload_checkpoint, tmp_path / "fixed", device="cuda:0")

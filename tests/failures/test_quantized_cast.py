@@ -1,0 +1,354 @@
+"""quantized-cast: a loader that loads in 4-bit/8-bit and then casts the model (``model.half()``,
+``model.to(dtype)``) gets transformers' refusal. Reproduced on CPU with bitsandbytes' CPU backend (4-bit nf4 and
+8-bit), then the check of :mod:`pytest_llmload.failures.quantized_cast` shown to fail on the "before" loader (and
+on one that swallows the error), to pass on the reference loader and on loaders that avoid the cast in other
+ways, and to skip on a loader that ignores the quantization request.
+
+transformers 4.46 refuses 4-bit on CPU (it wants intel_extension_for_pytorch): the tests that load skip there
+with transformers' own refusal in the reason.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import re
+
+import pytest
+
+from fixtures.loaders import before_quantized_cast, downstream_fixed
+from pytest_llmload import LoadRequest, failures
+from pytest_llmload.failures import quantized_cast
+from pytest_llmload.reference_loader import load_model_and_tokenizer as reference_loader
+from pytest_llmload.transformers_compat import dtype_kwarg
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None,
+                       reason="quantized-cast loads in 4-bit/8-bit: needs bitsandbytes"),
+]
+
+# transformers' refusals, as 5.23 words them (4.5x names `torch_dtype` at the end of the first one).
+CANNOT_CAST = ("You cannot cast a bitsandbytes model in a new `dtype`. Make sure to load the model using "
+               "`from_pretrained` using the desired `dtype` by passing the correct")
+HALF_REFUSED = ("`.half()` is not supported for quantized model. Please use the model as it is, since the model has "
+                "already been casted to the correct `dtype`.")
+NON_QUANTIZED = 11  # the tiny Llama's weights outside its 28 linear layers: embeddings, 9 norms, the head
+QUANTIZED = 28  # 4 layers x 7 projections; the head is left unquantized by transformers
+
+
+def _require_quantization_here(quantization: str = "4bit") -> None:
+    from pytest_llmload.failures.dp_dtype import four_bit_refusal
+
+    refusal = four_bit_refusal()
+    if refusal is not None:
+        pytest.skip(f"quantized-cast loads in {quantization}: {refusal}")
+    if quantization == "8bit":
+        why = quantized_cast.eight_bit_refusal("cpu")
+        if why is not None:
+            pytest.skip(f"quantized-cast loads in 8-bit: {why}")
+
+
+def _quantized_model(checkpoint, quantization: str):
+    """The report's load: quantization_config and no dtype, whole on the CPU."""
+    import torch
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    config = (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+              if quantization == "4bit" else BitsAndBytesConfig(load_in_8bit=True))
+    return AutoModelForCausalLM.from_pretrained(checkpoint, quantization_config=config, device_map={"": "cpu"},
+                                                local_files_only=True)
+
+
+# --- (a) the failure itself --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("quantization", "cast", "expected"),
+    [
+        ("4bit", "half", HALF_REFUSED),
+        ("4bit", "to_float16", CANNOT_CAST),
+        ("4bit", "to_dtype_bfloat16", CANNOT_CAST),
+        ("8bit", "half", HALF_REFUSED),
+        ("8bit", "to_float16", CANNOT_CAST),
+    ],
+)
+def test_casting_a_quantized_model_raises_transformers_refusal(llmload_checkpoint, quantization, cast, expected):
+    import torch
+
+    _require_quantization_here(quantization)
+    model = _quantized_model(llmload_checkpoint, quantization)
+    do = {"half": lambda: model.half(), "to_float16": lambda: model.to(torch.float16),
+          "to_dtype_bfloat16": lambda: model.to(dtype=torch.bfloat16)}[cast]
+    with pytest.raises(ValueError) as excinfo:
+        do()
+    assert str(excinfo.value).startswith(expected), str(excinfo.value)
+    assert quantized_cast.FAILURE.matches(str(excinfo.value))
+    # The model is untouched: still quantized, its other weights still the checkpoint's float32.
+    quantized, _ = quantized_cast.quantized_layers(model, quantization)
+    assert len(quantized) == QUANTIZED
+    assert {str(p.dtype) for p in model.parameters() if p.is_floating_point()} == {"torch.float32"}
+
+
+def test_the_before_loader_raises_it_from_its_own_cast(llmload_checkpoint):
+    _require_quantization_here()
+    request = LoadRequest(llmload_checkpoint, dtype="float16", quantization="4bit")
+    with pytest.raises(ValueError, match=re.escape(HALF_REFUSED)) as excinfo:
+        before_quantized_cast.load(request)
+    assert excinfo.traceback[-2].frame.code.name == "load"  # the loader's line called model.half()
+
+
+# --- (b) the check fails on the before-loader, naming the cast -----------------------------------------------
+
+
+def test_check_fails_on_the_before_loader(llmload_checkpoint, tmp_path):
+    _require_quantization_here()
+    with pytest.raises(AssertionError) as excinfo:
+        quantized_cast.check_quantized_request_keeps_dtype(before_quantized_cast.load, llmload_checkpoint, tmp_path)
+    message = str(excinfo.value)
+    print(message)
+    expected_requests = 3 if quantized_cast.eight_bit_refusal("cpu") is None else 2
+    assert message.startswith(f"{expected_requests} of {expected_requests} quantized requests failed (quantized-cast")
+    half = "the loader cast the {} model after loading: `model = model.half()  # cast all params to float16 for inference` (before_quantized_cast.py:"
+    assert f"[4bit, float16] {half.format('4bit')}" in message
+    assert f"raised ValueError: {HALF_REFUSED}" in message
+    assert ("[4bit, bfloat16] the loader cast the 4bit model after loading: `model = model.to(dtype=request.torch_dtype)` "
+            "(before_quantized_cast.py:") in message
+    assert f"raised ValueError: {CANNOT_CAST}" in message
+    if expected_requests == 3:
+        assert f"[8bit, float16] {half.format('8bit')}" in message
+
+
+def swallows_the_cast_error(request):
+    """axolotl-ai-cloud/axolotl#2511's workaround: try the cast, log the ValueError, go on with the model as it is."""
+    import torch
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    config = (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+              if request.quantization == "4bit" else BitsAndBytesConfig(load_in_8bit=True))
+    model = AutoModelForCausalLM.from_pretrained(request.model_path, quantization_config=config,
+                                                 device_map={"": request.device}, local_files_only=True)
+    try:
+        model.to(dtype=request.torch_dtype)
+    except ValueError as error:
+        logging.getLogger(__name__).warning("Failed to convert model to dtype %s: %s", request.dtype, error)
+    return model
+
+
+def test_check_fails_when_the_cast_error_is_swallowed(llmload_checkpoint, tmp_path):
+    _require_quantization_here()
+    with pytest.raises(AssertionError) as excinfo:
+        quantized_cast.check_quantized_request_keeps_dtype(swallows_the_cast_error, llmload_checkpoint, tmp_path,
+                                                           variants=(("4bit", "float16"), ("4bit", "bfloat16")))
+    message = str(excinfo.value)
+    print(message)
+    assert message.startswith("2 of 2 quantized requests failed")
+    for dtype in ("float16", "bfloat16"):
+        assert (f"[4bit, {dtype}] {QUANTIZED} 4bit layers, but {NON_QUANTIZED} of {NON_QUANTIZED} non-quantized "
+                f"parameters are float32, not the requested {dtype}, e.g. ['model.embed_tokens.weight', ") in message
+    assert "and the 4-bit layers compute in float32 (bnb_4bit_compute_dtype): the dtype never reached from_pretrained" \
+        in message
+
+
+# --- (c) the reference loader passes ------------------------------------------------------------------------
+
+
+def test_check_passes_on_the_reference_loader(llmload_checkpoint, tmp_path, caplog):
+    _require_quantization_here()
+    caplog.set_level(logging.INFO, logger="pytest_llmload")
+    quantized_cast.check_quantized_request_keeps_dtype(reference_loader, llmload_checkpoint, tmp_path)
+    assert not [r for r in caplog.records if "not exercised" in r.getMessage() or "accepted" in r.getMessage()]
+
+
+# --- (d) other ways to avoid the cast pass ------------------------------------------------------------------
+
+
+def torch_dtype_keyword(request):
+    """The dtype given to from_pretrained with the pre-4.56 keyword, ``torch_dtype=``, and 4-bit computing in it."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    config = (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="fp4", bnb_4bit_compute_dtype=request.dtype)
+              if request.quantization == "4bit" else BitsAndBytesConfig(load_in_8bit=True))
+    return AutoModelForCausalLM.from_pretrained(request.model_path, quantization_config=config,
+                                                torch_dtype=request.torch_dtype, device_map={"": request.device},
+                                                local_files_only=True)
+
+
+def casts_only_the_unquantized_parameters(request):
+    """No model-level cast: the floating-point parameters are cast one by one after loading, the packed
+    4-bit/8-bit ones left alone (bitsandbytes-foundation/bitsandbytes#650's loop, to the requested dtype)."""
+    import torch
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    config = (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+              if request.quantization == "4bit" else BitsAndBytesConfig(load_in_8bit=True))
+    model = AutoModelForCausalLM.from_pretrained(request.model_path, quantization_config=config,
+                                                 device_map={"": request.device}, local_files_only=True)
+    for param in model.parameters():
+        if param.is_floating_point():
+            param.data = param.data.to(request.torch_dtype)
+    return model
+
+
+@pytest.mark.parametrize("loader", [torch_dtype_keyword, casts_only_the_unquantized_parameters],
+                         ids=lambda f: f.__name__)
+def test_check_passes_on_loaders_that_do_not_cast_the_model(loader, llmload_checkpoint, tmp_path):
+    _require_quantization_here()
+    quantized_cast.check_quantized_request_keeps_dtype(loader, llmload_checkpoint, tmp_path)
+
+
+def compute_dtype_only(request):
+    """4-bit with the dtype given only as ``bnb_4bit_compute_dtype``: on transformers 5 the other weights stay in
+    the checkpoint's float32, the 4-bit matmuls run in the requested dtype."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=request.torch_dtype)
+    return AutoModelForCausalLM.from_pretrained(request.model_path, quantization_config=config,
+                                                device_map={"": request.device}, local_files_only=True)
+
+
+def test_check_accepts_a_4bit_compute_dtype_as_the_requested_dtype(llmload_checkpoint, tmp_path, caplog):
+    _require_quantization_here()
+    caplog.set_level(logging.INFO, logger="pytest_llmload")
+    quantized_cast.check_quantized_request_keeps_dtype(compute_dtype_only, llmload_checkpoint, tmp_path,
+                                                       variants=(("4bit", "float16"), ("4bit", "bfloat16")))
+    accepted = [r.getMessage() for r in caplog.records if "accepted" in r.getMessage()]
+    # Which dtype the other weights get without dtype= is the installed transformers' default: float32 from the
+    # checkpoint on 5.x, float16 forced by the bitsandbytes quantizer on 4.x.
+    import transformers
+
+    expected = 2 if int(transformers.__version__.split(".")[0]) >= 5 else 1  # 4.x: float16, so bfloat16 only
+    assert len(accepted) == expected and all("every Linear4bit computes in" in line for line in accepted), accepted
+
+
+def test_check_passes_on_the_downstream_loader_and_says_8bit_was_not_exercised(llmload_checkpoint, tmp_path, caplog):
+    _require_quantization_here("8bit")
+    caplog.set_level(logging.INFO, logger="pytest_llmload")
+    quantized_cast.check_quantized_request_keeps_dtype(downstream_fixed.load, llmload_checkpoint, tmp_path)
+    (line,) = [r.getMessage() for r in caplog.records if "not exercised" in r.getMessage()]
+    assert line.endswith("[8bit, float16] the loader returned no bitsandbytes Linear8bitLt layer "
+                         f"({QUANTIZED + 1} plain torch.nn.Linear): it ignored the 8bit request"), line
+
+
+# --- (e) the check skips when the loader does not load quantized --------------------------------------------
+
+
+def ignores_quantization(request):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(request.model_path, device_map={"": request.device},
+                                                local_files_only=True, **dtype_kwarg(request.torch_dtype))
+
+
+def test_check_skips_when_the_loader_ignores_the_quantization_request(llmload_checkpoint, tmp_path):
+    _require_quantization_here()
+    with pytest.raises(pytest.skip.Exception) as excinfo:
+        quantized_cast.check_quantized_request_keeps_dtype(ignores_quantization, llmload_checkpoint, tmp_path)
+    reason = str(excinfo.value)
+    assert reason.startswith("check_quantized_request_keeps_dtype: no quantized load exercised; ")
+    assert (f"[4bit, float16] the loader returned no bitsandbytes Linear4bit layer ({QUANTIZED + 1} plain "
+            "torch.nn.Linear): it ignored the 4bit request") in reason
+
+
+def test_an_unrelated_loader_error_propagates_as_itself(llmload_checkpoint, tmp_path):
+    from pytest_llmload.loading import LoaderError
+
+    def broken(request):
+        raise ValueError("no such model type")
+
+    _require_quantization_here()
+    with pytest.raises(LoaderError, match="no such model type"):
+        quantized_cast.check_quantized_request_keeps_dtype(broken, llmload_checkpoint, tmp_path)
+
+
+def test_registered_check_runs_isolated_and_fails_on_the_before_loader(llmload_checkpoint, tmp_path):
+    _require_quantization_here()
+    (check,) = quantized_cast.CHECKS
+    assert check.isolated and check.failure is quantized_cast.FAILURE and check.needs_gpus == 0
+    with pytest.raises(AssertionError) as excinfo:  # the child's AssertionError, re-raised in the test process
+        check(before_quantized_cast.load, llmload_checkpoint, tmp_path)
+    assert "quantized requests failed (quantized-cast" in str(excinfo.value)
+    assert "model = model.half()" in str(excinfo.value)
+
+
+# --- (f) the known-failure report names it, and its signatures are its own ----------------------------------
+
+
+@pytest.fixture
+def bnb_before_pytester_snapshot(request):
+    """bitsandbytes registers torch ops when imported: import it (and transformers' modules for it) before pytester
+    snapshots sys.modules, so the in-process run does not import it a second time."""
+    for name in ("bitsandbytes", "transformers.integrations.bitsandbytes", "transformers.quantizers.auto"):
+        importlib.import_module(name)
+    return request.getfixturevalue("pytester")
+
+
+def test_known_failure_section_names_quantized_cast(bnb_before_pytester_snapshot, llmload_checkpoint, request,
+                                                    monkeypatch):
+    _require_quantization_here()
+    pytester = bnb_before_pytester_snapshot
+    if "quantized-cast" not in failures.BY_ID:
+        # Until pytest_llmload.failures.MODULES lists quantized_cast (wired by integration), add it for this run.
+        monkeypatch.setattr(failures, "CATALOG", failures.CATALOG + (quantized_cast.FAILURE,))
+    pytester.syspathinsert(request.config.rootpath)
+    pytester.makepyfile(f"""
+        from fixtures.loaders import before_quantized_cast
+        from pytest_llmload import LoadRequest
+
+        def test_load_4bit_in_float16():
+            before_quantized_cast.load(LoadRequest({str(llmload_checkpoint)!r}, dtype="float16", quantization="4bit"))
+    """)
+    result = pytester.runpytest()
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        "E * ValueError: `.half()` is not supported for quantized model.*",
+        "*- llmload: known failure -*",
+        "[[]quantized-cast[]] a bitsandbytes-quantized model cast to another dtype after loading",
+        "  write-up:   hiyouga/LlamaFactory#5, deepspeedai/DeepSpeed#3719, *",
+        "*llmload: failures matching known failures: quantized-cast (1)*",
+    ])
+
+
+# The other catalog entries' errors, as their own tests produce them.
+OTHER_ERRORS = {
+    "meta-backward": "Function MmBackward0 returned an invalid gradient at index 1 - expected device meta but got cpu",
+    "dp-dtype": "RuntimeError: expected mat1 and mat2 to have the same dtype, but got: float != c10::BFloat16",
+    "distributed-device-map": ("ValueError: You can't train a model that has been loaded with `device_map='auto'` in "
+                               "any distributed mode. Please rerun your script specifying `--num_processes=1`"),
+}
+# This failure's errors across transformers versions (5.23 here; the older ones from the reports).
+OWN_ERRORS = (
+    CANNOT_CAST + " `dtype` argument.",
+    CANNOT_CAST + " `torch_dtype` argument.",
+    HALF_REFUSED,
+    ("`.float()` is not supported for quantized model. Please use the model as it is, since the model has already "
+     "been casted to the correct `dtype`."),
+    # hiyouga/LlamaFactory#5, deepspeedai/DeepSpeed#3719
+    ("ValueError: `.half()` is not supported for `4-bit` or `8-bit` models. Please use the model as it is, since the "
+     "model has already been casted to the correct `dtype`."),
+    # OpenRLHF/OpenRLHF#403
+    ("ValueError: `.to` is not supported for `4-bit` or `8-bit` bitsandbytes models. Please use the model as it is, "
+     "since the model has already been set to the correct devices and casted to the correct `dtype`."),
+    ("Calling `cuda()` is not supported for `8-bit` quantized models.  Please use the model as it is, since the model "
+     "has already been set to the correct devices."),
+    # the check's own report where the loader swallowed the refusal
+    ("AssertionError: 2 of 2 quantized requests failed (quantized-cast: a bitsandbytes model cannot be cast after "
+     "loading; ...)"),
+)
+
+
+@pytest.mark.parametrize("text", OWN_ERRORS)
+def test_own_errors_match_only_quantized_cast(text):
+    others = [f.id for f in failures.CATALOG if f.id != "quantized-cast" and f.matches(text)]
+    assert quantized_cast.FAILURE.matches(text) and others == [], others
+
+
+@pytest.mark.parametrize("failure_id", sorted(OTHER_ERRORS))
+def test_other_failures_errors_do_not_match_quantized_cast(failure_id):
+    assert failures.BY_ID[failure_id].matches(OTHER_ERRORS[failure_id])
+    assert not quantized_cast.FAILURE.matches(OTHER_ERRORS[failure_id])
+
+
+def test_docstring_first_line_says_what_it_guards():
+    summary = quantized_cast.check_quantized_request_keeps_dtype.__doc__.strip().splitlines()[0]
+    assert summary.startswith("Guards quantized-cast: ") and len(summary) < 160
