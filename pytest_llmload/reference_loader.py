@@ -8,7 +8,8 @@
   distributed job.
 - Taken from the field (``pytest_llmload/failures/``): no ``device_map`` at all under ZeRO-3
   (zero3-device-map); the dtype passed to ``from_pretrained``, never cast after a quantized load
-  (quantized-cast); trainable weights kept in float32 for fp16 mixed precision (fp16-unscale).
+  (quantized-cast); trainable weights kept in float32 for fp16 mixed precision (fp16-unscale); a trained
+  adapter never put on an offloaded base (adapter-on-offloaded).
 
 Example::
 
@@ -112,12 +113,19 @@ def load_model_and_tokenizer(request: LoadRequest):
     """Load ``request.model_path`` as the write-ups' fixed loaders would; returns ``(model, tokenizer)``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    placement = placement_kwargs(request)
+    if request.adapter_path is not None:
+        # adapter-on-offloaded: an adapter is never put on an offloaded base (peft re-dispatches it without the
+        # budget); load whole where the budget allows, else refuse before loading.
+        from pytest_llmload.failures.adapter_on_offloaded import adapter_placement_kwargs
+
+        placement = adapter_placement_kwargs(request, placement)
     model = AutoModelForCausalLM.from_pretrained(
         request.model_path,
         local_files_only=True,
         **dtype_kwarg(request.torch_dtype),
         **_quantization_kwarg(request),
-        **placement_kwargs(request),
+        **placement,
     )
     tokenizer = AutoTokenizer.from_pretrained(request.model_path, local_files_only=True)
     _set_pad_token(model, tokenizer)
@@ -127,7 +135,11 @@ def load_model_and_tokenizer(request: LoadRequest):
         # enable_input_require_grads() workaround.
         enable_gradient_checkpointing(model, use_reentrant=False)
         model.config.use_cache = False
-    if request.lora:
+    if request.adapter_path is not None:
+        from pytest_llmload.failures.adapter_on_offloaded import put_adapter
+
+        model = put_adapter(model, request)
+    elif request.lora:
         model = _apply_lora(model, request)
     if request.purpose == "train":
         # fp16-unscale: under fp16 mixed precision the trainable weights must be float32 master weights

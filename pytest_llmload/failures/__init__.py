@@ -14,11 +14,13 @@ import os
 from typing import Union
 
 from pytest_llmload.failures import (
+    adapter_on_offloaded,
     distributed_device_map,
     dp_dtype,
     fp16_unscale,
     inference_stall,
     meta_backward,
+    move_offloaded,
     offload_hang,
     quantized_cast,
     zero3_device_map,
@@ -27,7 +29,7 @@ from pytest_llmload.failures.base import Check, KnownFailure
 
 # The write-ups' five first (shared/seeds), then those taken from upstream issue trackers.
 MODULES = (meta_backward, offload_hang, inference_stall, dp_dtype, distributed_device_map,
-           quantized_cast, zero3_device_map, fp16_unscale)
+           move_offloaded, adapter_on_offloaded, quantized_cast, zero3_device_map, fp16_unscale)
 
 CATALOG: tuple[KnownFailure, ...] = tuple(module.FAILURE for module in MODULES)
 BY_ID: dict[str, KnownFailure] = {failure.id: failure for failure in CATALOG}

@@ -66,7 +66,8 @@ FAILURE = KnownFailure(
     write_up=("tloen/alpaca-lora#368, tloen/alpaca-lora#536, SCIR-HI/Huatuo-Llama-Med-Chinese#75, "
               "QwenLM/Qwen3#297"),
     signatures=(META_COPY, TAG),
-    # meta-backward also lists META_COPY (Trainer moving an offloaded model): this entry needs the adapter's frames.
+    # torch raises META_COPY for any copy of a meta tensor (a .cpu() of an offloaded model too): this entry needs
+    # the adapter's frames.
     context=(rf"{ADAPTER_FRAMES}|{TAG}",),
     root_cause=(
         "The base was loaded with device_map and a max_memory it exceeds, so part of it is on 'meta' behind "

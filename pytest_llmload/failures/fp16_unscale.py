@@ -188,7 +188,9 @@ def check_fp16_train_request_keeps_fp32_master_weights(loader: Loader, checkpoin
                     f"for it{ran}")
 
 
+# Isolated, like every check that calls the loader in this process (a hang is killed with the child).
 CHECKS = (
-    Check(check_fp16_train_request_keeps_fp32_master_weights, failure=FAILURE, purpose="train"),
-    Check(check_fp16_train_request_keeps_fp32_master_weights, failure=FAILURE, purpose="train").on_gpu(),
+    Check(check_fp16_train_request_keeps_fp32_master_weights, failure=FAILURE, purpose="train", isolated=True),
+    Check(check_fp16_train_request_keeps_fp32_master_weights, failure=FAILURE, purpose="train",
+          isolated=True).on_gpu(),
 )

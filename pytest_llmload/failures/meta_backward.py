@@ -34,7 +34,6 @@ FAILURE = KnownFailure(
     write_up="seeds/002_3bbec781721991d8.txt",
     signatures=(
         r"returned an invalid gradient at index \d+ - expected device meta but got",
-        r"Cannot copy out of meta tensor",
         r"Tensor on device meta is not on the expected device",
     ),
     root_cause=(

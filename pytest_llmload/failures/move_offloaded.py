@@ -258,7 +258,9 @@ def check_offloaded_model_not_moved(loader: Loader, checkpoint, workdir, *, devi
         model(input_ids=ids)
 
 
+# Isolated, like every check that calls the loader in this process: a load that hangs in native code can only be
+# stopped by killing the process it runs in, and a loader may set up process-wide state (deepspeed.initialize).
 CHECKS = (
-    Check(check_offloaded_model_not_moved, failure=FAILURE),
-    Check(check_offloaded_model_not_moved, failure=FAILURE).on_gpu(),
+    Check(check_offloaded_model_not_moved, failure=FAILURE, isolated=True),
+    Check(check_offloaded_model_not_moved, failure=FAILURE, isolated=True).on_gpu(),
 )

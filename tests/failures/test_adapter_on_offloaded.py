@@ -11,6 +11,7 @@ on an offloaded base runs in ``tmp_path`` (``monkeypatch.chdir``; the check does
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -220,7 +221,6 @@ def test_put_adapter_refuses_an_already_offloaded_base(llmload_checkpoint, adapt
         aoo.put_adapter(offloaded_base(request), request)
 
 
-@pytest.mark.xfail(strict=False, reason="wired by integration")
 def test_check_passes_on_the_reference_loader(llmload_checkpoint, tmp_path):
     aoo.check_adapter_on_offloaded_base(reference_loader, llmload_checkpoint, tmp_path)
 
@@ -282,10 +282,14 @@ def test_a_loaders_own_error_is_not_this_failure(llmload_checkpoint, tmp_path):
 # --- (e) skips: no adapter on an offloaded base was exercised ---------------------------------------------------
 
 
+def ignores_the_adapter(request):
+    """The reference loader before it learned adapter_path: it offloads the base and never reads it."""
+    return reference_loader(request.replace(adapter_path=None))
+
+
 def test_check_skips_a_loader_that_ignores_the_adapter(llmload_checkpoint, tmp_path):
-    """The reference loader today: it offloads the base and never reads adapter_path."""
     with pytest.raises(pytest.skip.Exception) as excinfo:
-        aoo.check_adapter_on_offloaded_base(reference_loader, llmload_checkpoint, tmp_path)
+        aoo.check_adapter_on_offloaded_base(ignores_the_adapter, llmload_checkpoint, tmp_path)
     reason = str(excinfo.value)
     assert reason.startswith("not exercised: check_adapter_on_offloaded_base: the loader ignored adapter_path "
                              "(never read ")
@@ -368,6 +372,9 @@ def test_signatures_keep_apart_from_the_other_catalog_entries(llmload_checkpoint
         offloaded_base(request.replace(offload_folder=tmp_path / "o3")).cpu()
 
     ours = real_error_text(lambda: PeftModel.from_pretrained(offloaded_base(request), adapter))
+    verdicts = [real_error_text(functools.partial(aoo.check_adapter_on_offloaded_base, loader, llmload_checkpoint,
+                                                  tmp_path / loader.__name__))
+                for loader in (before_adapter_on_offloaded.load, transformers_load_adapter)]
     theirs = {"meta-backward": real_error_text(meta_backward), "move-offloaded": real_error_text(move_offloaded)}
     assert "Cannot copy out of meta tensor" in theirs["move-offloaded"]
     named = {failure.id for failure in catalog_with_this_failure.match(ours)}
@@ -376,4 +383,6 @@ def test_signatures_keep_apart_from_the_other_catalog_entries(llmload_checkpoint
     for failure_id, text in theirs.items():
         assert not aoo.FAILURE.matches(text), failure_id
     others = [f for f in catalog_with_this_failure.CATALOG if f.id not in ("adapter-on-offloaded", "meta-backward")]
-    assert [f.id for f in others if f.matches(ours)] == []
+    for text in [ours, *verdicts]:
+        assert aoo.FAILURE.matches(text)
+        assert [f.id for f in others if f.matches(text)] == []

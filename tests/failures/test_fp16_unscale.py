@@ -107,8 +107,18 @@ def halves_after_peft(request):
 
 
 def upcasts_only_lora(request):
-    """Full fine-tune left in float16: the LoRA path is right, the other is not."""
-    return reference_loader(request)
+    """Full fine-tune left in float16: the LoRA path is right (peft's float32 adapters), the other is not."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pytest_llmload.transformers_compat import dtype_kwarg
+
+    model = AutoModelForCausalLM.from_pretrained(request.model_path, local_files_only=True,
+                                                 **dtype_kwarg(request.torch_dtype))
+    if request.lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    return model, AutoTokenizer.from_pretrained(request.model_path, local_files_only=True)
 
 
 @pytest.mark.parametrize(("loader", "expected"), [
@@ -129,13 +139,11 @@ def test_check_fails_wherever_a_trainable_parameter_is_float16(loader, expected,
 # --- (c) the reference loader, and the fix it needs ---------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=False, reason="wired by integration: the reference loader must call "
-                   "fp16_unscale.upcast_trainable_parameters for train requests")
 def test_check_passes_on_the_reference_loader(llmload_checkpoint, tmp_path):
     CHECK(reference_loader, llmload_checkpoint, tmp_path)
 
 
-def test_reference_loaders_lora_path_passes_today(llmload_checkpoint, tmp_path):
+def test_reference_loaders_lora_path_passes(llmload_checkpoint, tmp_path):
     CHECK(reference_loader, llmload_checkpoint, tmp_path, variants=(True,))
 
 

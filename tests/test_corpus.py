@@ -1,0 +1,35 @@
+"""The checks against loaders adapted from public projects (fixtures/corpus, docs/corpus.md): every (loader, check)
+cell gives the verdict judged from the project's own code. A false alarm on one of these is the worst defect the
+plugin can ship; a pass that exercised nothing, the second worst."""
+
+import pytest
+
+from fixtures.corpus.expected import EXPECTED
+from pytest_llmload.conformance import all_checks
+
+CHECKS = {check.name: check for check in all_checks()}
+CELLS = [pytest.param(spec, name, verdict, why, id=f"{spec.split('.')[2].split(':')[0]}-{name}")
+         for spec, row in EXPECTED.items() for name, (verdict, why) in row.items()]
+
+pytestmark = [pytest.mark.llmload_deepspeed, pytest.mark.timeout(240)]
+
+
+def _verdict(check, loader, checkpoint, workdir) -> tuple[str, str]:
+    try:
+        check(loader, checkpoint, workdir)
+    except pytest.skip.Exception as exc:
+        return "skip", str(exc)
+    except AssertionError as exc:
+        return "fail", str(exc)
+    except Exception as exc:  # the loader's own error: never expected in the table
+        return "error", f"{type(exc).__name__}: {exc}"
+    return "pass", ""
+
+
+@pytest.mark.parametrize(("spec", "check_name", "verdict", "why"), CELLS)
+def test_each_check_says_what_the_projects_code_says(spec, check_name, verdict, why, llmload_checkpoint, tmp_path):
+    from pytest_llmload.loading import LoaderChoice, as_loader_under_test, import_loader
+
+    loader = as_loader_under_test(import_loader(LoaderChoice(spec, "fixtures/corpus")), name=spec)
+    got, detail = _verdict(CHECKS[check_name], loader, llmload_checkpoint, tmp_path)
+    assert got == verdict, f"{spec} {check_name}: expected {verdict} ({why}), got {got}: {detail[:600]}"
