@@ -167,3 +167,20 @@ def distributed_env(llmload_offline):
     from pytest_llmload.runners.ranks import DistributedEnv
 
     return DistributedEnv(gpus.visible_gpu_count, pytest.skip)
+
+
+@pytest.fixture(scope="session")
+def llmload_check_options(request) -> dict:
+    """Options the configuration gives the checks: ``prepare_args``, the training script's hook for the Trainer
+    check (``--llmload-training-args-hook``, else the ini key ``llmload_training_args_hook``; else the loader's
+    own attribute, read by the check). Pass them on: ``check(loader, checkpoint, tmp_path, **llmload_check_options)``."""
+    from pytest_llmload.loading import HOOK_INI, HOOK_OPTION
+
+    option, ini = request.config.getoption("llmload_training_args_hook"), request.config.getini(HOOK_INI)
+    for value, source in ((option, HOOK_OPTION), (ini, f"ini '{HOOK_INI}'")):
+        if value:
+            try:
+                return {"prepare_args": import_loader(LoaderChoice(value.strip(), source))}
+            except LoaderSpecError as exc:
+                pytest.fail(str(exc), pytrace=False)
+    return {}

@@ -51,6 +51,11 @@ class LoaderError(Exception):
                          f"{_phase_detail(request)}){where}")
 
 
+class LoaderModelError(Exception):
+    """The loader's model misbehaves in a way that is not the check's failure (it cannot train for another
+    reason, say): reported as an ``error`` row, like :class:`LoaderError`, never as the known failure."""
+
+
 def _own_frames(exc: BaseException, keep: int = 3) -> list[str]:
     """The innermost frames of the traceback outside installed libraries and this module, innermost first."""
     import traceback
@@ -149,6 +154,15 @@ def normalise_result(value: Any, *, loader_name: str, request: "LoadRequest") ->
     )
 
 
+HOOK_ATTRIBUTE = "llmload_training_args_hook"
+HOOK_INI = "llmload_training_args_hook"
+HOOK_OPTION = "--llmload-training-args-hook"
+HOOK_HELP = (
+    "your training script's hook, as 'module:function', called as hook(training_args, model) between "
+    "TrainingArguments and Trainer(...) (pytest_llmload.trainer_guard:prepare_training_args_for_placed_model is one). "
+    f"The Trainer check runs Trainer as transformers ships it, with this hook. Precedence: {HOOK_OPTION}, ini "
+    f"'{HOOK_INI}', the loader function's attribute {HOOK_ATTRIBUTE}; default: none (stock Trainer)."
+)
 PURPOSES_ATTRIBUTE = "llmload_purposes"
 PURPOSES_INI = "llmload_loader_purposes"
 PURPOSES_HELP = (
@@ -225,6 +239,14 @@ def as_loader_under_test(loader: Any, *, name: str = "", source: str = "fixture"
     declared = getattr(loader, PURPOSES_ATTRIBUTE, None)
     purposes = None if declared is None else parse_purposes(declared, f"{name}.{PURPOSES_ATTRIBUTE}")
     return LoaderUnderTest(loader, name, source, purposes)
+
+
+def training_args_hook(loader: LoaderUnderTest) -> Optional[Callable[[Any, Any], Any]]:
+    """The training-script hook a loader names in its ``llmload_training_args_hook`` attribute, imported."""
+    spec = getattr(loader.function, HOOK_ATTRIBUTE, None)
+    if spec is None or callable(spec):
+        return spec
+    return import_loader(LoaderChoice(str(spec), f"{loader.name}.{HOOK_ATTRIBUTE}"))
 
 
 def parse_purposes(declared: Any, source: str) -> tuple[str, ...]:

@@ -26,6 +26,7 @@ from pytest_llmload.fixtures import (  # noqa: F401  (pytest discovers fixtures 
     llmload_device,
     llmload_load,
     llmload_loader,
+    llmload_check_options,
     llmload_offline,
     llmload_tokenizer,
     loader_choice_key,
@@ -51,6 +52,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("llmload", "pytest-llmload: Hugging Face model-loading regression checks")
     group.addoption("--llmload-loader", dest="llmload_loader", metavar="MODULE:FUNCTION", help=loading.LOADER_HELP)
     parser.addini(loading.INI_KEY, help=loading.LOADER_HELP, default=None)
+    group.addoption(loading.HOOK_OPTION, dest="llmload_training_args_hook", metavar="MODULE:FUNCTION",
+                    help=loading.HOOK_HELP)
+    parser.addini(loading.HOOK_INI, help=loading.HOOK_HELP, default=None)
     parser.addini(loading.PURPOSES_INI, help=loading.PURPOSES_HELP, type="linelist", default=[])
     parser.addini(markers.GPU_FIXTURES_INI, help=markers.GPU_FIXTURES_HELP, type="linelist", default=[])
     parser.addini(

@@ -24,7 +24,8 @@ def check_name(nodeid: str) -> str:
 
 
 _LOADER_ERRORS = ("pytest_llmload.loading.LoaderError", "pytest_llmload.loading.LoaderContractError",
-                  "LoaderError: ", "LoaderContractError: ")
+                  "pytest_llmload.loading.LoaderModelError", "LoaderError: ", "LoaderContractError: ",
+                  "LoaderModelError: ")
 
 
 def _raised_by_the_loader(report: pytest.TestReport) -> bool:

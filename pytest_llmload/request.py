@@ -60,6 +60,9 @@ class LoadRequest:
     # The training script runs under DeepSpeed (the write-up 004's explicit flag), and with which ZeRO stage.
     deepspeed: bool = False
     zero_stage: Optional[int] = None
+    # How many GPUs the run assumes (a loader that reads torch.cuda.device_count() reads this instead; the Trainer
+    # check simulates 2 on CPU). None: the machine's own count.
+    gpu_count: Optional[int] = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise through the back door, once
@@ -82,6 +85,9 @@ class LoadRequest:
         for flag in ("lora", "gradient_checkpointing", "deepspeed"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"LoadRequest.{flag}={getattr(self, flag)!r} must be True or False.")
+        if self.gpu_count is not None and (isinstance(self.gpu_count, bool) or not isinstance(self.gpu_count, int)
+                                           or self.gpu_count < 0):
+            raise ValueError(f"LoadRequest.gpu_count={self.gpu_count!r}; expected None or a count of GPUs (0, 1, 2, ...).")
         if self.zero_stage is not None:
             if isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2, 3):
                 raise ValueError(f"LoadRequest.zero_stage={self.zero_stage!r}; expected None, 0, 1, 2 or 3.")

@@ -71,3 +71,20 @@ def test_shipped_suite_against_the_ini_loader_with_expected_gaps(downstream):
     result.assert_outcomes(passed=5, xfailed=3, skipped=7)
     result.stdout.fnmatch_lines(["llmload: loader myrepo_loading:old_load (from ini 'llmload_loader')",
                                  "XFAIL *check_train_request_trains* - migrating off device_map training, #12"])
+
+
+@pytest.mark.parametrize("hook", [None, "pytest_llmload.trainer_guard:prepare_training_args_for_placed_model"])
+def test_the_trainer_check_runs_stock_trainer_unless_the_repo_names_its_training_scripts_hook(downstream, hook):
+    from pytest_llmload.failures.dp_dtype import four_bit_refusal
+
+    if four_bit_refusal() is not None:
+        pytest.skip(four_bit_refusal())
+    downstream.makeini("[pytest]\nllmload_loader = fixtures.loaders.before_dp_dtype:load\n"
+                       + (f"llmload_training_args_hook = {hook}\n" if hook else ""))
+    result = downstream.runpytest_subprocess("--pyargs", "pytest_llmload.suite", "-p", "no:cacheprovider",
+                                             "-k", "check_trainer_does_not_wrap_placed_model")
+    if hook:
+        result.assert_outcomes(passed=1)
+    else:  # write-up 003's setup with the Trainer transformers ships: data-parallel in Trainer's eyes
+        result.assert_outcomes(failed=1)
+        result.stdout.fnmatch_lines(["*rows per device became 4 per step*"])

@@ -35,7 +35,11 @@ EXPECTED = {
         "check_train_request_trains": OFFLOADS_TRAIN,
         "check_train_request_trains_cuda": OFFLOADS_TRAIN,
     },
-    "fixtures.loaders.before_dp_dtype:load": NEW_FAILURES,
+    "fixtures.loaders.before_dp_dtype:load": {
+        **NEW_FAILURES,
+        "check_trainer_does_not_wrap_placed_model": "write-up 003 before its fix: a stock 2-GPU Trainer "
+                                                    "data-parallelises the placed 4-bit model",
+    },
     "fixtures.loaders.before_distributed_device_map:load": {
         **NEW_FAILURES,
         "check_train_request_trains": OFFLOADS_TRAIN,

@@ -87,10 +87,16 @@ class Check(NamedTuple):
         doc = getattr(self.function, "__doc__", None) or getattr(getattr(self.function, "func", None), "__doc__", "")
         return " ".join(doc.strip().split("\n\n")[0].split()) if doc else ""
 
-    def __call__(self, loader: Any, checkpoint: Path, workdir: Path) -> None:
-        from pytest_llmload.loading import as_loader_under_test
+    def __call__(self, loader: Any, checkpoint: Path, workdir: Path, **options: Any) -> None:
+        """Run the check. ``options`` go to the check function where it takes them (``prepare_args``: the
+        training script's hook for the Trainer check); others are ignored, so one set fits every check."""
+        from pytest_llmload.loading import as_loader_under_test, training_args_hook
 
         args = (as_loader_under_test(loader), Path(checkpoint), Path(workdir))
+        accepted = _keywords(self.function)
+        if "prepare_args" in accepted and options.get("prepare_args") is None:
+            options["prepare_args"] = training_args_hook(args[0])  # the loader's own, where it names one
+        kwargs = {k: v for k, v in options.items() if k in accepted and v is not None}
         declared = args[0].purposes
         if declared is not None and self.purpose not in declared:
             import pytest
@@ -98,21 +104,22 @@ class Check(NamedTuple):
             pytest.skip(f"{self.name}: loader {args[0].name} is declared for {' and '.join(declared)} only; this "
                         f"check needs a {self.purpose} load")
         if not self.isolated:
-            return self.function(*args)
+            return self.function(*args, **kwargs)
         from pytest_llmload.failures import preload_for_isolated_checks
         from pytest_llmload.runners import isolated_marker, isolation
 
         preload_for_isolated_checks(args[1])
-        isolation.run_isolated(self.function, args, timeout=self.timeout, label=self.name,
+        isolation.run_isolated(self.function, args, kwargs, timeout=self.timeout, label=self.name,
                                render=isolated_marker.render_failure)
 
     def on_gpu(self) -> "Check":
         """The same check on ``cuda:0`` (the write-ups' own setup), named ``<name>_cuda``, needing 1 GPU."""
         function = self.function
 
-        def on_cuda(loader, checkpoint, workdir):
-            return function(loader, checkpoint, workdir, device="cuda:0")
+        def on_cuda(loader, checkpoint, workdir, **options):
+            return function(loader, checkpoint, workdir, device="cuda:0", **options)
 
+        on_cuda.llmload_keywords = _keywords(function)
         on_cuda.__doc__ = (function.__doc__ or "").replace(":", " on cuda:0 (the write-up's own setup):", 1)
         on_cuda.__name__ = on_cuda.__qualname__ = f"{self.name}_cuda"
         on_cuda.__module__ = function.__module__
@@ -130,3 +137,14 @@ class Check(NamedTuple):
         if SpecifierSet(self.transformers).contains(installed, prereleases=True):
             return None
         return f"{self.name}: transformers {installed} does not have {self.failure.id}; the check applies to transformers{self.transformers}"
+
+
+def _keywords(function: Callable) -> frozenset:
+    """The keyword arguments a check function takes (a GPU variant: those of the check it wraps)."""
+    import inspect
+
+    declared = getattr(function, "llmload_keywords", None)
+    if declared is not None:
+        return declared
+    return frozenset(name for name, p in inspect.signature(function).parameters.items()
+                     if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))

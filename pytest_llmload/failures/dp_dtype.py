@@ -132,7 +132,8 @@ def check_trainer_does_not_wrap_placed_model(
         shutil.rmtree(stage1)
     write_stage1_checkpoint(Path(checkpoint), stage1)
 
-    request = LoadRequest(stage1, purpose="train", dtype="bfloat16", device="cpu", quantization="4bit", lora=True)
+    request = LoadRequest(stage1, purpose="train", dtype="bfloat16", device="cpu", quantization="4bit", lora=True,
+                          gpu_count=simulated_n_gpu)
     model = call_loader(loader, request).model
     if not _is_4bit(model):
         # DataParallel over a plain, unplaced model is ordinary and works: not this failure's scenario.
@@ -178,23 +179,10 @@ def check_trainer_does_not_wrap_placed_model(
         )
 
 
-def _with_training_script_fix(check):
-    # Write-up 003's fix lives in the training script, not the loader: the check gives the loader's model
-    # to a 2-GPU Trainer whose arguments went through the fix, as a training script using this package does.
-    # Without it, stock Trainer fails every 4-bit model (tests/failures/test_dp_dtype.py).
-    from pytest_llmload.trainer_guard import prepare_training_args_for_placed_model
-
-    def check_with_fix(loader, checkpoint, workdir):
-        return check(loader, checkpoint, workdir, prepare_args=prepare_training_args_for_placed_model)
-
-    check_with_fix.__doc__ = check.__doc__
-    return check_with_fix
-
-
 # Isolated: Trainer leaves accelerate's process-wide AcceleratorState behind (class-level singletons that later
 # tests and forked ranks inherit) and reseeds the global RNGs; the 4-bit load runs bitsandbytes' native code.
 CHECKS = (
-    Check(_with_training_script_fix(check_trainer_does_not_wrap_placed_model), failure=FAILURE,
-          label="check_trainer_does_not_wrap_placed_model", timeout=180, purpose="train",
-          isolated=True),
+    # Trainer as transformers ships it; a training script's own fix comes in as `prepare_args` (the
+    # llmload_training_args_hook option, ini key or loader attribute), as it does in the script.
+    Check(check_trainer_does_not_wrap_placed_model, failure=FAILURE, timeout=180, purpose="train", isolated=True),
 )

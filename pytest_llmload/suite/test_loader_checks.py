@@ -11,5 +11,5 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("check", check_params(expected_failed_checks=expected))
 
 
-def test_loader_check(check, llmload_loader, llmload_checkpoint, tmp_path):
-    check(llmload_loader, llmload_checkpoint, tmp_path)
+def test_loader_check(check, llmload_loader, llmload_checkpoint, tmp_path, llmload_check_options):
+    check(llmload_loader, llmload_checkpoint, tmp_path, **llmload_check_options)

@@ -12,7 +12,7 @@ import pytest
 from fixtures import tiny_llama
 from fixtures.loaders import before_meta_backward
 from pytest_llmload import LoadRequest, call_loader
-from pytest_llmload.loading import LoaderError
+from pytest_llmload.loading import LoaderError, LoaderModelError
 from pytest_llmload import scenarios
 from pytest_llmload.failures import meta_backward
 from pytest_llmload.memory import TrainingBudgetError
@@ -145,8 +145,9 @@ def test_a_loaders_own_errors_are_loader_errors_not_this_failure(loader, expecte
 
 
 @pytest.mark.timeout(60)
-def test_train_check_fails_a_model_that_cannot_train(llmload_checkpoint, tmp_path):
-    with pytest.raises(AssertionError, match="no parameter requires grad: the returned model cannot train"):
+def test_a_whole_model_that_cannot_train_is_the_loaders_error_not_this_failure(llmload_checkpoint, tmp_path):
+    with pytest.raises(LoaderModelError, match="(?s)loaded whole with nothing offloaded, cannot train.*not write-up "
+                                               "002's failure.*no parameter requires grad: the returned model cannot"):
         meta_backward.check_train_request_trains(returns_a_frozen_model, llmload_checkpoint, tmp_path,
                                                  variants=[(None, False, False)])
 

@@ -49,6 +49,21 @@ def _require_quantization_here(quantization: str = "4bit") -> None:
             pytest.skip(f"quantized-cast loads in 8-bit: {why}")
 
 
+def _dtype_without_dtype_kwarg(quantization: str) -> str:
+    """The dtype the installed transformers gives a bitsandbytes model's non-quantized weights when
+    ``from_pretrained`` gets no dtype: probed from its bitsandbytes quantizer. transformers 4.x forces float16
+    there (``update_dtype``, ``update_torch_dtype`` before 4.56: "Overriding dtype=None with `dtype=torch.float16`
+    due to requirements of `bitsandbytes`"); 5.x leaves it alone, so the weights keep the checkpoint's float32."""
+    from transformers import BitsAndBytesConfig
+    from transformers.quantizers.auto import AutoHfQuantizer
+
+    config = BitsAndBytesConfig(load_in_4bit=True) if quantization == "4bit" else BitsAndBytesConfig(load_in_8bit=True)
+    quantizer = AutoHfQuantizer.from_config(config)
+    update = getattr(quantizer, "update_dtype", None) or quantizer.update_torch_dtype
+    forced = update(None)
+    return "float32" if forced is None else str(forced).removeprefix("torch.")
+
+
 def _quantized_model(checkpoint, quantization: str):
     """The report's load: quantization_config and no dtype, whole on the CPU."""
     import torch
@@ -78,16 +93,18 @@ def test_casting_a_quantized_model_raises_transformers_refusal(llmload_checkpoin
 
     _require_quantization_here(quantization)
     model = _quantized_model(llmload_checkpoint, quantization)
+    loaded_in = _dtype_without_dtype_kwarg(quantization)  # float32 (the checkpoint's) on 5.x, float16 on 4.x
+    assert {str(p.dtype) for p in model.parameters() if p.is_floating_point()} == {f"torch.{loaded_in}"}
     do = {"half": lambda: model.half(), "to_float16": lambda: model.to(torch.float16),
           "to_dtype_bfloat16": lambda: model.to(dtype=torch.bfloat16)}[cast]
     with pytest.raises(ValueError) as excinfo:
         do()
     assert str(excinfo.value).startswith(expected), str(excinfo.value)
     assert quantized_cast.FAILURE.matches(str(excinfo.value))
-    # The model is untouched: still quantized, its other weights still the checkpoint's float32.
+    # The model is untouched: still quantized, its other weights still in the dtype it was loaded in.
     quantized, _ = quantized_cast.quantized_layers(model, quantization)
     assert len(quantized) == QUANTIZED
-    assert {str(p.dtype) for p in model.parameters() if p.is_floating_point()} == {"torch.float32"}
+    assert {str(p.dtype) for p in model.parameters() if p.is_floating_point()} == {f"torch.{loaded_in}"}
 
 
 def test_the_before_loader_raises_it_from_its_own_cast(llmload_checkpoint):
@@ -142,10 +159,18 @@ def test_check_fails_when_the_cast_error_is_swallowed(llmload_checkpoint, tmp_pa
                                                            variants=(("4bit", "float16"), ("4bit", "bfloat16")))
     message = str(excinfo.value)
     print(message)
-    assert message.startswith("2 of 2 quantized requests failed")
+    # With the cast swallowed, the other weights keep the dtype from_pretrained gave them without dtype=: the
+    # checkpoint's float32 on transformers 5.x, so both requests fail; float16 on 4.x (its bitsandbytes quantizer
+    # forces it), so there the float16 request really gets float16 weights and only the bfloat16 one fails.
+    loaded_in = _dtype_without_dtype_kwarg("4bit")
+    failing = [dtype for dtype in ("float16", "bfloat16") if dtype != loaded_in]
+    assert message.startswith(f"{len(failing)} of 2 quantized requests failed")
     for dtype in ("float16", "bfloat16"):
+        if dtype not in failing:
+            assert f"[4bit, {dtype}]" not in message
+            continue
         assert (f"[4bit, {dtype}] {QUANTIZED} 4bit layers, but {NON_QUANTIZED} of {NON_QUANTIZED} non-quantized "
-                f"parameters are float32, not the requested {dtype}, e.g. ['model.embed_tokens.weight', ") in message
+                f"parameters are {loaded_in}, not the requested {dtype}, e.g. ['model.embed_tokens.weight', ") in message
     assert "and the 4-bit layers compute in float32 (bnb_4bit_compute_dtype): the dtype never reached from_pretrained" \
         in message
 
@@ -214,10 +239,10 @@ def test_check_accepts_a_4bit_compute_dtype_as_the_requested_dtype(llmload_check
                                                        variants=(("4bit", "float16"), ("4bit", "bfloat16")))
     accepted = [r.getMessage() for r in caplog.records if "accepted" in r.getMessage()]
     # Which dtype the other weights get without dtype= is the installed transformers' default: float32 from the
-    # checkpoint on 5.x, float16 forced by the bitsandbytes quantizer on 4.x.
-    import transformers
-
-    expected = 2 if int(transformers.__version__.split(".")[0]) >= 5 else 1  # 4.x: float16, so bfloat16 only
+    # checkpoint on 5.x (both requests accepted on the compute dtype), float16 forced by the bitsandbytes quantizer
+    # on 4.x (the float16 request needs no acceptance, so bfloat16 only).
+    loaded_in = _dtype_without_dtype_kwarg("4bit")
+    expected = len([dtype for dtype in ("float16", "bfloat16") if dtype != loaded_in])
     assert len(accepted) == expected and all("every Linear4bit computes in" in line for line in accepted), accepted
 
 
