@@ -21,6 +21,17 @@ Measured here (peft 0.21, accelerate 1.15, transformers 5.23, torch 2.13, CPU wi
   device_map="auto", max_memory=...)``) loads *silently* with the LoRA weights of the disk-offloaded layers on
   ``meta`` and generates garbage (token 0 repeated here).
 
+Measured on the hf-4.56 stack (peft 0.17.1, accelerate 1.10.1, transformers 4.56.2, torch 2.13), the same calls
+fail earlier and louder:
+
+- ``PeftModel.from_pretrained(offloaded_base, adapter_dir)``, with or without the budget, raises ``KeyError:
+  'base_model.model.model.model.layers.0.input_layernorm'`` in peft's ``_update_offload`` (before any
+  ``dispatch_model``): it prefixes the checkpoint's keys, which already start with ``model.``, with the root
+  module's name again (huggingface/peft#2213, hiyouga/LlamaFactory#6030; later peft tries both forms);
+- transformers' ``base.load_adapter(dir)`` re-dispatches the model without removing accelerate's hooks, and
+  ``dispatch_model``'s ``model.to(device)`` hits accelerate's guard: ``RuntimeError: You can't move a model that
+  has some modules offloaded to cpu or disk.`` (that text alone is the ``move-offloaded`` entry's signature).
+
 The fix that worked in the field (tloen/alpaca-lora#368): one device, no offload -- load the base whole
 (``device_map={"": device}``), then the adapter. :func:`adapter_placement_kwargs` and :func:`put_adapter` do
 that honestly: whole on the device when the budget holds it; on an accelerator whose budget cannot, whole on
@@ -40,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 import traceback
 from collections.abc import Callable, Iterator
@@ -57,17 +69,22 @@ Loader = Callable[[LoadRequest], Any]
 META_COPY = r"Cannot copy out of meta tensor"
 # The check's own verdicts and the fix's refusal all carry the id.
 TAG = "adapter-on-offloaded"
+# peft <= 0.17's _update_offload (adapter on a disk-offloaded base) looks up a module name with the root prefix
+# doubled: KeyError: 'base_model.model.model.model.layers.0.input_layernorm' (huggingface/peft#2213).
+PEFT_OFFLOAD_KEY = r"KeyError: 'base_model\.model\.[\w.]+'"
 # Frames where an adapter is put on (or merged into) a model: peft's and transformers' integration.
-ADAPTER_FRAMES = r"\bin (load_adapter|merge_and_unload|_unload_and_optionally_merge)\b"
+ADAPTER_FRAMES = r"\bin (load_adapter|_update_offload|merge_and_unload|_unload_and_optionally_merge)\b"
+# The same frames in the check's "module:function -> ..." form (see _frames).
+_ADAPTER_CALLS = r"(?:^| )peft\.|:(?:load_adapter|_update_offload|merge_and_unload|_unload_and_optionally_merge)\b"
 
 FAILURE = KnownFailure(
     id="adapter-on-offloaded",
     title="a trained PEFT adapter put onto a base model that device_map offloaded to cpu/disk",
     write_up=("tloen/alpaca-lora#368, tloen/alpaca-lora#536, SCIR-HI/Huatuo-Llama-Med-Chinese#75, "
-              "QwenLM/Qwen3#297"),
-    signatures=(META_COPY, TAG),
-    # torch raises META_COPY for any copy of a meta tensor (a .cpu() of an offloaded model too): this entry needs
-    # the adapter's frames.
+              "QwenLM/Qwen3#297, huggingface/peft#2213, hiyouga/LlamaFactory#6030"),
+    signatures=(META_COPY, PEFT_OFFLOAD_KEY, TAG),
+    # torch raises META_COPY for any copy of a meta tensor (a .cpu() of an offloaded model too), and a KeyError on
+    # a peft module name can come from anywhere: this entry needs the adapter's frames.
     context=(rf"{ADAPTER_FRAMES}|{TAG}",),
     root_cause=(
         "The base was loaded with device_map and a max_memory it exceeds, so part of it is on 'meta' behind "
@@ -75,7 +92,9 @@ FAILURE = KnownFailure(
         "with a device map planned without the loader's budget: when that map has one device it calls "
         "model.to(device) on meta weights (the error); otherwise the adapter weights of offloaded layers stay on "
         "meta, and generate or merge_and_unload fail (KeyError in accelerate's weights map) or, through "
-        "transformers' load_adapter, silently generate garbage."
+        "transformers' load_adapter, silently generate garbage. peft <= 0.17 fails before that, in "
+        "_update_offload (KeyError on a 'base_model.model.model.model...' name); transformers 4.x's "
+        "load_adapter re-dispatches without removing the hooks and accelerate refuses the move (RuntimeError)."
     ),
     fix=(
         "Do not put an adapter on an offloaded base: load the base whole on one device (device_map={'': device}) "
@@ -84,11 +103,13 @@ FAILURE = KnownFailure(
         "before loading (pytest_llmload.failures.adapter_on_offloaded.adapter_placement_kwargs / put_adapter)."
     ),
     occurs=("peft 0.x with accelerate offload (reproduced: peft 0.21, accelerate 1.15, transformers 5.23, "
-            "torch 2.13, CPU with disk offload); reports on cuda:N with cpu/disk offload, 8-bit bases included."),
-    tell=r"big_modeling\.py\", line \d+, in dispatch_model",
+            "torch 2.13, CPU with disk offload; and peft 0.17.1, accelerate 1.10.1, transformers 4.56.2 as a "
+            "KeyError in peft's _update_offload / accelerate's move refusal); reports on cuda:N with cpu/disk "
+            "offload, 8-bit bases included."),
+    tell=r"(?:peft_model\.py\", line \d+, in _update_offload|big_modeling\.py\", line \d+, in dispatch_model)",
     without_tell=(
-        "no accelerate dispatch_model frame in the traceback: check hf_device_map for 'cpu'/'disk' entries and "
-        "where the adapter's lora_ weights are (meta?) before blaming the adapter load."
+        "no accelerate dispatch_model (or peft _update_offload) frame in the traceback: check hf_device_map for "
+        "'cpu'/'disk' entries and where the adapter's lora_ weights are (meta?) before blaming the adapter load."
     ),
 )
 
@@ -362,7 +383,7 @@ def check_adapter_on_offloaded_base(loader: Loader, checkpoint, workdir, *, devi
             return  # a clear refusal of the budget by the loader's own code: no adapter was put on an offloaded base
         offloaded = [_offloaded_tiers(m, device) for _, m in loads if _offloaded_tiers(m, device)]
         frames = _frames(original)
-        if offloaded and ("peft." in frames or META_COPY in str(original)):
+        if offloaded and (re.search(_ADAPTER_CALLS, frames) or META_COPY in str(original)):
             spread = offloaded[-1]
             raise AssertionError(
                 f"{TAG}: putting the adapter on the offloaded base raised {type(original).__name__}: {original}\n"

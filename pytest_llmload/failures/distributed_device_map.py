@@ -40,7 +40,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from pytest_llmload.failures.base import Check, KnownFailure
+from pytest_llmload.failures.base import Check, KnownFailure, not_exercised
 from pytest_llmload.loading import call_loader
 from pytest_llmload.request import LoadRequest
 from pytest_llmload.runners import ranks
@@ -130,7 +130,13 @@ def local_rank(environ: Mapping[str, str]) -> int:
     return 0 if value is None or value < 0 else value
 
 
-MODES = ("deepspeed", "ddp")
+# "ddp-budget": DDP again, with a max_memory in the request that cannot hold the model (a loader that honours it
+# with a device_map spreads the model on every rank; refusing it is fine).
+MODES = ("deepspeed", "ddp", "ddp-budget")
+# On a CPU runner "auto" has one device to use: the placement each rank asked from_pretrained for is also planned,
+# with accelerate's own planner on an empty-weights copy, for a runner with this many GPUs of this size.
+SIMULATED_GPUS = 2
+SIMULATED_GPU_BYTES = 80 * 2**30
 # DeepSpeed ZeRO-2 with the torch optimizer accelerate is given (hence "untested optimizer"); the micro batch
 # size is the batch of the step below, since no dataloader goes through prepare().
 BATCH = 2
@@ -157,7 +163,14 @@ def check_distributed_train_step(
     modes: Sequence[str] = MODES,
     timeout: float = 120.0,
 ) -> None:
-    """Seed 004: on 2 ranks a train load prepares under accelerate DeepSpeed ZeRO-2 and DDP; a step, equal losses (needs deepspeed)."""
+    """Seed 004: on 2 ranks a train load prepares under DeepSpeed ZeRO-2 and DDP (also with a budget), and trains.
+
+    Each rank loads ``LoadRequest(purpose="train", deepspeed=<mode>, gpu_count=2)``, prepares with accelerate and
+    takes a step; equal losses on every rank after it. The placement each rank passed to ``from_pretrained``
+    (``device_map``, ``max_memory``) is also planned with accelerate's own planner for a runner with 2 GPUs: a
+    placement that would spread the model there (``"auto"``, ``"balanced"``, a multi-device map) fails with the
+    planned map and accelerate's own error. A loader that pins each rank to its accelerator index
+    (``{"": LOCAL_RANK}``) is skipped on a runner without accelerators. Needs deepspeed."""
     unknown = [mode for mode in modes if mode not in MODES]
     if unknown or not modes:
         raise ValueError(f"check_distributed_train_step(modes={tuple(modes)!r}): choose from {MODES}.")
@@ -175,6 +188,11 @@ def check_distributed_train_step(
             _load_prepare_and_step, world_size, args=(loader, os.fspath(checkpoint), os.fspath(workdir), mode, backend),
             backend=backend, timeout=timeout,
         )
+        skipped = [result["skip"] for result in results if "skip" in result]
+        if skipped:
+            not_exercised("check_distributed_train_step", skipped[0], "a distributed train load")
+        if all("refused" in result for result in results):
+            continue  # the budget cannot hold the model, and the loader said so: not this failure
         problems += [f"{mode}: {problem}" for problem in _judge(results)]
     if problems:
         raise AssertionError(
@@ -204,9 +222,13 @@ def _judge(results: list[dict]) -> list[str]:
     problems = []
     for rank, result in enumerate(results):
         if "prepare_error" in result:
-            entries = result["device_map"]
-            where = (f"hf_device_map has {len(entries)} entries: {entries}" if entries
-                     else "the model has no hf_device_map")
+            entries, planned = result["device_map"], result.get("planned")
+            if planned:
+                where = (f"it passed {result['placement']} to from_pretrained, which on a runner with "
+                         f"{SIMULATED_GPUS} GPUs places the model as {planned} (accelerate's planner)")
+            else:
+                where = (f"hf_device_map has {len(entries)} entries: {entries}" if entries
+                         else "the model has no hf_device_map")
             problems.append(f"rank {rank}: accelerator.prepare() raised {result['prepare_error']} ({where})")
     if problems:
         return problems
@@ -236,14 +258,50 @@ def _load_prepare_and_step(loader: Loader, checkpoint: str, workdir: str, mode: 
     from accelerate import Accelerator
     from accelerate.utils import DistributedType
 
+    from transformers import PreTrainedModel
+
+    from pytest_llmload.loading import LoaderError
+    from pytest_llmload.scenarios import offload_budget, refusal_problem
+
     rank = dist.get_rank()
     device = f"cuda:{local_rank(os.environ)}" if backend == "nccl" else "cpu"
     request = LoadRequest(
         checkpoint, purpose="train", device=device, deepspeed=mode == "deepspeed",
         offload_folder=Path(workdir) / f"offload-{mode}-rank{rank}",
+        max_memory=offload_budget(checkpoint, device) if mode == "ddp-budget" else None,
+        gpu_count=torch.cuda.device_count() if backend == "nccl" else SIMULATED_GPUS,
     )
-    model = call_loader(loader, request).model
+    asked: list[dict] = []
+    original = PreTrainedModel.__dict__["from_pretrained"]
+
+    def recording(cls, *args, **kwargs):
+        asked.append({key: kwargs[key] for key in ("device_map", "max_memory") if kwargs.get(key) is not None})
+        return original.__func__(cls, *args, **kwargs)
+
+    PreTrainedModel.from_pretrained = classmethod(recording)
+    try:
+        model = call_loader(loader, request).model
+    except LoaderError as exc:
+        placement = asked[0] if asked else {}
+        pinned = placement.get("device_map")
+        if isinstance(pinned, dict) and pinned and all(not isinstance(v, str) or v.startswith("cuda")
+                                                         for v in pinned.values()) and not torch.cuda.is_available():
+            return {"skip": f"pins each rank to its accelerator index (device_map={pinned!r}) on a runner without "
+                            f"accelerators, which cannot load it ({type(exc.original).__name__})"}
+        if mode == "ddp-budget" and refusal_problem(exc.original) is None:
+            return {"refused": str(exc.original)}
+        raise
+    finally:
+        PreTrainedModel.from_pretrained = original
     device_map = {name: str(where) for name, where in (getattr(model, "hf_device_map", None) or {}).items()}
+    planned = None
+    if backend != "nccl" and len(set(device_map.values())) <= 1 and asked:
+        planned = _plan_on_gpus(checkpoint, asked[0], request)
+        if planned is not None and len(set(planned.values())) > 1:
+            # What accelerate would see on that runner: its own check decides, with its own message.
+            model.hf_device_map = planned
+        else:
+            planned = None
     if mode == "deepspeed":
         from accelerate.utils import DeepSpeedPlugin
 
@@ -258,7 +316,9 @@ def _load_prepare_and_step(loader: Loader, checkpoint: str, workdir: str, mode: 
     try:
         model, optimizer = accelerator.prepare(model, optimizer)
     except Exception as exc:  # noqa: BLE001 - whatever prepare() refuses is the finding
-        return {"device_map": device_map, "prepare_error": f"{type(exc).__name__}: {exc}"}
+        return {"device_map": device_map, "prepare_error": f"{type(exc).__name__}: {exc}", "planned": planned,
+                "placement": {k: (v if isinstance(v, (str, int)) else dict(v)) for k, v in asked[0].items()}
+                if asked else {}}
 
     vocab = accelerator.unwrap_model(model).config.vocab_size
     probe = torch.randint(2, vocab, (BATCH, SEQUENCE), generator=torch.Generator().manual_seed(0))
@@ -274,6 +334,39 @@ def _load_prepare_and_step(loader: Loader, checkpoint: str, workdir: str, mode: 
         after = model(input_ids=probe, labels=probe).loss.item()
     return {"device_map": device_map, "distributed_type": str(accelerator.distributed_type),
             "probe_loss_before": before, "step_loss": loss.item(), "probe_loss_after": after}
+
+
+def _plan_on_gpus(checkpoint: str, placement: dict, request: LoadRequest) -> Optional[dict]:
+    """Where ``from_pretrained(device_map=..., max_memory=...)`` would put the model on a runner with
+    :data:`SIMULATED_GPUS` GPUs, by accelerate's own planner on an empty-weights copy; ``None`` when the placement
+    does not spread (no device_map, one device) or cannot be planned here."""
+    device_map = placement.get("device_map")
+    if device_map is None:
+        return None
+    if isinstance(device_map, dict):
+        return {name: str(where) for name, where in device_map.items()}
+    if not isinstance(device_map, str) or device_map not in ("auto", "balanced", "balanced_low_0", "sequential"):
+        return None  # a single device ("cpu", "cuda:0", ...)
+    try:
+        from accelerate import init_empty_weights, infer_auto_device_map
+        from accelerate.utils import get_balanced_memory
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        with init_empty_weights():
+            empty = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint))
+        no_split = getattr(empty, "_no_split_modules", None) or []
+        budget = placement.get("max_memory")
+        gpus = {i: SIMULATED_GPU_BYTES for i in range(SIMULATED_GPUS)}
+        max_memory = {**gpus, "cpu": 2**40} if budget is None else {**gpus, **budget} if not any(
+            isinstance(k, int) for k in budget) else dict(budget)
+        if device_map != "sequential":
+            max_memory = get_balanced_memory(empty, max_memory=max_memory, no_split_module_classes=no_split,
+                                             dtype=request.torch_dtype, low_zero=device_map == "balanced_low_0")
+        planned = infer_auto_device_map(empty, max_memory=max_memory, no_split_module_classes=no_split,
+                                        dtype=request.torch_dtype)
+    except Exception:  # noqa: BLE001 - an accelerate that cannot plan for absent GPUs: no verdict from planning
+        return None
+    return {name: str(where) for name, where in planned.items()}
 
 
 # Not isolated: its work already runs in ranks it forks (deadline, stacks, exit codes included), and the

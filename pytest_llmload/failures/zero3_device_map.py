@@ -6,12 +6,14 @@ Trainer makes one from ``TrainingArguments(deepspeed=...)``, accelerate's ``Deep
 under ``deepspeed.zero.Init``, which partitions every parameter over the ranks as it is created. A
 ``device_map`` says where whole modules go, which contradicts that, so transformers refuses any non-None
 ``device_map`` before reading a weight (``check_and_set_device_map`` in ``transformers/integrations/accelerate.py``,
-transformers 5.x)::
+transformers 5.x; inline in ``PreTrainedModel.from_pretrained`` in ``transformers/modeling_utils.py``, same text,
+on transformers 4.56)::
 
     ValueError: DeepSpeed Zero-3 is not compatible with passing a `device_map`.
 
-Up to transformers 4.4x the same refusal read ``DeepSpeed Zero-3 is not compatible with `low_cpu_mem_usage=True`
-or with passing a `device_map`.`` (a ``device_map`` turned ``low_cpu_mem_usage`` on; 5.x ignores that argument).
+Older 4.x releases raised the same refusal as ``DeepSpeed Zero-3 is not compatible with `low_cpu_mem_usage=True`
+or with passing a `device_map`.`` (a ``device_map`` turned ``low_cpu_mem_usage`` on; 5.x ignores that argument);
+the signature matches both texts.
 Seen in huggingface/peft#306 (``device_map={'': 0}`` under an accelerate ZeRO-3 config), huggingface/accelerate#2543
 (accelerate ZeRO-3 with ``zero3_init_flag``), hiyouga/LlamaFactory#199 and #3949, QwenLM/Qwen#833 (the
 fine-tuning script's ``device_map`` under ``--deepspeed`` ZeRO-3), shibing624/MedicalGPT#477 (the 5.x text).
@@ -54,8 +56,9 @@ from pytest_llmload.runners import ranks
 
 Loader = Callable[[LoadRequest], Any]
 
-# transformers >= 5 (integrations/accelerate.py, check_and_set_device_map) and transformers 4.x
-# (modeling_utils.from_pretrained, when device_map or low_cpu_mem_usage=True was given).
+# transformers >= 5 (integrations/accelerate.py, check_and_set_device_map), transformers 4.56 (the same text, raised
+# in modeling_utils.from_pretrained) and older 4.x (modeling_utils.from_pretrained, with "`low_cpu_mem_usage=True`
+# or with", when device_map or low_cpu_mem_usage=True was given).
 ERROR_RE = (r"DeepSpeed Zero-3 is not compatible with (?:`?low_cpu_mem_usage=True`? or with )?passing a "
             r"`?device_map`?")
 
@@ -219,14 +222,21 @@ def zero3_refusal(exc: BaseException) -> BaseException | None:
 def device_map_in_traceback(exc: BaseException) -> str:
     """The ``device_map`` the caller gave ``from_pretrained``, read from the frames of ``exc``'s traceback.
 
-    The outermost ``transformers.modeling_utils`` ``from_pretrained`` frame holds the argument as passed (the
-    refusal is raised before it is reassigned); failing that, any frame's ``device_map`` local. ``"?"`` when no
-    frame has one.
+    Outermost first, the frames of ``transformers`` modules: a ``kwargs`` dict holding ``device_map`` (the
+    auto-class ``from_pretrained``; on 4.x also the dtype-restoring ``_wrapper`` around the model class's) or a
+    ``from_pretrained`` frame's own ``device_map`` local. The outermost one holds the argument as passed: on
+    transformers 4.56 the innermost ``from_pretrained`` frame has already turned ``"cpu"`` into
+    ``{"": torch.device("cpu")}`` when it raises (5.x does that in ``check_and_set_device_map``, leaving the
+    caller's frame alone). Failing those, any frame's ``device_map`` local. ``"?"`` when no frame has one.
     """
     frames = [frame for frame, _ in traceback.walk_tb(exc.__traceback__)]
     for frame in frames:
-        if (frame.f_code.co_name == "from_pretrained" and frame.f_globals.get("__name__") == "transformers.modeling_utils"
-                and frame.f_locals.get("device_map") is not None):
+        if not str(frame.f_globals.get("__name__", "")).startswith("transformers."):
+            continue
+        kwargs = frame.f_locals.get("kwargs")
+        if isinstance(kwargs, dict) and kwargs.get("device_map") is not None:
+            return repr(kwargs["device_map"])
+        if frame.f_code.co_name == "from_pretrained" and frame.f_locals.get("device_map") is not None:
             return repr(frame.f_locals["device_map"])
     for frame in reversed(frames):
         if frame.f_locals.get("device_map") is not None:

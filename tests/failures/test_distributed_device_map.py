@@ -123,8 +123,8 @@ def test_check_fails_on_the_before_loader(llmload_checkpoint, tmp_path, monkeypa
         check.check_distributed_train_step(before_distributed_device_map.load, llmload_checkpoint, tmp_path)
     message = str(excinfo.value)
     assert message.startswith("write-up 004: the loader's model does not train on every rank of a 2-rank gloo "
-                              "group (4 problems):")
-    for mode in ("deepspeed", "ddp"):
+                              "group (6 problems):")
+    for mode in ("deepspeed", "ddp", "ddp-budget"):
         for rank in (0, 1):
             assert (f"{mode}: rank {rank}: accelerator.prepare() raised ValueError: {DEVICE_MAP_ERROR} "
                     f"(hf_device_map has 8 entries: {SPREAD})") in message
@@ -311,3 +311,64 @@ def test_accelerates_decision_is_read_correctly():
     assert not _accelerate_says_distributed({})
     assert not _accelerate_says_distributed({"RANK": "0"})  # accelerate ignores RANK alone; the rule does not
     assert is_distributed({"RANK": "0"})
+
+
+
+def auto_on_every_rank(request):
+    """The write-up's mistake in its purest form: device_map="auto" whatever the environment says. On a CPU runner
+    "auto" has one device; on a runner with GPUs it spreads even a small model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(request.model_path, device_map="auto", local_files_only=True)
+    return model, AutoTokenizer.from_pretrained(request.model_path, local_files_only=True)
+
+
+def pins_each_rank_to_its_gpu(request):
+    """Write-up 004's usual fix on GPU runners: the whole model on the rank's own accelerator."""
+    import os
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(request.model_path, device_map={"": int(os.environ["LOCAL_RANK"])},
+                                                 local_files_only=True)
+    return model, AutoTokenizer.from_pretrained(request.model_path, local_files_only=True)
+
+
+@pytest.mark.timeout(180)
+def test_auto_on_a_cpu_runner_fails_with_the_map_accelerate_plans_for_two_gpus(llmload_checkpoint, tmp_path):
+    pytest.importorskip("deepspeed")
+    with pytest.raises(AssertionError) as excinfo:
+        check.check_distributed_train_step(auto_on_every_rank, llmload_checkpoint, tmp_path, modes=("ddp",))
+    message = str(excinfo.value)
+    assert f"ddp: rank 0: accelerator.prepare() raised ValueError: {DEVICE_MAP_ERROR}" in message
+    assert ("(it passed {'device_map': 'auto'} to from_pretrained, which on a runner with 2 GPUs places the model "
+            "as {'model.embed_tokens': '0'") in message and "'lm_head': '1'} (accelerate's planner))" in message
+
+
+@pytest.mark.timeout(180)
+def test_pinning_each_rank_to_its_gpu_is_skipped_on_a_runner_without_gpus(llmload_checkpoint, tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("on a runner with GPUs this loader is exercised for real")
+    with pytest.raises(pytest.skip.Exception, match=r"not exercised: check_distributed_train_step: the loader pins "
+                                                    r"each rank to its accelerator index \(device_map=\{'': 0\}\)"):
+        check.check_distributed_train_step(pins_each_rank_to_its_gpu, llmload_checkpoint, tmp_path, modes=("ddp",))
+
+
+@pytest.mark.timeout(180)
+def test_a_loader_that_honours_a_budget_on_every_rank_fails_the_budgeted_variant(llmload_checkpoint, tmp_path):
+    """The budgeted variant: a rank whose request carries a max_memory that cannot hold the model. A loader that
+    honours it with device_map="auto" offloads on every rank; the reference loader refuses it and passes."""
+    def honours_the_budget(request):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        kwargs = {} if request.max_memory is None else {"device_map": "auto", "max_memory": request.max_memory,
+                                                        "offload_folder": request.offload_folder}
+        return (AutoModelForCausalLM.from_pretrained(request.model_path, local_files_only=True, **kwargs),
+                AutoTokenizer.from_pretrained(request.model_path, local_files_only=True))
+
+    with pytest.raises(AssertionError, match=r"ddp-budget: rank 0: accelerator.prepare\(\) raised ValueError: "):
+        check.check_distributed_train_step(honours_the_budget, llmload_checkpoint, tmp_path / "b",
+                                           modes=("ddp", "ddp-budget"))
+    check.check_distributed_train_step(reference_loader, llmload_checkpoint, tmp_path / "r", modes=("ddp-budget",))
