@@ -360,13 +360,29 @@ def _plan_on_gpus(checkpoint: str, placement: dict, request: LoadRequest) -> Opt
         max_memory = {**gpus, "cpu": 2**40} if budget is None else {**gpus, **budget} if not any(
             isinstance(k, int) for k in budget) else dict(budget)
         if device_map != "sequential":
-            max_memory = get_balanced_memory(empty, max_memory=max_memory, no_split_module_classes=no_split,
-                                             dtype=request.torch_dtype, low_zero=device_map == "balanced_low_0")
+            try:
+                max_memory = get_balanced_memory(empty, max_memory=max_memory, no_split_module_classes=no_split,
+                                                 dtype=request.torch_dtype, low_zero=device_map == "balanced_low_0")
+            except RuntimeError:  # accelerate < 1.15 resolves torch.device(0), which fails without accelerators
+                max_memory = _balanced_by_hand(empty, max_memory, no_split, request.torch_dtype)
         planned = infer_auto_device_map(empty, max_memory=max_memory, no_split_module_classes=no_split,
                                         dtype=request.torch_dtype)
-    except Exception:  # noqa: BLE001 - an accelerate that cannot plan for absent GPUs: no verdict from planning
+    except Exception:  # noqa: BLE001 - a placement accelerate cannot plan here: no verdict from planning
         return None
     return {name: str(where) for name, where in planned.items()}
+
+
+def _balanced_by_hand(empty, max_memory: dict, no_split: list, dtype) -> dict:
+    """What accelerate's ``get_balanced_memory`` gives (the weights shared out over the GPUs, plus the largest
+    unsplittable block as headroom), for accelerate versions whose own cannot run without accelerators."""
+    from accelerate.utils import compute_module_sizes
+
+    sizes = compute_module_sizes(empty, dtype=dtype)
+    blocks = [sizes[name] for name, module in empty.named_modules() if type(module).__name__ in no_split]
+    gpus = [key for key in max_memory if isinstance(key, int)]
+    share = sizes[""] // max(len(gpus), 1) + max(blocks, default=0)
+    return {key: (min(share, value) if isinstance(key, int) and key != gpus[-1] else value)
+            for key, value in max_memory.items()}
 
 
 # Not isolated: its work already runs in ranks it forks (deadline, stacks, exit codes included), and the
