@@ -3,6 +3,11 @@
 Every option, ini key and marker is declared here (each help text is defined once, beside the code that reads
 it); the sub-plugins in ``pytest_plugins`` add hooks only. Fixtures are in :mod:`pytest_llmload.fixtures`.
 
+One naming rule: every option, ini key, marker and fixture starts with ``llmload`` (``--llmload-...``,
+``llmload_...``), except the names the README promises as this plugin's vocabulary (the fixtures ``gpu_model``,
+``lora_model``, ``distributed_env``; the markers ``needs_gpus`` and ``gpu``) and ``limit_torch_memory``, named after
+pytest-memray's ``limit_memory``.
+
 This module is imported on every pytest run of a repo that has the plugin installed, so it imports
 nothing heavy: torch and the Hugging Face stack load only when a fixture asks for them.
 """

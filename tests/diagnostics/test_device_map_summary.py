@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from fixtures import tiny_llama
+
 from pytest_llmload import LoadRequest
 from pytest_llmload.scenarios import offload_budget
 from pytest_llmload.diagnostics.device_map_summary import placement_lines
@@ -19,12 +21,12 @@ def test_meta_weights_without_an_offloading_hook_are_called_out(llmload_checkpoi
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(llmload_checkpoint))
     assert placement_lines(model) == [
-        "modules with weights: meta 39",
-        "parameters on meta: 39 of 39 (model.embed_tokens.weight, model.layers.0.self_attn.q_proj.weight, "
+        f"modules with weights: meta {tiny_llama.PARAMETERS}",
+        f"parameters on meta: {tiny_llama.PARAMETERS} of {tiny_llama.PARAMETERS} (model.embed_tokens.weight, model.layers.0.self_attn.q_proj.weight, "
         "model.layers.0.self_attn.k_proj.weight, +36 more)",
-        "not materialised: 39 weights, 738.2 KiB to an unknown place; no accelerate hook loads them (they cannot "
+        f"not materialised: {tiny_llama.PARAMETERS} weights, 738.2 KiB to an unknown place; no accelerate hook loads them (they cannot "
         "run or train)",
-        "dtypes: meta float32 (39 params, 738.2 KiB)",
+        f"dtypes: meta float32 ({tiny_llama.PARAMETERS} params, 738.2 KiB)",
     ]
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from fixtures import tiny_llama
+
 PHASE_HANGS = """
 import threading
 import pytest
@@ -152,8 +154,8 @@ def test_a_failing_test_says_where_its_offloaded_model_is(pytester):
         "LlamaForCausalLM from */llama-float32-seed0, loaded in * s",
         "  hf_device_map: cpu 2 (model.embed_tokens, model.layers.0), disk 6 (model.layers.1, model.layers.2, "
         "model.layers.3, +3 more)",
-        "  modules with weights: cpu 10, meta 29",
-        "  parameters on meta: 29 of 39 (model.layers.1.self_attn.q_proj.weight, "
+        f"  modules with weights: cpu {tiny_llama.PARAMETERS - tiny_llama.OFFLOADED}, meta {tiny_llama.OFFLOADED}",
+        f"  parameters on meta: {tiny_llama.OFFLOADED} of {tiny_llama.PARAMETERS} (model.layers.1.self_attn.q_proj.weight, "
         "model.layers.1.self_attn.k_proj.weight, model.layers.1.self_attn.v_proj.weight, +26 more)",
         # 30 hooked modules from transformers 4.56 / accelerate 1.10 on; 33 on transformers 4.46 / accelerate 1.0.1
         "  offloaded by accelerate: 29 weights, 513.8 KiB to disk (folder */offload); hooks on 3[03] modules",
@@ -170,9 +172,9 @@ def test_a_model_loaded_whole_is_summarised_as_such(pytester):
     result.stdout.fnmatch_lines([
         "*- llmload: where the models are -*",
         "LlamaForCausalLM from */llama-float32-seed0, loaded in * s",
-        "  modules with weights: cpu 39",
-        "  parameters on meta: none of 39",
-        "  dtypes: cpu float32 (39 params, 738.2 KiB)",
+        f"  modules with weights: cpu {tiny_llama.PARAMETERS}",
+        f"  parameters on meta: none of {tiny_llama.PARAMETERS}",
+        f"  dtypes: cpu float32 ({tiny_llama.PARAMETERS} params, 738.2 KiB)",
     ])
     out = result.stdout.str()
     assert "offloaded by accelerate" not in out
