@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_llmload.failures.base import Check, KnownFailure
+from pytest_llmload.failures.distributed_device_map import BATCH, DEEPSPEED_CONFIG, LEARNING_RATE, REL_TOL, SEQUENCE
 from pytest_llmload.loading import call_loader
 from pytest_llmload.request import LoadRequest
 from pytest_llmload.runners import ranks
@@ -84,19 +85,8 @@ FAILURE = KnownFailure(
 )
 
 
-# DeepSpeed ZeRO-3 with the torch optimizer accelerate is given (hence "untested optimizer").
-BATCH = 2
-SEQUENCE = 16
-ZERO3_CONFIG = {
-    "train_micro_batch_size_per_gpu": BATCH,
-    "gradient_accumulation_steps": 1,
-    "zero_optimization": {"stage": 3},
-    "zero_allow_untested_optimizer": True,
-    "steps_per_print": 2**31 - 1,
-}
-LEARNING_RATE = 1e-2
-# Ranks run the same float32 code on the same (gathered) weights: their probe losses agree closely.
-REL_TOL = 1e-5
+# Write-up 004's DeepSpeed step (the same batch, step and tolerance), at ZeRO stage 3.
+ZERO3_CONFIG = {**DEEPSPEED_CONFIG, "zero_optimization": {"stage": 3}}
 
 
 class LoaderFailedOnRank(RuntimeError):

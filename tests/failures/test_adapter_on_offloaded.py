@@ -386,12 +386,11 @@ def test_check_skips_when_the_budget_holds_the_model(llmload_checkpoint, tmp_pat
 
 
 @pytest.fixture
-def catalog_with_this_failure(monkeypatch):
-    """The catalog as it is once this module is wired into MODULES (integration)."""
+def catalog_with_this_failure():
+    """The catalog, which lists this failure (pytest_llmload.failures.MODULES)."""
     from pytest_llmload import failures
 
-    if aoo.FAILURE not in failures.CATALOG:
-        monkeypatch.setattr(failures, "CATALOG", failures.CATALOG + (aoo.FAILURE,))
+    assert aoo.FAILURE in failures.CATALOG
     return failures
 
 

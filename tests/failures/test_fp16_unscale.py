@@ -251,10 +251,9 @@ def test_a_loaders_own_error_propagates_as_it_is(llmload_checkpoint, tmp_path):
 
 
 @pytest.fixture
-def catalog_with_fp16_unscale(monkeypatch):
-    """The catalog with this failure in it, whether or not the integration has wired it into MODULES yet."""
-    if fp16_unscale.FAILURE not in catalog.CATALOG:
-        monkeypatch.setattr(catalog, "CATALOG", catalog.CATALOG + (fp16_unscale.FAILURE,))
+def catalog_with_fp16_unscale():
+    """The catalog, which lists this failure (pytest_llmload.failures.MODULES)."""
+    assert fp16_unscale.FAILURE in catalog.CATALOG
     return catalog
 
 

@@ -312,9 +312,7 @@ def test_known_failure_section_names_quantized_cast(bnb_before_pytester_snapshot
                                                     monkeypatch):
     _require_quantization_here()
     pytester = bnb_before_pytester_snapshot
-    if "quantized-cast" not in failures.BY_ID:
-        # Until pytest_llmload.failures.MODULES lists quantized_cast (wired by integration), add it for this run.
-        monkeypatch.setattr(failures, "CATALOG", failures.CATALOG + (quantized_cast.FAILURE,))
+    assert failures.BY_ID["quantized-cast"] is quantized_cast.FAILURE
     pytester.syspathinsert(request.config.rootpath)
     pytester.makepyfile(f"""
         from fixtures.loaders import before_quantized_cast
