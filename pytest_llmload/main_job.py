@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -206,5 +207,12 @@ def run(argv: Optional[list[str]] = None, out=None) -> int:
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(json_records(results), indent=1) + "\n", encoding="utf-8")
     summary = ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items()))
-    print(f"llmload: {summary} in {time.monotonic() - started:.1f}s; pytest output: {log_path}", file=out)
+    keep = bool(failed) or bool(args.log)
+    where = f"pytest output: {log_path}" if keep else "nothing failed: pytest output removed (--log PATH keeps it)"
+    print(f"llmload: {summary} in {time.monotonic() - started:.1f}s; {where}", file=out)
+    # The log stays where --log put it, or in the temp dir while it explains a failure; nothing else is left.
+    if args.log or not keep:
+        shutil.rmtree(workdir, ignore_errors=True)
+    else:
+        progress.unlink(missing_ok=True)
     return EXIT_FAILED if failed or code not in (0, 5) else EXIT_OK

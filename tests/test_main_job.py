@@ -11,9 +11,9 @@ pytestmark = pytest.mark.timeout(300)
 REPO = Path(__file__).resolve().parents[1]
 
 
-def main_job(*args, cwd=REPO):
+def main_job(*args, cwd=REPO, env=None):
     return subprocess.run([sys.executable, "-m", "pytest_llmload", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=280)
+                          text=True, timeout=280, env=env)
 
 
 def test_reference_loader_passes_with_a_row_per_check():
@@ -120,3 +120,20 @@ def test_an_inference_only_loader_skips_the_training_checks(odd_loaders):
     assert run.returncode == 0, run.stdout + run.stderr
     assert "skipped (check_train_request_trains: loader odd_loaders:for_evaluation is declared for inference only" \
         in run.stdout
+
+
+def test_the_main_job_leaves_nothing_behind_unless_a_check_failed(odd_loaders):
+    import os
+
+    tmp = odd_loaders / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp)}
+    ok = main_job("-k", "pad_token and not cuda", env=env, cwd=odd_loaders)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "nothing failed: pytest output removed (--log PATH keeps it)" in ok.stdout
+    assert [p.name for p in tmp.iterdir() if p.name.startswith("llmload-main-")] == []
+    failed = main_job("--loader", "odd_loaders:breaks_on_train", "-k", "train_request_trains and not cuda",
+                      env=env, cwd=odd_loaders)
+    assert failed.returncode == 1
+    (kept,) = [p for p in tmp.iterdir() if p.name.startswith("llmload-main-")]
+    assert [p.name for p in kept.iterdir()] == ["pytest.log"] and f"pytest output: {kept / 'pytest.log'}" in failed.stdout
