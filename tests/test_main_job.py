@@ -11,6 +11,13 @@ pytestmark = pytest.mark.timeout(300)
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True)
+def _temp_dirs_in_tmp_path(tmp_path, monkeypatch):
+    # A main job keeps its temp dir when a check failed (by design); these tests fail checks on purpose.
+    (tmp_path / "tmpdir").mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmpdir"))
+
+
 def main_job(*args, cwd=REPO, env=None):
     return subprocess.run([sys.executable, "-m", "pytest_llmload", *args], cwd=cwd, capture_output=True,
                           text=True, timeout=280, env=env)
