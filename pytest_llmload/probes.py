@@ -122,13 +122,14 @@ def _fail_if_late(start: float, seconds: float, what: str) -> None:
 
 @contextlib.contextmanager
 def spy_classmethod(cls, name: str, calls: list) -> Iterator[None]:
-    """Record ``(cls name, caller module, caller location)`` for each call of classmethod ``cls.name``."""
+    """Record ``(cls name, caller module, caller location, keyword arguments)`` for each call of classmethod
+    ``cls.name``."""
     original = cls.__dict__[name]
 
     def spy(klass, *args, **kwargs):
         caller = sys._getframe(1)
         calls.append((klass.__name__, caller.f_globals.get("__name__", "?"),
-                      f"{caller.f_code.co_filename}:{caller.f_lineno}"))
+                      f"{caller.f_code.co_filename}:{caller.f_lineno}", kwargs))
         return original.__func__(klass, *args, **kwargs)
 
     setattr(cls, name, classmethod(spy))

@@ -53,7 +53,7 @@ def preload_for_isolated_checks(checkpoint: Union["os.PathLike[str]", str]) -> N
     from pytest_llmload import gpus
     from pytest_llmload.runners import ranks
 
-    modules = ranks.HF_PRELOAD + distributed_device_map._model_module(checkpoint)
+    modules = ranks.HF_PRELOAD + distributed_device_map.model_module(checkpoint)
     if gpus.visible_gpu_count() == 0:
         modules += ("peft",)
     ranks.preload(modules)

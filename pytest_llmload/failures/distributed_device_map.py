@@ -42,6 +42,7 @@ from typing import Any, Callable, Optional
 
 from pytest_llmload.failures.base import Check, KnownFailure, not_exercised
 from pytest_llmload.loading import call_loader
+from pytest_llmload.probes import spy_classmethod
 from pytest_llmload.request import LoadRequest
 from pytest_llmload.runners import ranks
 
@@ -180,7 +181,7 @@ def check_distributed_train_step(
             "DS_ACCELERATOR=cpu on a CPU-only machine); pass modes=('ddp',) to check without it."
         )
     ranks.preload(
-        (ranks.DEEPSPEED_PRELOAD if "deepspeed" in modes else ranks.HF_PRELOAD) + _model_module(checkpoint)
+        (ranks.DEEPSPEED_PRELOAD if "deepspeed" in modes else ranks.HF_PRELOAD) + model_module(checkpoint)
     )
     problems = []
     for mode in modes:
@@ -209,7 +210,7 @@ def _missing(module: str) -> bool:
     return importlib.util.find_spec(module) is None
 
 
-def _model_module(checkpoint) -> tuple[str, ...]:
+def model_module(checkpoint) -> tuple[str, ...]:
     """The transformers modeling module of the checkpoint's architecture, imported lazily otherwise."""
     try:
         model_type = json.loads((Path(checkpoint) / "config.json").read_text())["model_type"]
@@ -232,19 +233,45 @@ def _judge(results: list[dict]) -> list[str]:
             problems.append(f"rank {rank}: accelerator.prepare() raised {result['prepare_error']} ({where})")
     if problems:
         return problems
+    return judge_step(results, after="the loss after the step (weights out of sync)")
+
+
+def judge_step(results: list[dict], *, after: str) -> list[str]:
+    """What :func:`step_and_probe` on every rank says: finite losses, the same probe loss on every rank before and
+    after the step (``after`` names the second in the message), and a step that changed it."""
+    problems = []
     for rank, result in enumerate(results):
         bad = {k: v for k, v in result.items() if k.endswith("loss") and not math.isfinite(v)}
         if bad:
             problems.append(f"rank {rank}: non-finite losses {bad}")
     first = results[0]
-    for key, what in (("probe_loss_before", "the loss before the step"),
-                      ("probe_loss_after", "the loss after the step (weights out of sync)")):
+    for key, what in (("probe_loss_before", "the loss before the step"), ("probe_loss_after", after)):
         values = [result[key] for result in results]
         if not all(math.isclose(v, values[0], rel_tol=REL_TOL) for v in values):
             problems.append(f"{what} differs between ranks: {values}")
     if math.isclose(first["probe_loss_after"], first["probe_loss_before"], rel_tol=1e-7):
         problems.append(f"the step did not change the loss ({first['probe_loss_before']}): nothing trained")
     return problems
+
+
+def step_and_probe(accelerator, model, optimizer, rank: int) -> dict:
+    """One AdamW step on a batch of this rank's own, between two losses on a probe batch shared by all ranks:
+    equal probe losses after the step show that the gradients were all-reduced and the weights stayed in sync."""
+    import torch
+
+    vocab = accelerator.unwrap_model(model).config.vocab_size
+    probe = torch.randint(2, vocab, (BATCH, SEQUENCE), generator=torch.Generator().manual_seed(0))
+    batch = torch.randint(2, vocab, (BATCH, SEQUENCE), generator=torch.Generator().manual_seed(1 + rank))
+    probe, batch = probe.to(accelerator.device), batch.to(accelerator.device)
+    with torch.no_grad():
+        before = model(input_ids=probe, labels=probe).loss.item()
+    loss = model(input_ids=batch, labels=batch).loss
+    accelerator.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    with torch.no_grad():
+        after = model(input_ids=probe, labels=probe).loss.item()
+    return {"probe_loss_before": before, "step_loss": loss.item(), "probe_loss_after": after}
 
 
 def _load_prepare_and_step(loader: Loader, checkpoint: str, workdir: str, mode: str, backend: str) -> dict:
@@ -271,18 +298,12 @@ def _load_prepare_and_step(loader: Loader, checkpoint: str, workdir: str, mode: 
         max_memory=offload_budget(checkpoint, device) if mode == "ddp-budget" else None,
         gpu_count=torch.cuda.device_count() if backend == "nccl" else SIMULATED_GPUS,
     )
-    asked: list[dict] = []
-    original = PreTrainedModel.__dict__["from_pretrained"]
-
-    def recording(cls, *args, **kwargs):
-        asked.append({key: kwargs[key] for key in ("device_map", "max_memory") if kwargs.get(key) is not None})
-        return original.__func__(cls, *args, **kwargs)
-
-    PreTrainedModel.from_pretrained = classmethod(recording)
+    calls: list = []
     try:
-        model = call_loader(loader, request).model
+        with spy_classmethod(PreTrainedModel, "from_pretrained", calls):
+            model = call_loader(loader, request).model
     except LoaderError as exc:
-        placement = asked[0] if asked else {}
+        placement = _placement(calls)
         pinned = placement.get("device_map")
         if isinstance(pinned, dict) and pinned and all(not isinstance(v, str) or v.startswith("cuda")
                                                          for v in pinned.values()) and not torch.cuda.is_available():
@@ -291,12 +312,11 @@ def _load_prepare_and_step(loader: Loader, checkpoint: str, workdir: str, mode: 
         if mode == "ddp-budget" and refusal_problem(exc.original) is None:
             return {"refused": str(exc.original)}
         raise
-    finally:
-        PreTrainedModel.from_pretrained = original
+    asked = _placement(calls)
     device_map = {name: str(where) for name, where in (getattr(model, "hf_device_map", None) or {}).items()}
     planned = None
-    if backend != "nccl" and len(set(device_map.values())) <= 1 and asked:
-        planned = _plan_on_gpus(checkpoint, asked[0], request)
+    if backend != "nccl" and len(set(device_map.values())) <= 1 and calls:
+        planned = _plan_on_gpus(checkpoint, asked, request)
         if planned is not None and len(set(planned.values())) > 1:
             # What accelerate would see on that runner: its own check decides, with its own message.
             model.hf_device_map = planned
@@ -317,23 +337,16 @@ def _load_prepare_and_step(loader: Loader, checkpoint: str, workdir: str, mode: 
         model, optimizer = accelerator.prepare(model, optimizer)
     except Exception as exc:  # noqa: BLE001 - whatever prepare() refuses is the finding
         return {"device_map": device_map, "prepare_error": f"{type(exc).__name__}: {exc}", "planned": planned,
-                "placement": {k: (v if isinstance(v, (str, int)) else dict(v)) for k, v in asked[0].items()}
-                if asked else {}}
+                "placement": {k: (v if isinstance(v, (str, int)) else dict(v)) for k, v in asked.items()}}
 
-    vocab = accelerator.unwrap_model(model).config.vocab_size
-    probe = torch.randint(2, vocab, (BATCH, SEQUENCE), generator=torch.Generator().manual_seed(0))
-    batch = torch.randint(2, vocab, (BATCH, SEQUENCE), generator=torch.Generator().manual_seed(1 + rank))
-    probe, batch = probe.to(accelerator.device), batch.to(accelerator.device)
-    with torch.no_grad():
-        before = model(input_ids=probe, labels=probe).loss.item()
-    loss = model(input_ids=batch, labels=batch).loss
-    accelerator.backward(loss)
-    optimizer.step()
-    optimizer.zero_grad()
-    with torch.no_grad():
-        after = model(input_ids=probe, labels=probe).loss.item()
     return {"device_map": device_map, "distributed_type": str(accelerator.distributed_type),
-            "probe_loss_before": before, "step_loss": loss.item(), "probe_loss_after": after}
+            **step_and_probe(accelerator, model, optimizer, rank)}
+
+
+def _placement(calls: list) -> dict:
+    """The placement arguments (``device_map``, ``max_memory``) of the first recorded ``from_pretrained`` call."""
+    kwargs = calls[0][3] if calls else {}
+    return {key: kwargs[key] for key in ("device_map", "max_memory") if kwargs.get(key) is not None}
 
 
 def _plan_on_gpus(checkpoint: str, placement: dict, request: LoadRequest) -> Optional[dict]:

@@ -41,7 +41,6 @@ The HfDeepSpeedConfig lives only in the ranks (forked children): nothing of ZeRO
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import traceback
@@ -50,7 +49,13 @@ from pathlib import Path
 from typing import Any
 
 from pytest_llmload.failures.base import Check, KnownFailure
-from pytest_llmload.failures.distributed_device_map import BATCH, DEEPSPEED_CONFIG, LEARNING_RATE, REL_TOL, SEQUENCE
+from pytest_llmload.failures.distributed_device_map import (
+    DEEPSPEED_CONFIG,
+    LEARNING_RATE,
+    judge_step,
+    model_module,
+    step_and_probe,
+)
 from pytest_llmload.loading import call_loader
 from pytest_llmload.request import LoadRequest
 from pytest_llmload.runners import ranks
@@ -113,7 +118,7 @@ def check_zero3_load(
     if _missing("deepspeed"):
         raise RuntimeError("check_zero3_load needs the deepspeed package (pip install deepspeed; DS_ACCELERATOR=cpu "
                            "on a CPU-only machine).")
-    ranks.preload(ranks.DEEPSPEED_PRELOAD + _model_module(checkpoint))
+    ranks.preload(ranks.DEEPSPEED_PRELOAD + model_module(checkpoint))
     # GPU ranks start from a clean forkserver and import DeepSpeed themselves: they must pick its CUDA
     # accelerator even when the test process was told DS_ACCELERATOR=cpu.
     env = {"DS_ACCELERATOR": "cuda"} if backend == "nccl" else None
@@ -154,7 +159,7 @@ def check_zero3_load(
             f"{r['params']} parameters has a ds_id; is_deepspeed_zero3_enabled() was {r['zero3_after']} after the "
             f"load); from_pretrained did not run under ZeRO-3, so its device_map decision there was not exercised"
         )
-    problems = _judge_step(results)
+    problems = judge_step(results, after="the loss after the step")
     if problems:
         raise LoaderFailedOnRank(
             "check_zero3_load: the model loaded under ZeRO-3 without a device_map but did not train (not "
@@ -166,31 +171,6 @@ def _missing(module: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(module) is None
-
-
-def _model_module(checkpoint) -> tuple[str, ...]:
-    from pytest_llmload.failures.distributed_device_map import (
-        _model_module as model_module,
-    )
-
-    return model_module(checkpoint)
-
-
-def _judge_step(results: list[dict]) -> list[str]:
-    problems = []
-    for rank, result in enumerate(results):
-        bad = {k: v for k, v in result.items() if k.endswith("loss") and not math.isfinite(v)}
-        if bad:
-            problems.append(f"rank {rank}: non-finite losses {bad}")
-    for key, what in (("probe_loss_before", "the loss before the step"),
-                      ("probe_loss_after", "the loss after the step")):
-        values = [result[key] for result in results]
-        if not all(math.isclose(v, values[0], rel_tol=REL_TOL) for v in values):
-            problems.append(f"{what} differs between ranks: {values}")
-    first = results[0]
-    if math.isclose(first["probe_loss_after"], first["probe_loss_before"], rel_tol=1e-7):
-        problems.append(f"the step did not change the loss ({first['probe_loss_before']}): nothing trained")
-    return problems
 
 
 def zero3_refusal(exc: BaseException) -> BaseException | None:
@@ -273,21 +253,10 @@ def _load_under_zero3(loader: Loader, checkpoint: str, workdir: str, device: str
     optimizer = torch.optim.AdamW([p for p in params if p.requires_grad], lr=LEARNING_RATE)
     try:
         model, optimizer = accelerator.prepare(model, optimizer)
-        vocab = accelerator.unwrap_model(model).config.vocab_size
-        probe = torch.randint(2, vocab, (BATCH, SEQUENCE), generator=torch.Generator().manual_seed(0))
-        batch = torch.randint(2, vocab, (BATCH, SEQUENCE), generator=torch.Generator().manual_seed(1 + rank))
-        probe, batch = probe.to(accelerator.device), batch.to(accelerator.device)
-        with torch.no_grad():
-            before = model(input_ids=probe, labels=probe).loss.item()
-        loss = model(input_ids=batch, labels=batch).loss
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        with torch.no_grad():
-            after = model(input_ids=probe, labels=probe).loss.item()
+        losses = step_and_probe(accelerator, model, optimizer, rank)
     except Exception:  # noqa: BLE001 - the model did not train: reported, not judged as this failure
         return {"loader_error": "the loaded model failed in prepare() or the step:\n" + traceback.format_exc()}
-    return {**found, "probe_loss_before": before, "step_loss": loss.item(), "probe_loss_after": after}
+    return {**found, **losses}
 
 
 # Not isolated: the ZeRO-3 config lives only in the ranks it forks (deadline, stacks, exit codes included), and
