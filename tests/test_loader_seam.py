@@ -187,7 +187,11 @@ def test_a_loader_that_sets_up_accelerate_breaks_the_contract(llmload_checkpoint
         return load_model_and_tokenizer(request)
 
     def load_it():
-        import accelerate.state  # noqa: F401  (imported, not set up: what a test process has)
+        from accelerate.state import AcceleratorState
+
+        # Imported, not set up: what a test process has. An earlier test in this worker may have set it up, and a
+        # forked child inherits that; the contract is about what the loader itself sets up.
+        AcceleratorState._reset_state(reset_partial_state=True)
 
         try:
             call_loader(makes_its_own_accelerator, LoadRequest(llmload_checkpoint))
