@@ -30,6 +30,9 @@ _HEAVY_STACK = (
     # not cached (PYTHONDONTWRITEBYTECODE=1).
     "hypothesis",
     "hypothesis.extra",
+    # Installs an audit hook the first time a guard is entered; a hook cannot be removed, so a copy imported
+    # afresh by every in-process run would leave one idle hook behind per run.
+    "pytest_llmload.offline",
 )
 # Imported only where installed: anyio's pytest plugin comes with newer huggingface_hub, not the older stacks.
 _OPTIONAL = ("anyio",)

@@ -28,11 +28,14 @@ loader_choice_key = pytest.StashKey[LoaderChoice]()
 
 @pytest.fixture(scope="session")
 def llmload_offline():
-    """The hub is offline (HF_HUB_OFFLINE=1) and non-loopback connections fail, naming who tried."""
-    from pytest_llmload.offline import offline
+    """Request it to run a test offline: during the test's setup, call and teardown (and only then) the hub is
+    offline (HF_HUB_OFFLINE, TRANSFORMERS_OFFLINE, HF_DATASETS_OFFLINE set) and connections and name lookups to
+    anything but loopback fail, naming who tried. Every llmload fixture requests it.
 
-    with offline():
-        yield
+    The fixture itself does nothing: the plugin enters the guard around each phase of every test whose fixture
+    closure contains it (``pytest_llmload.offline.offline()``) and restores the process afterwards, so that
+    the tests of a suite that never asked for it run as they would without the plugin."""
+    return None
 
 
 @pytest.fixture(scope="session")
@@ -144,7 +147,7 @@ def llmload_tokenizer(llmload_checkpoint):
 
 
 @pytest.fixture
-def distributed_env(llmload_offline):
+def distributed_env(request, llmload_offline):
     """Run a function on N ranks of a real torch.distributed process group and get each rank's result.
 
     ``distributed_env.run(fn, world_size=2, *, args=(), kwargs=None, backend=None, deepspeed=False,
@@ -163,7 +166,16 @@ def distributed_env(llmload_offline):
 
         def test_all_reduce(distributed_env):
             assert distributed_env.run(all_reduce_ranks, world_size=2, backend="gloo") == [3.0, 3.0]
+
+    When pytest itself runs under a launcher (``torchrun ... -m pytest``, see
+    :mod:`pytest_llmload.runners.launcher`), the test runs on every rank, and ``run`` runs ``fn`` on this
+    process's rank of the launcher's job instead of forking ranks; ``world_size`` must be the job's.
     """
+    from pytest_llmload.runners import launcher
+
+    launched = launcher.distributed_env_for(request, gpus.visible_gpu_count, pytest.skip)
+    if launched is not None:
+        return launched
     from pytest_llmload.runners.ranks import DistributedEnv
 
     return DistributedEnv(gpus.visible_gpu_count, pytest.skip)
@@ -174,13 +186,11 @@ def llmload_check_options(request) -> dict:
     """Options the configuration gives the checks: ``prepare_args``, the training script's hook for the Trainer
     check (``--llmload-training-args-hook``, else the ini key ``llmload_training_args_hook``; else the loader's
     own attribute, read by the check). Pass them on: ``check(loader, checkpoint, tmp_path, **llmload_check_options)``."""
-    from pytest_llmload.loading import HOOK_INI, HOOK_OPTION
+    from pytest_llmload.loading import HOOK_INI, choose_training_args_hook
 
-    option, ini = request.config.getoption("llmload_training_args_hook"), request.config.getini(HOOK_INI)
-    for value, source in ((option, HOOK_OPTION), (ini, f"ini '{HOOK_INI}'")):
-        if value:
-            try:
-                return {"prepare_args": import_loader(LoaderChoice(value.strip(), source))}
-            except LoaderSpecError as exc:
-                pytest.fail(str(exc), pytrace=False)
-    return {}
+    try:  # normally checked at collection (a usage error); here for plugins loaded by hand
+        choice = choose_training_args_hook(request.config.getoption("llmload_training_args_hook"),
+                                           request.config.getini(HOOK_INI))
+        return {} if choice is None else {"prepare_args": import_loader(choice)}
+    except LoaderSpecError as exc:
+        pytest.fail(str(exc), pytrace=False)

@@ -26,6 +26,11 @@ def _driver_present() -> bool:
 @functools.lru_cache(maxsize=None)
 def visible_gpu_count() -> int:
     """Number of CUDA devices torch would see. Cached; imports torch only where a driver exists."""
+    from pytest_llmload.runners import xdist_gpus  # (imported at plugin load already)
+
+    if xdist_gpus.FAKE_GPUS_ENV in os.environ:  # the test seam: GPUs faked on a CPU machine
+        outer = os.environ.get("CUDA_VISIBLE_DEVICES")
+        return len(xdist_gpus.visible_devices(outer, xdist_gpus.physical_devices()))
     if "torch" not in sys.modules:
         if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
             return 0
@@ -73,4 +78,8 @@ def skip_reason(needed: int) -> str | None:
     if have >= needed:
         return None
     unit = "GPU" if needed == 1 else "GPUs"
-    return f"needs {needed} {unit}, {have} visible ({visible_devices_label()})"
+    reason = f"needs {needed} {unit}, {have} visible ({visible_devices_label()})"
+    from pytest_llmload.runners.xdist_gpus import worker_hint
+
+    hint = worker_hint(needed)  # under pytest -n: this worker's share of the GPUs, and what would run the test
+    return reason if hint is None else f"{reason}; {hint}"

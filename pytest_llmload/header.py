@@ -43,14 +43,13 @@ def installed_versions(names=STACK) -> dict[str, str]:
 
 
 def header_lines(choice: LoaderChoice) -> list[str]:
+    """One line, printed on every pytest run of a repo with the plugin installed (the header comes before
+    collection, so before anyone knows whether an llmload test will run):
+    ``llmload: loader <spec> (from <source>); torch 2.13.0, ...; GPUs 0 visible (CUDA_VISIBLE_DEVICES unset)``."""
     versions = installed_versions()
     stack = ", ".join(f"{name} {version}" for name, version in versions.items()) or "none of the HF stack installed"
     names = gpus.gpu_names()
-    gpu_line = f"{len(names)} visible ({gpus.visible_devices_label()})"
+    gpu_part = f"{len(names)} visible ({gpus.visible_devices_label()})"
     if names:
-        gpu_line += ": " + ", ".join(f"cuda:{i} {name}" for i, name in enumerate(names))
-    return [
-        f"llmload: loader {choice.spec} (from {choice.source})",
-        f"llmload: {stack}",
-        f"llmload: GPUs {gpu_line}",
-    ]
+        gpu_part += ": " + ", ".join(f"cuda:{i} {name}" for i, name in enumerate(names))
+    return [f"llmload: loader {choice.spec} (from {choice.source}); {stack}; GPUs {gpu_part}"]

@@ -79,12 +79,37 @@ class LoaderChoice(NamedTuple):
 
 def choose_loader(option: Optional[str], environ: "os._Environ[str] | dict", ini: Optional[str]) -> LoaderChoice:
     """Apply the precedence. Each candidate is syntax-checked here, imported only when first used."""
+    _refuse_empty_option(option, OPTION)
+    if option is None and ENV_VAR in environ and not environ[ENV_VAR].strip():
+        # `PYTEST_LLMLOAD_LOADER=$LOADER` with LOADER unset in a CI file: the same mistake as the empty option.
+        raise LoaderSpecError(f"${ENV_VAR} is set but empty; set it to the loader under test as 'module:function', "
+                              f"or unset it to use the ini key {INI_KEY} or the built-in reference loader.")
     for value, source in ((option, OPTION), (environ.get(ENV_VAR), f"${ENV_VAR}"), (ini, f"ini '{INI_KEY}'")):
         if value is not None and value.strip():
             choice = LoaderChoice(value.strip(), source)
             check_spec_syntax(choice)
             return choice
     return LoaderChoice(REFERENCE_SPEC, "built-in default")
+
+
+def _refuse_empty_option(value: Optional[str], option: str) -> None:
+    # `--llmload-loader=$LOADER` with LOADER unset would otherwise check the next candidate (the reference
+    # loader, say) and pass: a green run that checked something else. An empty ini key, by contrast, reads as
+    # unset, as usual (an empty environment variable is refused in choose_loader).
+    if value is not None and not value.strip():
+        raise LoaderSpecError(f"{option} {value!r} is empty; give it 'module:function', or leave the option out.")
+
+
+def choose_training_args_hook(option: Optional[str], ini: Optional[str]) -> Optional[LoaderChoice]:
+    """The training script's hook by its precedence (option, then ini; the loader's own attribute is read by the
+    check), syntax-checked; ``None`` when neither names one."""
+    _refuse_empty_option(option, HOOK_OPTION)
+    for value, source in ((option, HOOK_OPTION), (ini, f"ini '{HOOK_INI}'")):
+        if value is not None and value.strip():
+            choice = LoaderChoice(value.strip(), source)
+            check_spec_syntax(choice)
+            return choice
+    return None
 
 
 def check_spec_syntax(choice: LoaderChoice) -> None:
@@ -106,6 +131,13 @@ def import_loader(choice: LoaderChoice) -> Callable[["LoadRequest"], Any]:
             f"loader spec {choice.spec!r} from {choice.source}: module {module_name!r} does not import "
             f"({type(exc).__name__}: {exc}). Is it installed, or on sys.path (rootdir conftest, PYTHONPATH)?"
         ) from exc
+    except (Exception, SystemExit) as exc:  # the module's own code failed (or exited) while being imported
+        message = exc.msg if isinstance(exc, SyntaxError) else exc
+        raise LoaderSpecError(
+            f"loader spec {choice.spec!r} from {choice.source}: importing module {module_name!r} raised "
+            f"{type(exc).__name__}: {message} ({_where_raised(exc)}); fix the module so that importing it runs no "
+            "script code (put that under `if __name__ == '__main__':`), or name another loader."
+        ) from exc
     for part in attr_path.split("."):
         try:
             obj = getattr(obj, part)
@@ -120,6 +152,16 @@ def import_loader(choice: LoaderChoice) -> Callable[["LoadRequest"], Any]:
             "Name a function that takes a pytest_llmload.LoadRequest."
         )
     return obj
+
+
+def _where_raised(exc: BaseException) -> str:
+    """``path:line`` of the innermost frame of ``exc`` outside importlib (for a SyntaxError, the bad line)."""
+    import traceback
+
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f"{exc.filename}:{exc.lineno}"
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<frozen")]
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "no traceback"
 
 
 class LoadResult(NamedTuple):

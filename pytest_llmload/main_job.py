@@ -2,18 +2,26 @@
 
 The parent stays light (it never imports torch): pytest runs the shipped suite in a child process, whose
 full output goes to a log file, and the parent prints each check's row as its result arrives.
-Exit codes: 0 nothing failed, 1 a check failed, 2 usage error (a loader that does not import, say).
+Exit codes: 0 nothing failed, 1 a check failed, 2 usage error (a loader that does not import, say),
+128 + N when stopped by signal N (130 for Ctrl-C, 143 for SIGTERM).
+
+The parent owns everything below it: the pytest child runs in its own process group, ends when the parent ends
+however it ends (:mod:`pytest_llmload.runners.lifeline`), and gets SIGINT for Ctrl-C, SIGTERM for SIGTERM or
+SIGHUP, so that it stops as on Ctrl-C and its finalizers kill the checks' children and remove their temp dirs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -22,7 +30,14 @@ from pytest_llmload.loading import ENV_VAR, OPTION, LoaderSpecError, choose_load
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 HEARTBEAT_SECONDS = 10.0
+# After passing a signal on, how long pytest gets to stop and clean up before its process group is killed.
+STOP_GRACE_S = 10.0
 FAILED_OUTCOMES = ("failed", "error", "xpassed")
+WAIT_AFTER_HANG = "--wait-after-hang"
+
+
+class UsageError(Exception):
+    """A command line the main job cannot run; the message is one sentence saying what to change."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="llmload",
         description="Run pytest-llmload's regression checks against a model loader and print one row per check.",
         epilog="Extra arguments after '--' go to pytest (e.g. -- -x --tb=long). "
-        f"The loader defaults to ${ENV_VAR}, then the built-in reference loader.",
+        f"The loader defaults to ${ENV_VAR}, then the ini key llmload_loader, then the built-in reference loader.",
     )
     parser.add_argument("--loader", metavar="MODULE:FUNCTION",
                         help="the loader under test: a callable taking a pytest_llmload.LoadRequest")
@@ -39,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--list", action="store_true", help="list the checks and the failures they guard, then exit")
     parser.add_argument("--strict", action="store_true",
                         help="count a check that could not judge the loader (skipped 'not exercised') as failed")
+    parser.add_argument(WAIT_AFTER_HANG, action="store_true",
+                        help="after the loader hangs in one check, run every other check to its deadline too "
+                        "(default: they fail at once, naming the hang)")
     parser.add_argument("--json", metavar="PATH", dest="json_path",
                         help="also write the results to PATH: one object per check (check, outcome, failure, "
                         "reason, seconds, detail)")
@@ -47,16 +65,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def pytest_command(loader: Optional[str], keyword: Optional[str], progress: Path, extra: list[str],
-                   strict: bool = False) -> list[str]:
+                   strict: bool = False, wait_after_hang: bool = False) -> list[str]:
+    from pytest_llmload.hung_loader import WAIT_OPTION
+
+    # (no:hypothesispytest: its plugin imports all of hypothesis at the end of a run, a second for nothing here)
     argv = [sys.executable, "-m", "pytest", "--pyargs", "pytest_llmload.suite", "-p", "no:cacheprovider",
-            "-o", "python_files=test_*.py", "--tb=short", "-q", "--llmload-progress", str(progress)]
+            "-p", "no:hypothesispytest", "-o", "python_files=test_*.py", "--tb=short", "-q",
+            "--llmload-progress", str(progress)]
     if strict:
         argv.append("--llmload-strict")
+    if wait_after_hang:
+        argv.append(WAIT_OPTION)
     if loader:
         argv += [OPTION, loader]
     if keyword:
         argv += ["-k", keyword]
     return argv + extra
+
+
+def _in_main_job_terms(text: str) -> str:
+    """The pytest options a message names, as this command spells them."""
+    from pytest_llmload.hung_loader import WAIT_OPTION
+
+    return text.replace(OPTION, "--loader").replace(WAIT_OPTION, WAIT_AFTER_HANG)
 
 
 def _row(done: int, total: int, record: dict) -> str:
@@ -70,42 +101,264 @@ def _shown(outcome: str) -> str:
     return outcome.upper() if outcome in ("failed", "xpassed") else outcome
 
 
-def _first_line(text: str) -> str:
-    for line in text.splitlines():
-        if line.startswith("E "):
-            return line[1:].strip()
-    return (text.strip().splitlines() or [""])[-1].strip()
+def _summary(record: dict) -> str:
+    """A failed row's cause in one line (the progress file's ``summary``: a signal, an exit code, the exception)."""
+    line = record.get("summary") or next((line.strip() for line in record["reason"].splitlines() if line.strip()), "")
+    return line.removeprefix(f"{record['check']}: ")  # an isolated check's death starts with its name
 
 
-def _follow(child: subprocess.Popen, progress: Path, out) -> tuple[list[dict], int]:
-    """Print a row per result as the child writes them; a heartbeat while one check runs long."""
-    results: list[dict] = []
-    total, offset, running, last_beat = 0, 0, None, time.monotonic()
-    while True:
-        finished = child.poll() is not None
-        if progress.exists():
-            with progress.open(encoding="utf-8") as handle:
-                handle.seek(offset)
-                chunk = handle.read()
-            complete, _, _partial = chunk.rpartition("\n")
-            offset += len(complete) + (1 if complete else 0)
-            for line in filter(None, complete.splitlines()):
-                record = json.loads(line)
-                if record["event"] == "collected":
-                    total = record["count"]
-                    print(f"llmload: {total} checks collected", file=out, flush=True)
-                elif record["event"] == "start":
-                    running, last_beat = (record["check"], time.monotonic()), time.monotonic()
-                elif record["event"] == "result":
-                    results.append(record)
-                    running = None
-                    print(_row(len(results), total, record), file=out, flush=True)
-        if finished:
-            return results, total
-        if running and time.monotonic() - last_beat > HEARTBEAT_SECONDS:
-            last_beat = time.monotonic()
-            print(f"    ... {running[0]} still running ({time.monotonic() - running[1]:.0f}s)", file=out, flush=True)
-        time.sleep(0.2)
+def _failed_fast(record: dict) -> bool:
+    from pytest_llmload.hung_loader import FAILED_FAST
+
+    return record["outcome"] == "error" and _summary(record).startswith(FAILED_FAST)
+
+
+def _check_output_path(path: str, option: str) -> None:
+    """``--log`` / ``--json``: a file in an existing directory, checked before anything runs."""
+    target = Path(path)
+    if target.is_dir():
+        raise UsageError(f"{option} {path!r} is a directory; name a file, e.g. {option} {target / 'llmload.out'}.")
+    if not target.parent.is_dir():
+        raise UsageError(f"{option} {path!r}: the directory {str(target.parent)!r} does not exist; create it "
+                         "or name a file in an existing directory.")
+    if not os.access(target.parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise UsageError(f"{option} {path!r} cannot be written (no permission); name a file you can write.")
+
+
+class Interrupted(BaseException):
+    """SIGINT, SIGTERM or SIGHUP reached the main job."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _raise_interrupted(signum, frame) -> None:
+    for stop in STOP_SIGNALS:  # one stop at a time: a second signal must not break off the clean-up
+        signal.signal(stop, signal.SIG_IGN)
+    raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def _signals_interrupt():
+    if threading.current_thread() is not threading.main_thread():  # run() called from a thread: leave them be
+        yield
+        return
+    saved = {signum: signal.signal(signum, _raise_interrupted) for signum in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
+
+
+class MainJob:
+    """One run: the pytest child, and what its progress file said so far."""
+
+    def __init__(self, args: argparse.Namespace, workdir: Path, out) -> None:
+        self.args, self.workdir, self.out = args, workdir, out
+        self.progress = workdir / "progress.jsonl"
+        self.tmp = workdir / "tmp"
+        self.log_path = Path(args.log) if args.log else workdir / "pytest.log"
+        self.child: Optional[subprocess.Popen] = None
+        self.results: list[dict] = []
+        self.collect_errors: list[dict] = []
+        self.total = 0
+        self.running: Optional[tuple[str, float]] = None  # (check, started) of the check without a result yet
+        self.started = time.monotonic()
+        self._offset = 0
+
+    def start(self) -> None:
+        args = self.args
+        command = pytest_command(args.loader, args.keyword, self.progress, args.pytest_args, strict=args.strict,
+                                 wait_after_hang=args.wait_after_hang)
+        from pytest_llmload.runners.lifeline import PARENT_ENV, PARENT_WORKDIR_ENV
+
+        # The child ends with this process (lifeline), and removes this temp dir if this process dies first. Its
+        # own temp dirs (pytest's, the isolated checks') are made in here: one removal takes them all, on every path.
+        self.tmp.mkdir()
+        env = {**os.environ, "TMPDIR": str(self.tmp), PARENT_ENV: str(os.getpid()),
+               PARENT_WORKDIR_ENV: str(self.workdir)}
+        with self.log_path.open("w", encoding="utf-8") as log:
+            # Its own process group: a Ctrl-C in the terminal reaches this process only, which passes it on once.
+            self.child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          env=env, process_group=0)
+
+    def follow(self) -> int:
+        """Print a row per result as the child writes them, a heartbeat while one check runs long; the exit code."""
+        last_beat = time.monotonic()
+        while True:
+            code = self.child.poll()
+            for record in self._new_records():
+                if record["event"] == "start":
+                    last_beat = time.monotonic()
+                self._take(record)
+            if code is not None:
+                return code
+            if self.running and time.monotonic() - last_beat > HEARTBEAT_SECONDS:
+                last_beat = time.monotonic()
+                print(f"    ... {self.running[0]} still running ({time.monotonic() - self.running[1]:.0f}s)",
+                      file=self.out, flush=True)
+            time.sleep(0.2)
+
+    def _new_records(self) -> list[dict]:
+        if not self.progress.exists():
+            return []
+        with self.progress.open(encoding="utf-8") as handle:
+            handle.seek(self._offset)
+            chunk = handle.read()
+        complete, _, _partial = chunk.rpartition("\n")
+        self._offset += len(complete) + (1 if complete else 0)
+        return [json.loads(line) for line in complete.splitlines() if line]
+
+    def _take(self, record: dict) -> None:
+        event, out = record["event"], self.out
+        if event == "loader":  # the child's own choice: what this line says is the loader it runs
+            source = _in_main_job_terms(record["source"])
+            if record.get("inifile"):
+                source += f" in {record['inifile']}"
+            print(f"llmload: checking loader {record['spec']} (from {source})", file=out, flush=True)
+        elif event == "collected":
+            self.total = record["count"]
+            print(f"llmload: {self.total} checks collected", file=out, flush=True)
+        elif event == "collect_error":
+            self.collect_errors.append(record)
+        elif event == "start":
+            self.running = (record["check"], time.monotonic())
+        elif event == "result":
+            self.results.append(record)
+            self.running = None
+            print(_row(len(self.results), self.total, record), file=out, flush=True)
+
+    def stop(self, signum: int) -> bool:
+        """Pass the signal on (SIGINT as SIGINT, else SIGTERM) to the child's process group and wait for it to
+        clean up; kill the group if it has not ended within :data:`STOP_GRACE_S`. False if it had to be killed."""
+        child = self.child
+        if child is None or child.poll() is not None:
+            return True
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
+        try:
+            child.wait(STOP_GRACE_S)
+            return True
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+            return False
+
+    def crash_row(self, code: int) -> Optional[dict]:
+        """The row of the check that was running when pytest itself ended abnormally (a signal, an internal error)."""
+        if self.running is None:
+            return None
+        from pytest_llmload.runners.isolation import describe_exitcode
+
+        how = describe_exitcode(code) if code < 0 else f"exit code {code}"
+        reason = f"pytest itself ended ({how}) while this check ran; its output: {self.log_path}"
+        return {"event": "result", "check": self.running[0], "outcome": "error", "reason": reason, "summary": reason,
+                "seconds": round(time.monotonic() - self.running[1], 3)}
+
+
+def run(argv: Optional[list[str]] = None, out=None) -> int:
+    out = out or sys.stdout
+    args = build_parser().parse_args(argv)
+    if args.list:
+        from pytest_llmload.conformance import describe_checks
+
+        for record in describe_checks():
+            print(f"{record['check']:<48} {record['failure']:<24} {record['summary']}", file=out)
+        return EXIT_OK
+    try:
+        # A bad --loader or $PYTEST_LLMLOAD_LOADER is a usage error before any pytest starts; the ini key is read
+        # by the child, which reports the loader it really runs.
+        choose_loader(args.loader, os.environ, None)
+        for path, option in ((args.log, "--log"), (args.json_path, "--json")):
+            if path:
+                _check_output_path(path, option)
+    except (LoaderSpecError, UsageError) as exc:
+        print(f"llmload: error: {_in_main_job_terms(str(exc))}", file=sys.stderr)
+        return EXIT_USAGE
+
+    workdir = Path(tempfile.mkdtemp(prefix="llmload-main-"))
+    job, keep_log = MainJob(args, workdir, out), False
+    try:
+        with _signals_interrupt():
+            try:
+                job.start()
+                code, keep_log = _report(job, job.follow())
+                return code
+            except Interrupted as stop:
+                return _interrupted(job, stop.signum)
+    finally:
+        # Nothing is left but the log where --log put it, or in the temp dir while it explains a failure.
+        if keep_log and not args.log:
+            job.progress.unlink(missing_ok=True)
+            shutil.rmtree(job.tmp, ignore_errors=True)
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _interrupted(job: MainJob, signum: int) -> int:
+    stopped = job.stop(signum)
+    name = "SIGINT (Ctrl-C)" if signum == signal.SIGINT else signal.Signals(signum).name
+    how = "stopped and cleaned up" if stopped else f"killed: it had not stopped {STOP_GRACE_S:g} s after the signal"
+    log = f"pytest output: {job.log_path}" if job.args.log else "pytest output removed (--log PATH keeps it)"
+    print(f"llmload: interrupted by {name} after {time.monotonic() - job.started:.1f}s with {len(job.results)} of "
+          f"{job.total or '?'} checks done; pytest {how}; {log}", file=sys.stderr, flush=True)
+    return 128 + signum
+
+
+def _report(job: MainJob, code: int) -> tuple[int, bool]:
+    """Print the summary of a finished run; returns the exit code and whether the log is kept."""
+    args, out = job.args, job.out
+    for error in job.collect_errors:  # whole, as pytest raised them (its short summary cuts them at 80 columns)
+        print(f"llmload: collection error in {error['nodeid'] or 'the session'}:\n    "
+              + _in_main_job_terms(error["message"].rstrip()).replace("\n", "\n    "), file=sys.stderr)
+    crashed = code < 0 or code == 3 or code > 5
+    row = job.crash_row(code) if crashed else None
+    if row is not None:
+        job.results.append(row)
+        print(_row(len(job.results), job.total, row), file=out, flush=True)
+    elif crashed and job.results:
+        print(f"llmload: pytest itself ended (exit code {code}) between checks; its output: {job.log_path}",
+              file=sys.stderr)
+    if not job.results:  # a usage or collection error, or pytest died before any check ran
+        log_text = job.log_path.read_text(encoding="utf-8", errors="replace")
+        if not job.collect_errors:
+            lines = [line for line in log_text.splitlines() if line.startswith("ERROR")] or log_text.splitlines()[-15:]
+            for line in lines:
+                print(f"llmload: {_in_main_job_terms(line)}", file=sys.stderr)
+        keep = crashed or not (job.collect_errors or code == 4)  # else the errors above are the whole story
+        where = f"full output: {job.log_path}" if keep or args.log else "pytest output removed (--log PATH keeps it)"
+        print(f"llmload: pytest exited {code} before any check ran; {where}", file=sys.stderr)
+        return (EXIT_FAILED if crashed else EXIT_USAGE), keep
+
+    print("", file=out)
+    for line in summary_table(job.results):
+        print(line, file=out)
+    failed = [r for r in job.results if r["outcome"] in FAILED_OUTCOMES]
+    counts: dict[str, int] = {}
+    for record in job.results:
+        counts[record["outcome"]] = counts.get(record["outcome"], 0) + 1
+    print("", file=out)
+    fast = [r for r in failed if _failed_fast(r)]
+    for record in failed:
+        if record not in fast:
+            label = "ERROR" if record["outcome"] == "error" else "FAILED"
+            print(f"{label} {record['check']}: {_in_main_job_terms(_summary(record))}", file=out)
+    if fast:
+        names = ", ".join(r["check"] for r in fast)
+        print(f"NOT RUN {names}: {_in_main_job_terms(_summary(fast[0]))}", file=out)
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(json_records(job.results), indent=1) + "\n", encoding="utf-8")
+    summary = ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items()))
+    keep = bool(failed) or crashed or bool(args.log)
+    where = f"pytest output: {job.log_path}" if keep else "nothing failed: pytest output removed (--log PATH keeps it)"
+    print(f"llmload: {summary} in {time.monotonic() - job.started:.1f}s; {where}", file=out)
+    return (EXIT_FAILED if failed or code not in (0, 5) else EXIT_OK), keep
 
 
 def summary_table(results: list[dict]) -> list[str]:
@@ -116,6 +369,8 @@ def summary_table(results: list[dict]) -> list[str]:
         outcome = _shown(record["outcome"])
         if record["outcome"] in ("skipped", "xfailed") and record["reason"]:
             outcome += f" ({record['reason']})"
+        elif _failed_fast(record):
+            outcome += " (not run: the loader hung before)"
         rows.append((record["check"], guards, outcome, f"{record['seconds']:.2f}s"))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     lines = [f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]:>7}" for r in rows]
@@ -134,10 +389,10 @@ def json_records(results: list[dict]) -> list[dict]:
         if outcome in ("failed", "xpassed") and "llmload strict: " not in record["reason"]:
             guarded = _failure_of(record["check"])
             failure = guarded.id if guarded is not None else None
-        elif outcome == "error":
+        elif outcome == "error" and not _failed_fast(record):
             matched = failures.match(record["reason"])
             failure = matched[0].id if matched else None
-        detail = _first_line(record["reason"]) if outcome in FAILED_OUTCOMES else record["reason"]
+        detail = _in_main_job_terms(_summary(record)) if outcome in FAILED_OUTCOMES else record["reason"]
         records.append({"check": record["check"], "outcome": outcome, "failure": failure,
                         "reason": record["reason"], "seconds": record["seconds"], "detail": detail})
     return records
@@ -153,66 +408,3 @@ def _failure_of(check: str):
     from pytest_llmload.failures import REGISTRY
 
     return next((c.failure for c in REGISTRY if c.name == check), None)
-
-
-def run(argv: Optional[list[str]] = None, out=None) -> int:
-    out = out or sys.stdout
-    args = build_parser().parse_args(argv)
-    if args.list:
-        from pytest_llmload.conformance import describe_checks
-
-        for record in describe_checks():
-            print(f"{record['check']:<48} {record['failure']:<24} {record['summary']}", file=out)
-        return EXIT_OK
-    try:
-        choice = choose_loader(args.loader, os.environ, None)
-    except LoaderSpecError as exc:
-        print(f"llmload: error: {str(exc).replace(OPTION, '--loader')}", file=sys.stderr)
-        return EXIT_USAGE
-    print(f"llmload: checking loader {choice.spec} (from {choice.source.replace(OPTION, '--loader')})", file=out)
-
-    workdir = Path(tempfile.mkdtemp(prefix="llmload-main-"))
-    progress = workdir / "progress.jsonl"
-    log_path = Path(args.log) if args.log else workdir / "pytest.log"
-    command = pytest_command(args.loader, args.keyword, progress, args.pytest_args, strict=args.strict)
-    started = time.monotonic()
-    with log_path.open("w", encoding="utf-8") as log:
-        child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            results, _total = _follow(child, progress, out)
-        except KeyboardInterrupt:
-            child.terminate()
-            child.wait(timeout=30)
-            raise
-    code = child.wait()
-    log_text = log_path.read_text(encoding="utf-8", errors="replace")
-
-    if code in (3, 4) or (code != 0 and not results):  # internal or usage error, or nothing ran
-        errors = [line for line in log_text.splitlines() if line.startswith("ERROR")] or log_text.splitlines()[-15:]
-        for line in errors:
-            print(f"llmload: {line.replace(OPTION, '--loader')}", file=sys.stderr)
-        print(f"llmload: pytest exited {code}; full output: {log_path}", file=sys.stderr)
-        return EXIT_USAGE if code in (4, 5) or not results else EXIT_FAILED
-    print("", file=out)
-    for line in summary_table(results):
-        print(line, file=out)
-    failed = [r for r in results if r["outcome"] in FAILED_OUTCOMES]
-    counts = {}
-    for record in results:
-        counts[record["outcome"]] = counts.get(record["outcome"], 0) + 1
-    print("", file=out)
-    for record in failed:
-        label = "ERROR" if record["outcome"] == "error" else "FAILED"
-        print(f"{label} {record['check']}: {_first_line(record['reason'])}", file=out)
-    if args.json_path:
-        Path(args.json_path).write_text(json.dumps(json_records(results), indent=1) + "\n", encoding="utf-8")
-    summary = ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items()))
-    keep = bool(failed) or bool(args.log)
-    where = f"pytest output: {log_path}" if keep else "nothing failed: pytest output removed (--log PATH keeps it)"
-    print(f"llmload: {summary} in {time.monotonic() - started:.1f}s; {where}", file=out)
-    # The log stays where --log put it, or in the temp dir while it explains a failure; nothing else is left.
-    if args.log or not keep:
-        shutil.rmtree(workdir, ignore_errors=True)
-    else:
-        progress.unlink(missing_ok=True)
-    return EXIT_FAILED if failed or code not in (0, 5) else EXIT_OK

@@ -14,8 +14,8 @@ NEEDS_GPUS_HELP = (
 )
 GPU_HELP = "gpu: the test needs a GPU; set automatically on needs_gpus tests and tests using a GPU fixture. Select with -m gpu."
 DEEPSPEED_HELP = (
-    "llmload_deepspeed: the test starts DeepSpeed; its one-time C++ op build happens after collection, "
-    "outside any test's deadline."
+    "llmload_deepspeed: the test starts DeepSpeed; DeepSpeed is imported after collection, outside any test's "
+    "deadline."
 )
 GPU_FIXTURES_INI = "llmload_gpu_fixtures"
 GPU_FIXTURES_HELP = "extra fixture names that need a GPU: tests using them are marked 'gpu' (default: gpu_model)."
@@ -47,7 +47,7 @@ def read_marker(item: pytest.Item, name: str, signature: Callable, expected: str
     marker = item.get_closest_marker(name)
     if marker is None:
         return None
-    written = ", ".join([repr(a) for a in marker.args] + [f"{k}={v!r}" for k, v in marker.kwargs.items()])
+    written = _written(marker)
     try:
         value = signature(*marker.args, **marker.kwargs)
     except TypeError as exc:
@@ -56,6 +56,10 @@ def read_marker(item: pytest.Item, name: str, signature: Callable, expected: str
     else:
         return MarkerCall(name, written, value, expected)
     raise error  # outside the except block: the report shows no chained TypeError
+
+
+def _written(marker: pytest.Mark) -> str:
+    return ", ".join([repr(a) for a in marker.args] + [f"{k}={v!r}" for k, v in marker.kwargs.items()])
 
 
 def fail_invalid_markers(item: pytest.Item, read: Callable[[pytest.Item], Any]) -> Any:
@@ -79,7 +83,28 @@ def needed_gpus(item: pytest.Item) -> Optional[int]:
         return None
     if isinstance(call.value, bool) or not isinstance(call.value, int) or call.value < 1:
         raise call.invalid(item, f"got {call.value!r}")
+    # pytest's rule, the closest marker wins, would drop a stricter needs_gpus on the class or module silently.
+    placed = [(node, mark) for node, mark in item.iter_markers_with_node("needs_gpus")]
+    differing = [(node, mark) for node, mark in placed if _written(mark) != call.written]
+    if differing:
+        (near_node, near), (far_node, far) = placed[0], differing[0]
+        raise InvalidMarker(
+            f"{item.nodeid}: @pytest.mark.needs_gpus({_written(near)}) on {near_node.name} and "
+            f"@pytest.mark.needs_gpus({_written(far)}) on {far_node.name} disagree; keep one, the number of GPUs "
+            "the test needs."
+        )
     return call.value
+
+
+def _no_arguments():
+    return None
+
+
+def check_flag_markers(item: pytest.Item) -> None:
+    """``gpu`` and ``llmload_deepspeed`` take no arguments: ``gpu(2)`` would read as a GPU count and be ignored."""
+    read_marker(item, "gpu", _no_arguments,
+                "gpu takes no arguments; for a number of GPUs use @pytest.mark.needs_gpus(n), which also marks it gpu")
+    read_marker(item, "llmload_deepspeed", _no_arguments, "expected @pytest.mark.llmload_deepspeed, without arguments")
 
 
 def gpu_fixture_names(config: pytest.Config) -> set[str]:
@@ -98,12 +123,17 @@ def mark_gpu_tests(config: pytest.Config, items: list[pytest.Item]) -> None:
 
 def enforce_needs_gpus(item: pytest.Item) -> None:
     """At setup: an invalid marker errors the test; too few GPUs skips it with the counts."""
+    fail_invalid_markers(item, check_flag_markers)
     n = fail_invalid_markers(item, needed_gpus)
     if n is not None:
         reason = gpus.skip_reason(n)
-        if reason is not None:
-            # Reported at the test's own location, as pytest's skipif does.
-            raise pytest.skip.Exception(reason, _use_item_location=True)
+    else:  # a GPU fixture: skipped here, before its fixtures build and load anything (`-m gpu` on a CPU runner)
+        fixture = next((f for f in sorted(gpu_fixture_names(item.config)) if f in getattr(item, "fixturenames", ())),
+                       None)
+        reason = None if fixture is None or gpus.skip_reason(1) is None else f"{fixture} {gpus.skip_reason(1)}"
+    if reason is not None:
+        # Reported at the test's own location, as pytest's skipif does.
+        raise pytest.skip.Exception(reason, _use_item_location=True)
 
 
 def needs_deepspeed(item: pytest.Item) -> bool:

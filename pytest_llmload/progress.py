@@ -1,8 +1,10 @@
-"""A machine-readable record of a run, one JSON line per test, for the main job's live table.
+"""A machine-readable record of a run, one JSON line per event, for the main job's live table.
 
 Enabled by ``--llmload-progress PATH``; the main job (``python -m pytest_llmload``) reads the file while
-pytest writes it, so a long check shows progress instead of silence. It hangs off the log hooks, which run
-in the controlling process under xdist too.
+pytest writes it, so a long check shows progress instead of silence. Events: ``loader`` (the loader this run
+tests, and where that choice came from), ``collected`` (the count), ``collect_error``, ``start`` and ``result``
+(one per test, with ``summary``: its failure's cause in one line). It hangs off hooks that run in the
+controlling process under xdist too.
 """
 
 from __future__ import annotations
@@ -35,17 +37,48 @@ def _raised_by_the_loader(report: pytest.TestReport) -> bool:
         "loader error: " in (message.splitlines() or [""])[0]
 
 
+def summary_line(report) -> str:
+    """A failure's cause in one line: the exception line pytest found (``AssertionError: ...``), else the
+    report's first line (a child's death or deadline, a strict failure), never a tail of captured output."""
+    crash = getattr(report.longrepr, "reprcrash", None)
+    text = crash.message if crash is not None else str(report.longrepr or "")
+    line = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    return line.removeprefix("Failed: ")  # pytest.fail()'s message is the sentence; "Failed" says nothing
+
+
 class ProgressWriter:
     def __init__(self, path: str) -> None:
         self._file = open(path, "a", buffering=1, encoding="utf-8")  # line-buffered: the reader sees each line
         self._started: dict[str, float] = {}
+        self._collected = False
 
     def write(self, **record) -> None:
         self._file.write(json.dumps(record) + "\n")
 
     # Registered as a plugin object: these are its hooks.
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        from pytest_llmload.fixtures import loader_choice_key
+
+        choice = session.config.stash.get(loader_choice_key, None)
+        if choice is not None:
+            inifile = session.config.inipath if choice.source.startswith("ini ") else None
+            self.write(event="loader", spec=choice.spec, source=choice.source,
+                       inifile=None if inifile is None else str(inifile))
+
     def pytest_collection_finish(self, session: pytest.Session) -> None:
-        self.write(event="collected", count=len(session.items))
+        if not self._collected:  # under xdist the controller collects nothing: see the next hook
+            self._collected = True
+            self.write(event="collected", count=len(session.items))
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_node_collection_finished(self, node, ids) -> None:
+        if not self._collected:  # every worker collects the same tests
+            self._collected = True
+            self.write(event="collected", count=len(ids))
+
+    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
+        if report.failed:
+            self.write(event="collect_error", nodeid=report.nodeid, message=report.longreprtext)
 
     def pytest_runtest_logstart(self, nodeid: str, location) -> None:
         self._started[nodeid] = time.perf_counter()
@@ -66,7 +99,8 @@ class ProgressWriter:
                 outcome = "error"  # the loader's own error, or a broken contract: not the check's failure
         started = self._started.get(report.nodeid, time.perf_counter())
         self.write(event="result", nodeid=report.nodeid, check=check_name(report.nodeid), outcome=outcome,
-                   reason=reason, seconds=round(time.perf_counter() - started, 3))
+                   reason=reason, summary=summary_line(report) if report.failed else reason,
+                   seconds=round(time.perf_counter() - started, 3))
 
     def close(self) -> None:
         self._file.close()

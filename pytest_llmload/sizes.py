@@ -13,6 +13,7 @@ limit and a ``max_memory`` budget written the same way are the same number of by
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Union
 
@@ -42,6 +43,8 @@ def parse_size(value: Union[int, float, str], *, what: str = "", positive: bool 
             nbytes = int(number)
         else:
             raise ValueError(f"{named} is not a size (unknown unit {unit!r})")
+    elif not math.isfinite(value):
+        raise ValueError(f"{named} is not a finite size")
     else:
         nbytes = int(value)
     if nbytes < 0:

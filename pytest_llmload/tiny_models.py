@@ -74,11 +74,15 @@ def build_tiny_checkpoint(
         path = build_tiny_checkpoint(tmp_path / "llama")
         model = AutoModelForCausalLM.from_pretrained(path)
     """
+    from pytest_llmload.request import DTYPES
+
+    raw = config_dict(arch)
+    if dtype not in DTYPES:  # before torch's own AttributeError
+        raise ValueError(f"tiny checkpoint dtype={dtype!r} is not supported; use one of {', '.join(DTYPES)}.")
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     dest = Path(dest)
-    raw = config_dict(arch)
     config = AutoConfig.for_model(**raw)
     tokenizer = build_tokenizer(raw["vocab_size"])
     torch.manual_seed(seed)

@@ -69,6 +69,38 @@ def test_gpu_model_is_on_cuda(gpu_model):
     assert {p.device.type for p in gpu_model.parameters()} == {"cuda"}
 
 
+def test_gpu_tests_skip_on_a_cpu_runner_before_anything_heavy_is_imported(pytester, monkeypatch):
+    # `pytest -m gpu` on a runner without GPUs: a test using gpu_model, a needs_gpus test and a GPU check skip
+    # at setup, before their fixtures build a checkpoint (which imports torch and transformers).
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    pytester.makeconftest("""
+        import sys
+
+        def pytest_sessionfinish(session):
+            print("heavy imported:", sorted(m for m in ("torch", "transformers") if m in sys.modules))
+    """)
+    pytester.makepyfile("""
+        import pytest
+        from pytest_llmload.conformance import check_params
+        from pytest_llmload.failures import REGISTRY
+
+        def test_on_gpu(gpu_model):
+            pass
+
+        @pytest.mark.needs_gpus(1)
+        def test_needs_a_gpu(llmload_checkpoint):
+            pass
+
+        @pytest.mark.parametrize("check", check_params(checks=[c for c in REGISTRY if c.needs_gpus][:1]))
+        def test_gpu_check(check, llmload_loader, llmload_checkpoint, tmp_path):
+            check(llmload_loader, llmload_checkpoint, tmp_path)
+    """)
+    result = pytester.runpytest_subprocess("-m", "gpu", "-s", "-rs", "-p", "no:cacheprovider",
+                                           "-p", "no:hypothesispytest")
+    result.assert_outcomes(skipped=3)
+    result.stdout.fnmatch_lines(["*heavy imported: []", "*gpu_model needs 1 GPU, 0 visible*"])
+
+
 def test_network_guard_names_who_tried_and_lets_loopback_through():
     def reach_the_hub():
         socket.create_connection(("203.0.113.7", 443), timeout=1)

@@ -1,8 +1,12 @@
 """``python -m pytest_llmload``: one row per check, exit 0 / 1 / 2, progress while it runs."""
 
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -144,3 +148,193 @@ def test_the_main_job_leaves_nothing_behind_unless_a_check_failed(odd_loaders):
     assert failed.returncode == 1
     (kept,) = [p for p in tmp.iterdir() if p.name.startswith("llmload-main-")]
     assert [p.name for p in kept.iterdir()] == ["pytest.log"] and f"pytest output: {kept / 'pytest.log'}" in failed.stdout
+
+
+# --- reliability: signals, crashes, hangs (issue 17) ---------------------------------------------------------
+
+MISBEHAVING = '''
+import ctypes
+import os
+import signal
+import time
+
+
+def _called():
+    with open(os.environ["LLMLOAD_TEST_CALLED"], "a") as f:
+        f.write(f"{os.getpid()}\\n")
+
+
+def hangs(request):
+    _called()
+    while True:
+        time.sleep(1)
+
+
+def crashes(request):
+    """The first call dies by SIGSEGV, the next by os._exit(3), as a loader's native code or its script might."""
+    try:
+        os.close(os.open(os.environ["LLMLOAD_TEST_CALLED"], os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        print("Writing model shards: 100%")
+        os._exit(3)
+    ctypes.string_at(0)
+
+
+def kills_pytest(request):
+    os.kill(os.getppid(), signal.SIGKILL)  # the isolated check's parent: pytest itself
+    time.sleep(60)
+'''
+# pytest-timeout's deadline for the call only (setup builds the checkpoint): an isolated check's own deadline ends
+# a few seconds before it, so a hang costs seconds here.
+SHORT_DEADLINES = '''
+import pytest
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        item.add_marker(pytest.mark.timeout(5, func_only=True), append=False)
+'''
+
+
+@pytest.fixture
+def misbehaving(tmp_path, monkeypatch):
+    (tmp_path / "misbehaving.py").write_text(MISBEHAVING)
+    (tmp_path / "short_deadlines.py").write_text(SHORT_DEADLINES)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("LLMLOAD_TEST_CALLED", str(tmp_path / "called"))
+    return tmp_path
+
+
+def _left_behind(tmpdir: Path) -> list[str]:
+    return sorted(str(p.relative_to(tmpdir)) for p in tmpdir.rglob("llmload-*"))
+
+
+def _processes_with(marker: str) -> list[int]:
+    """Every process whose environment carries ``marker`` (what the run's processes inherit)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker.encode() in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+def _until(condition, seconds: float):
+    end = time.monotonic() + seconds
+    while not condition() and time.monotonic() < end:
+        time.sleep(0.2)
+    return condition()
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the run's processes through /proc")
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
+def test_a_signal_to_the_main_job_ends_its_whole_tree(misbehaving, signum):
+    """SIGTERM, Ctrl-C or SIGKILL while the loader hangs in an isolated check: within seconds no process of the
+    run is left, and no temp dir; a catchable signal ends in one line and 128 + its number."""
+    marker = f"LLMLOAD_TEST_RUN={uuid.uuid4().hex}"
+    env = {**os.environ, marker.split("=")[0]: marker.split("=")[1]}
+    main = subprocess.Popen([sys.executable, "-m", "pytest_llmload", "--loader", "misbehaving:hangs", "-k",
+                             "check_pad_token_set_offline"], cwd=misbehaving, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert _until((misbehaving / "called").exists, 120), "the loader was never called"
+        tree = _processes_with(marker)
+        assert len(tree) >= 3, tree  # the main job, pytest, the isolated check's child
+        main.send_signal(signum)
+        out, err = main.communicate(timeout=30)
+        assert _until(lambda: not _processes_with(marker), 20), [
+            (Path(f"/proc/{pid}/cmdline").read_bytes()[:200]) for pid in _processes_with(marker)]
+        tmpdir = Path(os.environ["TMPDIR"])
+        assert _until(lambda: not _left_behind(tmpdir), 5), _left_behind(tmpdir)
+    finally:
+        for pid in _processes_with(marker):
+            os.kill(pid, signal.SIGKILL)
+    if signum == signal.SIGKILL:
+        return
+    assert main.returncode == 128 + signum, out + err
+    assert "Traceback" not in err, err
+    name = "SIGINT (Ctrl-C)" if signum == signal.SIGINT else "SIGTERM"
+    (line,) = err.splitlines()
+    assert line.startswith(f"llmload: interrupted by {name} after ") and "pytest stopped and cleaned up" in line, err
+
+
+def test_a_hung_loader_costs_one_deadline_not_one_per_check(misbehaving):
+    checks = "(pad_token or load_writes) and not cuda"
+    run = main_job("--loader", "misbehaving:hangs", "-k", checks, "--", "-p", "short_deadlines", cwd=misbehaving)
+    assert run.returncode == 1, run.stdout + run.stderr
+    out = run.stdout
+    assert re.search(r"^FAILED check_load_writes_only_offload_folder: check_load_writes_only_offload_folder did not "
+                     r"return: deadline of [\d.]+ s exceeded", out, re.M), out
+    assert re.search(r"^check_pad_token_set_offline +offload-hang \(000\) +error \(not run: the loader hung before\) "
+                     r"+0\.\d\ds", out, re.M), out
+    assert re.search(r"^NOT RUN check_pad_token_set_offline: the loader under test hung in "
+                     r"check_load_writes_only_offload_folder \(deadline [\d.]+ s\); skipping the wait: "
+                     r"--wait-after-hang runs every check to its deadline$", out, re.M), out
+
+    waits = main_job("--loader", "misbehaving:hangs", "-k", checks, "--wait-after-hang", "--", "-p",
+                     "short_deadlines", cwd=misbehaving)
+    assert waits.returncode == 1, waits.stdout + waits.stderr
+    assert re.search(r"^FAILED check_pad_token_set_offline: check_pad_token_set_offline did not return: deadline",
+                     waits.stdout, re.M), waits.stdout
+
+
+def test_a_crashing_loader_is_summed_up_by_its_cause_under_xdist_too(misbehaving):
+    """The loader named by the cwd's ini key, as the run really uses it; a death's cause (a signal, an exit code),
+    not the last line of its output; the progress total under xdist."""
+    (misbehaving / "pytest.ini").write_text("[pytest]\nllmload_loader = misbehaving:crashes\n")
+    run = main_job("-k", "(pad_token or load_writes) and not cuda", "--", "-p", "xdist", "-n", "2", cwd=misbehaving)
+    assert run.returncode == 1, run.stdout + run.stderr
+    out = run.stdout
+    assert (f"llmload: checking loader misbehaving:crashes (from ini 'llmload_loader' in "
+            f"{misbehaving / 'pytest.ini'})") in out, out
+    assert re.search(r"^\[1/2\] check_", out, re.M) and re.search(r"^\[2/2\] check_", out, re.M), out
+    failed = sorted(line for line in out.splitlines() if line.startswith("FAILED "))
+    assert len(failed) == 2, out
+    assert any(re.search(r": its child \(pid \d+\) died: killed by SIGSEGV \(exit code -11\)$", line)
+               for line in failed), out
+    assert any(re.search(r": its child \(pid \d+\) died: exit code 3, before it returned a result$", line)
+               for line in failed), out
+
+
+def test_pytest_dying_under_the_main_job_is_a_row_and_keeps_the_log(misbehaving):
+    run = main_job("--loader", "misbehaving:kills_pytest", "-k", "pad_token and not cuda", cwd=misbehaving)
+    assert run.returncode == 1, run.stdout + run.stderr
+    tmpdir = Path(os.environ["TMPDIR"])
+    (kept,) = tmpdir.glob("llmload-main-*")
+    assert [p.name for p in kept.iterdir()] == ["pytest.log"]  # the isolated check's temp dir went with the rest
+    assert re.search(r"^ERROR check_pad_token_set_offline: pytest itself ended \(killed by SIGKILL \(exit code -9\)\) "
+                     f"while this check ran; its output: {re.escape(str(kept / 'pytest.log'))}$",
+                     run.stdout, re.M), run.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (("--log", "no/such/dir/out.log"), {},
+         "llmload: error: --log 'no/such/dir/out.log': the directory 'no/such/dir' does not exist; create it or "
+         "name a file in an existing directory."),
+        (("--log", "."), {}, "llmload: error: --log '.' is a directory; name a file, e.g. --log llmload.out."),
+        ((), {"PYTEST_LLMLOAD_LOADER": " "}, "llmload: error: $PYTEST_LLMLOAD_LOADER is set but empty; set it to"),
+    ],
+    ids=["log-missing-directory", "log-a-directory", "empty-loader-variable"],
+)
+def test_a_bad_command_line_is_a_sentence_and_exit_2(tmp_path, args, env, message):
+    run = main_job(*args, cwd=tmp_path, env={**os.environ, **env})
+    assert (run.returncode, run.stdout) == (2, ""), run.stdout + run.stderr
+    assert run.stderr.startswith(message) and len(run.stderr.splitlines()) == 1, run.stderr
+    assert _left_behind(Path(os.environ["TMPDIR"])) == []
+
+
+def test_a_collection_error_is_shown_whole(tmp_path, monkeypatch):
+    reason = "a collection error naming its source: " + "x" * 200
+    (tmp_path / "breaks_collection.py").write_text(
+        f"def pytest_generate_tests(metafunc):\n    raise ValueError({reason!r})\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    run = main_job("-k", "pad_token", "--", "-p", "breaks_collection", cwd=tmp_path)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert f"ValueError: {reason}" in run.stderr, run.stderr
+    assert "llmload: pytest exited 2 before any check ran; pytest output removed" in run.stderr, run.stderr
+    assert _left_behind(Path(os.environ["TMPDIR"])) == []

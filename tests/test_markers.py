@@ -97,6 +97,28 @@ def test_bare_marker_without_call_is_an_error(pytester):
     result.stdout.fnmatch_lines(["*test_x: @pytest.mark.needs_gpus() is invalid (needs_gpus() missing 1*"])
 
 
+def test_needs_gpus_on_class_and_function_must_agree(pytester):
+    # pytest's rule, the closest marker wins, would silently drop the class's stricter needs_gpus(2).
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.mark.needs_gpus(2)
+        class TestOnTwo:
+            @pytest.mark.needs_gpus(1)
+            def test_disagrees(self):
+                pass
+
+            @pytest.mark.needs_gpus(2)
+            def test_repeats(self):
+                pass
+    """)
+    result = pytester.runpytest("-rs")
+    result.assert_outcomes(errors=1, skipped=1)
+    result.stdout.fnmatch_lines(["*::TestOnTwo::test_disagrees: @pytest.mark.needs_gpus(1) on test_disagrees and "
+                                 "@pytest.mark.needs_gpus(2) on TestOnTwo disagree; keep one, the number of GPUs the "
+                                 "test needs.", "SKIPPED*needs 2 GPUs, 0 visible*"])
+
+
 def test_keyword_n_is_accepted(pytester):
     pytester.makepyfile("import pytest\n@pytest.mark.needs_gpus(n=3)\ndef test_x(): pass\n")
     result = pytester.runpytest("-rs")
@@ -113,27 +135,29 @@ def test_markers_are_registered_for_strict_mode(pytester):
                                   "@pytest.mark.gpu: the test needs a GPU*"])
 
 
-def test_deepspeed_op_is_built_after_collection_only_when_a_test_needs_it(pytester):
+def test_deepspeed_is_imported_after_collection_only_when_a_test_needs_it(pytester):
     pytest.importorskip("deepspeed")
     test = """
         import os, sys, pytest
 
         @pytest.mark.llmload_deepspeed
         def test_ds():
-            from deepspeed.ops.op_builder.builder import OpBuilder
-            assert "deepspeed_shm_comm" in OpBuilder._loaded_ops  # built before this test's deadline began
-            assert os.environ["TORCH_EXTENSIONS_DIR"] == os.path.join(sys.prefix, "torch_extensions")
+            assert "deepspeed.comm.torch" in sys.modules  # imported before this test's deadline began
+            assert sys.modules["deepspeed.comm.torch"].build_shm_op() is None  # nothing is built
+
+        def test_after_ds():  # DeepSpeed is as it was outside the DeepSpeed test
+            assert sys.modules["deepspeed.comm.torch"].build_shm_op.__module__ == "deepspeed.comm.torch"
 
         def test_plain():
             assert "deepspeed" not in sys.modules
     """
     pytester.makepyfile(test)
-    pytester.runpytest_subprocess("-k", "test_ds", "-p", "no:cacheprovider").assert_outcomes(passed=1)
+    pytester.runpytest_subprocess("-k", "not plain", "-p", "no:cacheprovider").assert_outcomes(passed=2)
     pytester.runpytest_subprocess("-k", "test_plain", "-p", "no:cacheprovider").assert_outcomes(passed=1)
 
 
-def test_deepspeed_op_is_not_built_for_tests_that_skip_for_want_of_gpus(pytester):
-    # `pytest -m gpu` on a CPU runner: the DeepSpeed tests all skip, so nothing is built (1-3 min saved).
+def test_deepspeed_is_not_imported_for_tests_that_skip_for_want_of_gpus(pytester):
+    # `pytest -m gpu` on a CPU runner: the DeepSpeed tests all skip, so DeepSpeed is not imported.
     pytest.importorskip("deepspeed")
     pytester.makepyfile("""
         import sys, pytest

@@ -6,14 +6,18 @@ from hypothesis import strategies as st
 
 from pytest_llmload.sizes import format_bytes, parse_size
 
-accelerate_utils = pytest.importorskip("accelerate.utils")
+
+@pytest.fixture(scope="module")
+def accelerate_utils():
+    # Imported by the test that needs it, not at collection: a `-m gpu` run on a CPU runner imports no torch.
+    return pytest.importorskip("accelerate.utils")
 
 UNITS = ["KB", "MB", "GB", "KiB", "MiB", "GiB", "Kb", "Mb", "Gb", "kb", "mb", "gb", "kib", "GIB"]
 
 
 @given(number=st.decimals(min_value=0, max_value=10**4, places=3, allow_nan=False, allow_infinity=False),
        unit=st.sampled_from(UNITS), space=st.sampled_from(["", " "]))
-def test_every_size_accelerate_accepts_reads_the_same(number, unit, space):
+def test_every_size_accelerate_accepts_reads_the_same(accelerate_utils, number, unit, space):
     text = f"{number}{space}{unit}"
     assert parse_size(text) == accelerate_utils.convert_file_size_to_int(text)
 

@@ -5,7 +5,7 @@
 #   gpu       pytest -m gpu
 #   dp        benchmarks/gpu/dp_same_device.py (write-up 003 on one GPU)
 #   figures   benchmarks/gpu/gpu_figures.py
-#   all       the whole suite, -n 8 (what a GPU runner's plain `pytest` sees)
+#   all       the whole suite, -n 8 with every worker seeing the GPU (--llmload-gpus-per-worker off: 8 workers on 1 GPU)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -22,7 +22,7 @@ for what in "$@"; do
         gpu) timeout "${GPU_TIMEOUT:-420}" python3 -m pytest -m gpu -rA -v -p no:cacheprovider --junitxml="$OUT/junit-gpu.xml" 2>&1 | tee "$OUT/gpu.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS|passed|failed" ;;
         dp) timeout 180 python3 benchmarks/gpu/dp_same_device.py 2>&1 | tee "$OUT/dp.log" | tail -5 ;;
         figures) timeout 300 python3 benchmarks/gpu/gpu_figures.py --out "$OUT/figures.json" 2>&1 | tee "$OUT/figures.log" | tail -30 ;;
-        all) timeout "${ALL_TIMEOUT:-300}" python3 -m pytest -n 8 -q -rfE -p no:cacheprovider --junitxml="$OUT/junit-all.xml" 2>&1 | tee "$OUT/all.log" | tail -40 ;;
+        all) timeout "${ALL_TIMEOUT:-300}" python3 -m pytest -n 8 --llmload-gpus-per-worker off -q -rfE -p no:cacheprovider --junitxml="$OUT/junit-all.xml" 2>&1 | tee "$OUT/all.log" | tail -40 ;;
     esac
     echo "=== $what: $((SECONDS - start)) s"
 done

@@ -19,6 +19,7 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import sys
@@ -83,8 +84,8 @@ def _float_setting(value, name: str, where: str, *, low: float, high: float = fl
         number = float(value)
     except (TypeError, ValueError):
         number = float("nan")
-    if not low <= number <= high:
-        bound = f"between {low:g} and {high:g}" if high != float("inf") else f"a number >= {low:g}"
+    if not (low <= number <= high and math.isfinite(number)):
+        bound = f"between {low:g} and {high:g}" if high != float("inf") else f"a finite number >= {low:g}"
         raise pytest.UsageError(f"{name} {value!r} from {where} is not {bound}; fix it there.")
     return number
 

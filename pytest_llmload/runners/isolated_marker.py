@@ -49,8 +49,13 @@ def _read_isolated(item: pytest.Item):
     if call is None:
         return False, None
     timeout = call.value
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
-        raise call.invalid(item, f"timeout={timeout!r}")
+    if timeout is not None:
+        from pytest_llmload.runners.isolation import check_timeout  # (every isolated test imports it anyway)
+
+        try:
+            check_timeout(timeout)
+        except ValueError:
+            raise call.invalid(item, f"timeout={timeout!r} is not a positive, finite number") from None
     return True, timeout
 
 

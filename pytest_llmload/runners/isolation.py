@@ -446,16 +446,13 @@ def _error_payload(exc: BaseException, render) -> bytes:
 
 
 def _die_with_parent(parent_pid) -> None:
-    """Linux: SIGKILL this child if its parent dies (killed pytest, CI timeout) so no child outlives it."""
-    if parent_pid is None or not sys.platform.startswith("linux"):
-        return
-    import ctypes
+    """SIGKILL this child when the process that started it dies (killed pytest, CI timeout), so that no child
+    outlives it. ``parent_pid`` is the forking test process; ``None`` for a forkserver child, whose parent is the
+    forkserver (which ends with the test process)."""
+    from pytest_llmload.runners.lifeline import die_with_parent
 
-    pr_set_pdeathsig = 1
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
+    if not die_with_parent(os.getppid() if parent_pid is None else parent_pid, signal.SIGKILL):
+        os._exit(1)  # the parent died before the tie took effect
 
 
 def _redirect_output(stdout_path: str, stderr_path: str) -> None:
@@ -541,11 +538,18 @@ def outer_deadline_left():
     return remaining or None
 
 
+def check_timeout(timeout) -> None:
+    """A deadline in seconds must be a positive, finite number (``nan`` compares false with everything, and
+    ``inf`` overflows every clock API): ``ValueError`` naming it otherwise."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+        raise ValueError(f"timeout={timeout!r}; expected a positive, finite number of seconds.")
+
+
 def effective_timeout(timeout) -> float:
     """``timeout``, shortened to end :data:`DEADLINE_MARGIN_S` before an outer alarm (pytest-timeout), so that
     the child's deadline, with its stacks, comes first; ``None`` takes what the alarm leaves, else the default."""
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
-        raise ValueError(f"timeout={timeout!r}; expected a positive number of seconds.")
+    if timeout is not None:
+        check_timeout(timeout)
     outer = outer_deadline_left()
     inner = DEFAULT_TIMEOUT_S if timeout is None and outer is None else timeout
     if outer is not None:

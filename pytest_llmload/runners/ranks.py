@@ -51,8 +51,6 @@ _LAUNCHER_VARS = frozenset(
 )
 _LAUNCHER_PREFIXES = ("ACCELERATE_", "FSDP_", "TORCHELASTIC_", "OMPI_COMM_WORLD_", "PMI_", "MV2_")
 
-_SHM_OP_PRELOAD = "deepspeed.comm.torch.build_shm_op"  # not a module: see _load_deepspeed_shm_op
-
 # Modules a rank would otherwise import lazily, paying for them in every rank of every run (what a forked
 # child imports dies with it). DeepSpeed's engine imports its Muon optimizer, which calls torch.compile at
 # import time and pulls in torch._inductor: about 3 s per rank on 2 cores.
@@ -72,7 +70,7 @@ DEEPSPEED_PRELOAD = HF_PRELOAD + (
     "torch._inductor.compile_fx",
     "accelerate.utils.deepspeed",
     "transformers.integrations.deepspeed",
-    _SHM_OP_PRELOAD,
+    "deepspeed.comm.torch",
 )
 
 _GRACE_AFTER_FAILURE_S = 5.0
@@ -83,55 +81,58 @@ _PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "remote w
 
 
 def preload(modules: Sequence[str]) -> None:
-    """Import ``modules`` here, before forking, so that no rank pays for them; a missing one is skipped.
-
-    A name that is a module's function (``deepspeed.comm.torch.build_shm_op``) is called once here too.
-    """
+    """Import ``modules`` here, before forking, so that no rank pays for them; a missing one is skipped."""
     for name in modules:
-        if name == _SHM_OP_PRELOAD:
-            _load_deepspeed_shm_op()
-            continue
         if name in sys.modules:
             continue
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
 
 
-# DeepSpeed's CPU backend JIT-builds (or, when built, re-links and imports) its shared-memory op in every
-# process that starts a DeepSpeed group, under a lock file in ~/.cache/torch_extensions. Done in each rank it
-# costs each rank the check and import, and a rank killed at its deadline while holding the lock leaves the
-# lock behind: every later DeepSpeed run on the machine then waits forever (seen here: a build takes 75 s on
-# 2 cores, longer than a rank's deadline, whenever another venv's torch rebuilt the shared cache). So the
-# parent loads it once, outside any rank's deadline, and the ranks take the parent's module.
-_shm_op: list = []
+# DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op (deepspeed.comm.torch.build_shm_op) in
+# every process that starts a DeepSpeed group: 40-75 s on 2 cores on first use in an environment, under a lock
+# file in ~/.cache/torch_extensions that a rank killed at its deadline leaves behind (every later DeepSpeed run on
+# the machine then waited on it), rebuilt whenever another venv's torch shares the cache. The op only speeds up
+# collectives; where DeepSpeed cannot build it, it returns None and runs them through torch.distributed
+# (gloo here), which is what the checks need: their failures are device_map and ZeRO decisions, not
+# communication. So the ranks, and the tests that start DeepSpeed, take that path: no build ever happens.
+def _no_shm_op() -> None:
+    return None
 
 
-def _load_deepspeed_shm_op() -> None:
-    # Only where DeepSpeed will pick its CPU accelerator: elsewhere asking for the accelerator could touch CUDA.
-    cpu = os.environ.get("DS_ACCELERATOR") == "cpu" or (
-        "DS_ACCELERATOR" not in os.environ and gpus.visible_gpu_count() == 0)
-    if _shm_op or not cpu or importlib.util.find_spec("deepspeed") is None:
-        return
-    # One build directory per Python environment: venvs sharing ~/.cache/torch_extensions (tox envs, CI's two
-    # stacks) would rebuild the op over each other, each rebuild inside some test's deadline.
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
-    comm_torch = importlib.import_module("deepspeed.comm.torch")
-    _shm_op.append(comm_torch.build_shm_op())
-
-
-def prebuild_deepspeed_ops() -> None:
-    """Build (or load the cached build of) DeepSpeed's CPU comm op in this process, before any rank forks
-    and outside any test's deadline (the plugin calls it after collection when a test needs DeepSpeed)."""
-    _load_deepspeed_shm_op()
-
-
-def _use_parents_shm_op() -> None:
+def _deepspeed_without_shm_op() -> None:
+    """In a rank: for the rest of its life."""
     comm_torch = sys.modules.get("deepspeed.comm.torch")
-    if comm_torch is not None and _shm_op:
-        module = _shm_op[0]
-        comm_torch.build_shm_op = lambda: module
+    if comm_torch is not None:
+        comm_torch.build_shm_op = _no_shm_op
 
 
+@contextlib.contextmanager
+def deepspeed_without_shm_op():
+    """In a test process: while a test that starts DeepSpeed runs (the plugin enters it around those)."""
+    comm_torch = sys.modules.get("deepspeed.comm.torch")
+    if comm_torch is None:
+        yield
+        return
+    built = comm_torch.build_shm_op
+    comm_torch.build_shm_op = _no_shm_op
+    try:
+        yield
+    finally:
+        comm_torch.build_shm_op = built
+
+
+def deepspeed_setup_error(exc: BaseException) -> str:
+    """The sentence for a DeepSpeed that cannot be imported here (an unknown ``DS_ACCELERATOR``, or one this
+    machine lacks)."""
+    value = os.environ.get("DS_ACCELERATOR")
+    given = "unset" if value is None else repr(value)
+    accelerators = getattr(sys.modules.get("deepspeed.accelerator.real_accelerator"), "SUPPORTED_ACCELERATOR_LIST",
+                           None) or ["cuda", "cpu"]
+    return (f"DeepSpeed cannot start in this run, with DS_ACCELERATOR={given} (from the environment): setting it up "
+            f"(import) raised {type(exc).__name__}: {exc}. Set DS_ACCELERATOR to one of "
+            f"{accelerators} that this machine has (cpu without GPUs), or unset it; the tests that start DeepSpeed "
+            "error with this sentence, the others run.")
 
 
 def lost_a_peer(outcome: ChildOutcome) -> bool:
@@ -183,9 +184,12 @@ def run_ranks(
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r}; expected a positive int.")
-    if timeout <= 0:
-        raise ValueError(f"timeout={timeout!r}; expected a positive number of seconds.")
+    isolation.check_timeout(timeout)
     import torch.distributed as dist
+
+    if ":" not in backend and not dist.is_backend_available(backend):  # ("cpu:gloo,cuda:nccl" is one too)
+        raise ValueError(f"backend={backend!r} is not a torch.distributed backend available here (gloo on CPU, "
+                         f"nccl with CUDA; torch knows {[b for b in dist.Backend.backend_list if b != 'undefined']}).")
 
     if dist.is_initialized():
         raise RuntimeError(
@@ -261,12 +265,12 @@ def _prepare_rank(rank, world_size, port, backend, env, init_pg, timeout):
     # (isolation's child has set one OpenMP thread: 2 ranks on 2 cores want no more, and GNU OpenMP is not
     # fork-safe.) accelerate sets torch's thread count from OMP_NUM_THREADS when it is unset: see the env.
     _forget_inherited_state()
-    _use_parents_shm_op()
+    _deepspeed_without_shm_op()
     if init_pg:
         import torch.distributed as dist
 
         if backend == "nccl":
-            torch.cuda.set_device(rank)
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # (a launcher's rank 9 may be cuda:1 of its node)
         dist.init_process_group(
             backend=backend, init_method="env://", world_size=world_size, rank=rank,
             timeout=datetime.timedelta(seconds=timeout),
@@ -347,15 +351,29 @@ class DistributedEnv:
         CPU run: DeepSpeed reads it once, when it is first imported (gloo ranks get it as a default).
         """
         backend = backend or self.default_backend()
-        if backend == "nccl":
-            from pytest_llmload import gpus
-
-            reason = gpus.skip_reason(world_size)
-            if reason is not None:
-                self._skip(f"distributed_env: {world_size} nccl ranks {reason}")
+        reason = self.skip_reason(world_size, backend, deepspeed)
+        if reason is not None:
+            self._skip(reason)
         if deepspeed:
-            if importlib.util.find_spec("deepspeed") is None:
-                self._skip("distributed_env(deepspeed=True): deepspeed is not installed")
             preload(DEEPSPEED_PRELOAD)
-        return run_ranks(fn, world_size, args=args, kwargs=kwargs, backend=backend, timeout=timeout, env=env,
-                         init_process_group=init_process_group)
+        return self._start(fn, world_size, args=args, kwargs=kwargs, backend=backend, timeout=timeout, env=env,
+                           init_process_group=init_process_group)
+
+    def skip_reason(self, world_size: int, backend: str, deepspeed: bool) -> Optional[str]:
+        """Why these ranks cannot run here (too few GPUs for nccl ranks, no DeepSpeed), or ``None``."""
+        if backend == "nccl":
+            reason = self._nccl_skip_reason(world_size)
+            if reason is not None:
+                return reason
+        if deepspeed and importlib.util.find_spec("deepspeed") is None:
+            return "distributed_env(deepspeed=True): deepspeed is not installed"
+        return None
+
+    # The seams a launcher's distributed_env replaces (pytest_llmload.runners.launched_env): its ranks are the
+    # launcher's processes, not forked here.
+    def _nccl_skip_reason(self, world_size: int) -> Optional[str]:
+        reason = gpus.skip_reason(world_size)
+        return None if reason is None else f"distributed_env: {world_size} nccl ranks {reason}"
+
+    def _start(self, fn: Callable[..., Any], world_size: int, **options) -> list[Any]:
+        return run_ranks(fn, world_size, **options)

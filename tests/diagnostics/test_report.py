@@ -95,9 +95,9 @@ def test_the_option_wins_over_the_ini_key_and_zero_turns_progress_off(pytester):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("args", "message"), [
     (["-o", "llmload_phase_progress_seconds=soon"],
-     "ERROR: phase progress interval 'soon' from ini 'llmload_phase_progress_seconds' is not a number >= 0; fix it there."),
+     "ERROR: phase progress interval 'soon' from ini 'llmload_phase_progress_seconds' is not a finite number >= 0; fix it there."),
     (["--llmload-phase-progress", "-1"],
-     "ERROR: phase progress interval '-1' from --llmload-phase-progress is not a number >= 0; fix it there."),
+     "ERROR: phase progress interval '-1' from --llmload-phase-progress is not a finite number >= 0; fix it there."),
     (["-o", "llmload_near_deadline=80%"],
      "ERROR: near-deadline fraction '80%' from ini 'llmload_near_deadline' is not between 0 and 1; fix it there."),
 ])

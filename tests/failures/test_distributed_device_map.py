@@ -22,7 +22,7 @@ from pytest_llmload.failures.distributed_device_map import is_distributed
 from pytest_llmload.reference_loader import load_model_and_tokenizer as reference_loader
 from pytest_llmload.reference_loader import placement_kwargs
 
-pytestmark = pytest.mark.llmload_deepspeed  # DeepSpeed's op build happens before the deadlines start
+pytestmark = pytest.mark.llmload_deepspeed  # DeepSpeed is imported before the deadlines start
 
 DEVICE_MAP_ERROR = (
     "You can't train a model that has been loaded with `device_map='auto'` in any distributed mode. Please rerun "

@@ -207,7 +207,7 @@ def test_the_deadline_ends_before_pytest_timeouts_alarm(monkeypatch):
 
 
 def test_misuse_is_refused_with_the_value():
-    with pytest.raises(ValueError, match="timeout=0; expected a positive number of seconds"):
+    with pytest.raises(ValueError, match="timeout=0; expected a positive, finite number of seconds"):
         run_isolated(os.getpid, timeout=0)
     with pytest.raises(ValueError, match="start_method='thread'"):
         run_isolated(os.getpid, start="thread")

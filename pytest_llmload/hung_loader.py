@@ -1,0 +1,88 @@
+"""A loader that hung once costs one deadline, not one per check.
+
+When a test that uses the ``llmload_loader`` fixture fails because a deadline passed while the loader under test
+was being called (an isolated check's or a rank's child still in the loader at its deadline, a check's own
+``probes.deadline``, pytest-timeout), every later test that uses the fixture fails at setup, saying so, instead
+of waiting out its own deadline in the same call. ``--llmload-wait-after-hang`` runs every test to its deadline.
+Under xdist each worker learns of a hang by itself: one hang per worker, at most.
+
+Registered through ``plugin.py``'s ``pytest_plugins``; imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import re
+import traceback
+from typing import NamedTuple, Optional
+
+import pytest
+
+WAIT_OPTION = "--llmload-wait-after-hang"
+WAIT_HELP = (
+    "after the loader under test hangs (a deadline passes inside its call), run every later test that uses it "
+    "to its own deadline too; by default they fail at once, naming the hang."
+)
+# The start of the setup failure of the tests that did not wait (the main job groups them by it).
+FAILED_FAST = "the loader under test hung in "
+
+# The loader call's frame (pytest_llmload.loading.call_loader), as Python's tracebacks and faulthandler print it.
+_LOADER_FRAME = re.compile(r'loading\.py", line \d+,? in call_loader\b')
+_PYTEST_TIMEOUT = re.compile(r"Timeout \(>(\d+(?:\.\d+)?)s\) from pytest-timeout")
+_OWN_DEADLINE = re.compile(r"deadline (?:of )?(\d+(?:\.\d+)?) s\b")
+
+
+class Hang(NamedTuple):
+    test: str
+    deadline: Optional[float]
+
+    def message(self) -> str:
+        deadline = f" (deadline {self.deadline:.3g} s)" if self.deadline is not None else ""
+        return (f"{FAILED_FAST}{self.test}{deadline}; skipping the wait: {WAIT_OPTION} runs every check to "
+                "its deadline")
+
+
+hang_key = pytest.StashKey[Hang]()
+
+
+def _uses_loader(item: pytest.Item) -> bool:
+    return "llmload_loader" in getattr(item, "fixturenames", ())
+
+
+def hang_in_loader(exc: BaseException, test: str) -> Optional[Hang]:
+    """The :class:`Hang`, when ``exc`` (``test``'s failure) is a deadline that passed while the loader was being
+    called; ``None`` for any other failure."""
+    text = str(exc)
+    # A child (isolated check, rank) still running at its deadline: its thread stacks say where it was.
+    outcomes = getattr(exc, "outcomes", None) or ([exc.outcome] if hasattr(exc, "outcome") else [])
+    hung = [o for o in outcomes if getattr(o, "status", None) == "hung"]
+    if hung:
+        where = "\n".join(o.stacks for o in hung)
+        found = _OWN_DEADLINE.search(text)
+    else:  # this process: pytest-timeout's traceback, or probes.deadline's stacks in its message
+        found = _PYTEST_TIMEOUT.search(text) or _OWN_DEADLINE.search(text)
+        if found is None:
+            return None
+        where = text + "".join(traceback.format_tb(exc.__traceback__))
+    if not _LOADER_FRAME.search(where):
+        return None
+    return Hang(test, float(found.group(1)) if found else None)
+
+
+def fail_if_hung_before(item: pytest.Item) -> None:
+    """At setup, after the skips (a check that would skip still skips), before the fixtures."""
+    hang = item.config.stash.get(hang_key, None)
+    if hang is not None and _uses_loader(item) and not item.config.getoption("llmload_wait_after_hang", False):
+        pytest.fail(hang.message(), pytrace=False)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    report = yield
+    if (report.failed and call.when == "call" and call.excinfo is not None and hang_key not in item.config.stash
+            and _uses_loader(item)):
+        from pytest_llmload.progress import check_name
+
+        hang = hang_in_loader(call.excinfo.value, check_name(item.nodeid))
+        if hang is not None:
+            item.config.stash[hang_key] = hang
+    return report

@@ -1,0 +1,58 @@
+"""Process-wide state the plugin sets for the tests that need it, and only while they run.
+
+A downstream suite's other tests must run as they would without the plugin, whatever ran before them in the
+same process (or xdist worker). So each phase of a test (setup, call, teardown; session fixtures set up inside
+it included) enters, and leaves again:
+
+- offline mode (:func:`pytest_llmload.offline.offline`: the hub's offline variables and constant, the network
+  guard), for a test whose fixture closure has ``llmload_offline``: every llmload fixture requests it;
+- DeepSpeed without its JIT-built CPU comm op, for a test that starts DeepSpeed
+  (:func:`pytest_llmload.runners.ranks.deepspeed_without_shm_op`).
+
+Imports nothing heavy: the modules that set the state load with the first test that needs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+
+from pytest_llmload import markers
+
+# Why DeepSpeed cannot start in this run (set after collection, when importing it failed):
+# the tests that need it error with this sentence, the others run.
+deepspeed_error_key = pytest.StashKey[str]()
+
+
+def _state_for(item: pytest.Item) -> contextlib.ExitStack:
+    stack = contextlib.ExitStack()
+    if "llmload_offline" in getattr(item, "fixturenames", ()):
+        from pytest_llmload.offline import offline
+
+        stack.enter_context(offline())
+    if markers.needs_deepspeed(item):
+        from pytest_llmload.runners.ranks import deepspeed_without_shm_op
+
+        stack.enter_context(deepspeed_without_shm_op())
+    return stack
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item):
+    if deepspeed_error_key in item.config.stash and markers.will_start_deepspeed(item):
+        pytest.fail(item.config.stash[deepspeed_error_key], pytrace=False)
+    with _state_for(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    with _state_for(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem):
+    with _state_for(item):
+        return (yield)
