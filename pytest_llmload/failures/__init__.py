@@ -43,18 +43,19 @@ def match(text: str) -> list[KnownFailure]:
     return [failure for failure in CATALOG if failure.matches(text)]
 
 
-def preload_for_isolated_checks(checkpoint: Union["os.PathLike[str]", str]) -> None:
+def preload_for_isolated_checks(checkpoint: Union["os.PathLike[str]", str], *, peft: bool = True) -> None:
     """Import here, before an isolated check forks, what the checks import: what a child imports dies with it,
     and the next check would pay for it again (1.5 s a check for peft and its dependencies, measured).
 
-    peft only where no GPU is visible: it imports bitsandbytes, whose import reads the devices' compute
-    capability and so initialises CUDA, and a process that has initialised CUDA can no longer fork.
+    peft (``peft=True``: a check that uses adapters) only where no GPU is visible: it imports bitsandbytes, whose
+    import reads the devices' compute capability and so initialises CUDA, and a process that has initialised CUDA
+    can no longer fork. A run of inference checks alone never imports it (about 2.5 s of CPU).
     """
     from pytest_llmload import gpus
     from pytest_llmload.runners import ranks
 
     modules = ranks.HF_PRELOAD + distributed_device_map.model_module(checkpoint)
-    if gpus.visible_gpu_count() == 0:
+    if peft and gpus.visible_gpu_count() == 0:
         modules += ("peft",)
     ranks.preload(modules)
 

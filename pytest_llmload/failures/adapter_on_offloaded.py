@@ -436,4 +436,4 @@ def check_adapter_on_offloaded_base(loader: Loader, checkpoint, workdir, *, devi
 
 # Isolated: the check patches from_pretrained and adds an audit hook while the loader runs, and changes the
 # working directory (peft writes offload copies relative to it).
-CHECKS = (Check(check_adapter_on_offloaded_base, failure=FAILURE, isolated=True),)
+CHECKS = (Check(check_adapter_on_offloaded_base, failure=FAILURE, isolated=True, uses_adapters=True),)

@@ -77,6 +77,7 @@ class Check(NamedTuple):
     # Run in a child forked from the test process (pytest_llmload.runners.isolation): for checks that can hang, crash,
     # or change process-wide state (environment, patched upstream code, audit hooks, sockets).
     isolated: bool = False
+    uses_adapters: bool = False  # works with peft adapters whatever its purpose (a train check's loader uses LoRA)
 
     @property
     def name(self) -> str:
@@ -108,7 +109,7 @@ class Check(NamedTuple):
         from pytest_llmload.failures import preload_for_isolated_checks
         from pytest_llmload.runners import isolated_marker, isolation
 
-        preload_for_isolated_checks(args[1])
+        preload_for_isolated_checks(args[1], peft=self.uses_adapters or self.purpose == "train")
         isolation.run_isolated(self.function, args, kwargs, timeout=self.timeout, label=self.name,
                                render=isolated_marker.render_failure)
 
