@@ -69,7 +69,8 @@ def pytest_command(loader: Optional[str], keyword: Optional[str], progress: Path
     from pytest_llmload.hung_loader import WAIT_OPTION
 
     # (no:hypothesispytest: its plugin imports all of hypothesis at the end of a run, a second for nothing here)
-    argv = [sys.executable, "-m", "pytest", "--pyargs", "pytest_llmload.suite", "-p", "no:cacheprovider",
+    # (pytest_llmload.suite's __main__: pytest, without the interpreter's 2 s teardown of the stack)
+    argv = [sys.executable, "-m", "pytest_llmload.suite", "--pyargs", "pytest_llmload.suite", "-p", "no:cacheprovider",
             "-p", "no:hypothesispytest", "-o", "python_files=test_*.py", "--tb=short", "-q",
             "--llmload-progress", str(progress)]
     if strict:

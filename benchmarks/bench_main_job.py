@@ -1,0 +1,52 @@
+"""The main job against its floor, and `pytest -m gpu` on a runner without GPUs (issue 18's first-contact goals).
+
+- main job: ``python -m pytest_llmload`` (the reference loader, every check) and, right before each run, one bare
+  import of the stack it uses (``import torch, transformers, accelerate, peft, deepspeed``): the floor. Pairing
+  cancels the drift of a shared machine; the goal is a median ratio within 1.25.
+- ``pytest -m gpu`` of this repo's tests with ``CUDA_VISIBLE_DEVICES=`` (every GPU test skips): the goal is
+  under 3 s, which holds only if nothing imports torch before the skips.
+
+    python benchmarks/bench_main_job.py [--runs 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _timing import REPO, load_average, median, print_table, repo_env, run_timed, spread  # noqa: E402
+
+FLOOR = [sys.executable, "-c", "import torch, transformers, accelerate, peft, deepspeed"]
+MAIN_JOB = [sys.executable, "-m", "pytest_llmload"]
+GPU_ONLY = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"]
+
+
+def main(runs: int = 5) -> dict:
+    env = repo_env()
+    run_timed(MAIN_JOB, cwd=REPO, env=env)  # warm-up: page cache, .pyc
+    floor, job, ratios = [], [], []
+    for _ in range(runs):
+        floor.append(run_timed(FLOOR, cwd=REPO, env=env)[0])
+        job.append(run_timed(MAIN_JOB, cwd=REPO, env=env)[0])
+        ratios.append(job[-1] / floor[-1])
+    gpu_env = repo_env(CUDA_VISIBLE_DEVICES="")
+    run_timed(GPU_ONLY, cwd=REPO, env=gpu_env)
+    gpu_only = [run_timed(GPU_ONLY, cwd=REPO, env=gpu_env)[0] for _ in range(runs)]
+    print_table(f"main job against the bare import of its stack ({runs} pairs; load {load_average()})", [
+        ("bare import: torch, transformers, accelerate, peft, deepspeed", spread(floor)),
+        ("python -m pytest_llmload (reference loader, every check)", spread(job)),
+        ("main job / import, median of the pairs (goal <= 1.25)", f"{statistics.median(ratios):.2f} "
+         f"({min(ratios):.2f}-{max(ratios):.2f})"),
+        ("pytest -m gpu, no GPU visible (goal < 3 s)", spread(gpu_only)),
+    ], ("measure", "wall: median (min-max)"))
+    return {"floor_s": median(floor), "main_job_s": median(job), "ratio": statistics.median(ratios),
+            "gpu_only_s": median(gpu_only)}
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=5)
+    main(parser.parse_args().runs)
