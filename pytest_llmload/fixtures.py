@@ -24,6 +24,7 @@ from pytest_llmload.loading import (
 )
 
 loader_choice_key = pytest.StashKey[LoaderChoice]()
+hook_choice_key = pytest.StashKey["LoaderChoice | None"]()  # the training-args hook configured, if any
 
 
 @pytest.fixture(scope="session")
@@ -186,11 +187,14 @@ def llmload_check_options(request) -> dict:
     """Options the configuration gives the checks: ``prepare_args``, the training script's hook for the Trainer
     check (``--llmload-training-args-hook``, else the ini key ``llmload_training_args_hook``; else the loader's
     own attribute, read by the check). Pass them on: ``check(loader, checkpoint, tmp_path, **llmload_check_options)``."""
-    from pytest_llmload.loading import HOOK_INI, choose_training_args_hook
+    try:  # normally checked at configure and collection (usage errors); here for plugins loaded by hand
+        if hook_choice_key in request.config.stash:
+            choice = request.config.stash[hook_choice_key]
+        else:  # the plugin was registered without its configure hook
+            from pytest_llmload.loading import HOOK_INI, choose_training_args_hook
 
-    try:  # normally checked at collection (a usage error); here for plugins loaded by hand
-        choice = choose_training_args_hook(request.config.getoption("llmload_training_args_hook"),
-                                           request.config.getini(HOOK_INI))
+            choice = choose_training_args_hook(request.config.getoption("llmload_training_args_hook"),
+                                               request.config.getini(HOOK_INI))
         return {} if choice is None else {"prepare_args": import_loader(choice)}
     except LoaderSpecError as exc:
         pytest.fail(str(exc), pytrace=False)

@@ -111,12 +111,16 @@ def gpu_fixture_names(config: pytest.Config) -> set[str]:
     return set(BUILTIN_GPU_FIXTURES) | set(config.getini(GPU_FIXTURES_INI))
 
 
+def gpu_fixture_used(item: pytest.Item, gpu_fixtures: set[str]) -> Optional[str]:
+    """The first (by name) of ``gpu_fixtures`` that ``item`` uses, ``None`` when it uses none."""
+    return min(gpu_fixtures.intersection(getattr(item, "fixturenames", ())), default=None)
+
+
 def mark_gpu_tests(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Add the ``gpu`` marker to every test that needs GPUs, so ``-m gpu`` / ``-m "not gpu"`` split the suite."""
     gpu_fixtures = gpu_fixture_names(config)
     for item in items:
-        uses_gpu_fixture = bool(gpu_fixtures.intersection(getattr(item, "fixturenames", ())))
-        if item.get_closest_marker("needs_gpus") is not None or uses_gpu_fixture:
+        if item.get_closest_marker("needs_gpus") is not None or gpu_fixture_used(item, gpu_fixtures) is not None:
             if item.get_closest_marker("gpu") is None:
                 item.add_marker(pytest.mark.gpu)
 
@@ -128,9 +132,9 @@ def enforce_needs_gpus(item: pytest.Item) -> None:
     if n is not None:
         reason = gpus.skip_reason(n)
     else:  # a GPU fixture: skipped here, before its fixtures build and load anything (`-m gpu` on a CPU runner)
-        fixture = next((f for f in sorted(gpu_fixture_names(item.config)) if f in getattr(item, "fixturenames", ())),
-                       None)
-        reason = None if fixture is None or gpus.skip_reason(1) is None else f"{fixture} {gpus.skip_reason(1)}"
+        fixture = gpu_fixture_used(item, gpu_fixture_names(item.config))
+        reason = None if fixture is None else gpus.skip_reason(1)
+        reason = reason and f"{fixture} {reason}"
     if reason is not None:
         # Reported at the test's own location, as pytest's skipif does.
         raise pytest.skip.Exception(reason, _use_item_location=True)

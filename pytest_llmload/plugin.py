@@ -34,6 +34,7 @@ from pytest_llmload.fixtures import (  # noqa: F401  (pytest discovers fixtures 
     llmload_check_options,
     llmload_offline,
     llmload_tokenizer,
+    hook_choice_key,
     loader_choice_key,
     lora_model,
 )
@@ -58,7 +59,6 @@ STRICT_HELP = (
 )
 strict_key = pytest.StashKey[bool]()
 EXPECTED_FAILURES_INI = "llmload_expected_failed_checks"
-hook_choice_key = pytest.StashKey["loading.LoaderChoice | None"]()
 
 
 def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginManager) -> None:

@@ -30,9 +30,14 @@ _LOADER_ERRORS = ("pytest_llmload.loading.LoaderError", "pytest_llmload.loading.
                   "LoaderModelError: ")
 
 
-def _raised_by_the_loader(report: pytest.TestReport) -> bool:
+def _crash_message(report: pytest.TestReport) -> str:
+    """The exception line pytest found (``AssertionError: ...``), else the whole report text."""
     crash = getattr(report.longrepr, "reprcrash", None)
-    message = getattr(crash, "message", "") if crash is not None else str(report.longrepr)
+    return getattr(crash, "message", "") if crash is not None else str(report.longrepr or "")
+
+
+def _raised_by_the_loader(report: pytest.TestReport) -> bool:
+    message = _crash_message(report)
     return any(message.startswith(prefix) or f"\n{prefix}" in message for prefix in _LOADER_ERRORS) or \
         "loader error: " in (message.splitlines() or [""])[0]
 
@@ -40,9 +45,7 @@ def _raised_by_the_loader(report: pytest.TestReport) -> bool:
 def summary_line(report) -> str:
     """A failure's cause in one line: the exception line pytest found (``AssertionError: ...``), else the
     report's first line (a child's death or deadline, a strict failure), never a tail of captured output."""
-    crash = getattr(report.longrepr, "reprcrash", None)
-    text = crash.message if crash is not None else str(report.longrepr or "")
-    line = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    line = next((line.strip() for line in _crash_message(report).splitlines() if line.strip()), "")
     return line.removeprefix("Failed: ")  # pytest.fail()'s message is the sentence; "Failed" says nothing
 
 
