@@ -7,23 +7,18 @@ Heavy libraries are imported inside the fixtures, so a run that uses none of the
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import pytest
 
-from pytest_llmload import gpus
-from pytest_llmload.loading import (
-    LoaderChoice,
-    LoaderSpecError,
-    LoaderUnderTest,
-    PURPOSES_INI,
-    LoadResult,
-    as_loader_under_test,
-    import_loader,
-    parse_purposes,
-)
+from pytest_llmload.surface import PURPOSES_INI
 
-loader_choice_key = pytest.StashKey[LoaderChoice]()
+if TYPE_CHECKING:
+    from pytest_llmload.loading import LoaderUnderTest, LoadResult
+
+# pytest imports this module on every run (the plugin registers these fixtures): everything else is imported
+# by the fixture that needs it.
+loader_choice_key = pytest.StashKey["LoaderChoice"]()
 hook_choice_key = pytest.StashKey["LoaderChoice | None"]()  # the training-args hook configured, if any
 
 
@@ -69,11 +64,10 @@ def llmload_checkpoint(llmload_checkpoint_factory) -> Path:
 def llmload_loader(request, llmload_offline) -> LoaderUnderTest:
     """The loader under test (``--llmload-loader``, ``$PYTEST_LLMLOAD_LOADER``, ini ``llmload_loader``,
     else the built-in reference loader), called as ``llmload_loader(LoadRequest) -> LoadResult``."""
-    choice = request.config.stash.get(loader_choice_key, None)
-    if choice is None:  # the plugin was registered without its configure hook (e.g. imported by hand)
-        from pytest_llmload.loading import REFERENCE_SPEC
+    from pytest_llmload.loading import (
+        LoaderSpecError, as_loader_under_test, chosen_loader, import_loader, parse_purposes)
 
-        choice = LoaderChoice(REFERENCE_SPEC, "built-in default")
+    choice = chosen_loader(request.config)
     try:
         function = import_loader(choice)
     except LoaderSpecError as exc:  # normally caught at collection; here for plugins loaded by hand
@@ -91,6 +85,8 @@ def llmload_loader(request, llmload_offline) -> LoaderUnderTest:
 @pytest.fixture(scope="session")
 def llmload_device() -> str:
     """``"cuda:0"`` where a GPU is visible, else ``"cpu"``."""
+    from pytest_llmload import gpus
+
     return "cuda:0" if gpus.visible_gpu_count() > 0 else "cpu"
 
 
@@ -101,7 +97,7 @@ def llmload_load(llmload_loader, llmload_checkpoint, llmload_device) -> Callable
     Keyword arguments are :class:`~pytest_llmload.LoadRequest` fields; the model path defaults to the
     tiny checkpoint and the device to ``llmload_device``.
     """
-
+    from pytest_llmload.loading import as_loader_under_test
     from pytest_llmload.request import LoadRequest
 
     def load(**fields) -> LoadResult:
@@ -116,6 +112,8 @@ def llmload_load(llmload_loader, llmload_checkpoint, llmload_device) -> Callable
 def gpu_model(llmload_load):
     """The tiny model loaded through the loader under test onto ``cuda:0``; marks the test ``gpu`` and skips
     it where no GPU is visible."""
+    from pytest_llmload import gpus
+
     reason = gpus.skip_reason(1)
     if reason is not None:
         pytest.skip(f"gpu_model {reason}")
@@ -172,6 +170,7 @@ def distributed_env(request, llmload_offline):
     :mod:`pytest_llmload.runners.launcher`), the test runs on every rank, and ``run`` runs ``fn`` on this
     process's rank of the launcher's job instead of forking ranks; ``world_size`` must be the job's.
     """
+    from pytest_llmload import gpus
     from pytest_llmload.runners import launcher
 
     launched = launcher.distributed_env_for(request, gpus.visible_gpu_count, pytest.skip)
@@ -187,12 +186,12 @@ def llmload_check_options(request) -> dict:
     """Options the configuration gives the checks: ``prepare_args``, the training script's hook for the Trainer
     check (``--llmload-training-args-hook``, else the ini key ``llmload_training_args_hook``; else the loader's
     own attribute, read by the check). Pass them on: ``check(loader, checkpoint, tmp_path, **llmload_check_options)``."""
+    from pytest_llmload.loading import HOOK_INI, LoaderSpecError, choose_training_args_hook, import_loader
+
     try:  # normally checked at configure and collection (usage errors); here for plugins loaded by hand
         if hook_choice_key in request.config.stash:
             choice = request.config.stash[hook_choice_key]
         else:  # the plugin was registered without its configure hook
-            from pytest_llmload.loading import HOOK_INI, choose_training_args_hook
-
             choice = choose_training_args_hook(request.config.getoption("llmload_training_args_hook"),
                                                request.config.getini(HOOK_INI))
         return {} if choice is None else {"prepare_args": import_loader(choice)}

@@ -7,7 +7,7 @@ import sys
 from importlib import metadata
 
 from pytest_llmload import gpus
-from pytest_llmload.loading import LoaderChoice
+from pytest_llmload.loading import chosen_loader
 
 STACK = ("torch", "transformers", "accelerate", "peft", "bitsandbytes", "deepspeed")
 
@@ -42,10 +42,11 @@ def installed_versions(names=STACK) -> dict[str, str]:
     return versions
 
 
-def header_lines(choice: LoaderChoice) -> list[str]:
+def header_lines(config) -> list[str]:
     """One line, printed on every pytest run of a repo with the plugin installed (the header comes before
     collection, so before anyone knows whether an llmload test will run):
     ``llmload: loader <spec> (from <source>); torch 2.13.0, ...; GPUs 0 visible (CUDA_VISIBLE_DEVICES unset)``."""
+    choice = chosen_loader(config)
     versions = installed_versions()
     stack = ", ".join(f"{name} {version}" for name, version in versions.items()) or "none of the HF stack installed"
     names = gpus.gpu_names()

@@ -6,7 +6,7 @@ was being called (an isolated check's or a rank's child still in the loader at i
 of waiting out its own deadline in the same call. ``--llmload-wait-after-hang`` runs every test to its deadline.
 Under xdist each worker learns of a hang by itself: one hang per worker, at most.
 
-Registered through ``plugin.py``'s ``pytest_plugins``; imports nothing heavy.
+Registered by ``plugin.switch_on`` when a run uses the plugin; imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -17,11 +17,8 @@ from typing import NamedTuple, Optional
 
 import pytest
 
-WAIT_OPTION = "--llmload-wait-after-hang"
-WAIT_HELP = (
-    "after the loader under test hangs (a deadline passes inside its call), run every later test that uses it "
-    "to its own deadline too; by default they fail at once, naming the hang."
-)
+from pytest_llmload.surface import WAIT_OPTION
+
 # The start of the setup failure of the tests that did not wait (the main job groups them by it).
 FAILED_FAST = "the loader under test hung in "
 

@@ -13,18 +13,21 @@ import re
 import sys
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
+from pytest_llmload.surface import (  # noqa: F401  (the names the plugin declares; read here)
+    HOOK_ATTRIBUTE,
+    HOOK_INI,
+    HOOK_OPTION,
+    PURPOSES_ATTRIBUTE,
+    PURPOSES_INI,
+    LOADER_ENV as ENV_VAR,
+    LOADER_INI as INI_KEY,
+    LOADER_OPTION as OPTION,
+)
+
 if TYPE_CHECKING:
     from pytest_llmload.request import LoadRequest
 
-ENV_VAR = "PYTEST_LLMLOAD_LOADER"
-INI_KEY = "llmload_loader"
-OPTION = "--llmload-loader"
 REFERENCE_SPEC = "pytest_llmload.reference_loader:load_model_and_tokenizer"
-LOADER_HELP = (
-    "the loader under test, as 'module:function' (a callable taking a pytest_llmload.LoadRequest and "
-    f"returning a model or (model, tokenizer)). Precedence: {OPTION}, ${ENV_VAR}, ini '{INI_KEY}'. "
-    "Default: the built-in reference loader."
-)
 
 _SPEC_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
@@ -77,6 +80,17 @@ class LoaderChoice(NamedTuple):
         return self.spec == REFERENCE_SPEC
 
 
+REFERENCE_CHOICE = LoaderChoice(REFERENCE_SPEC, "built-in default")
+
+
+def chosen_loader(config) -> LoaderChoice:
+    """The loader the plugin chose at configure; the reference loader where the run configured nothing (the
+    plugin then never imported this module to choose)."""
+    from pytest_llmload.fixtures import loader_choice_key
+
+    return config.stash.get(loader_choice_key, None) or REFERENCE_CHOICE
+
+
 def choose_loader(option: Optional[str], environ: "os._Environ[str] | dict", ini: Optional[str]) -> LoaderChoice:
     """Apply the precedence. Each candidate is syntax-checked here, imported only when first used."""
     _refuse_empty_option(option, OPTION)
@@ -89,7 +103,7 @@ def choose_loader(option: Optional[str], environ: "os._Environ[str] | dict", ini
             choice = LoaderChoice(value.strip(), source)
             check_spec_syntax(choice)
             return choice
-    return LoaderChoice(REFERENCE_SPEC, "built-in default")
+    return REFERENCE_CHOICE
 
 
 def _refuse_empty_option(value: Optional[str], option: str) -> None:
@@ -196,22 +210,6 @@ def normalise_result(value: Any, *, loader_name: str, request: "LoadRequest") ->
     )
 
 
-HOOK_ATTRIBUTE = "llmload_training_args_hook"
-HOOK_INI = "llmload_training_args_hook"
-HOOK_OPTION = "--llmload-training-args-hook"
-HOOK_HELP = (
-    "your training script's hook, as 'module:function', called as hook(training_args, model) between "
-    "TrainingArguments and Trainer(...) (pytest_llmload.trainer_guard:prepare_training_args_for_placed_model is one). "
-    f"The Trainer check runs Trainer as transformers ships it, with this hook. Precedence: {HOOK_OPTION}, ini "
-    f"'{HOOK_INI}', the loader function's attribute {HOOK_ATTRIBUTE}; default: none (stock Trainer)."
-)
-PURPOSES_ATTRIBUTE = "llmload_purposes"
-PURPOSES_INI = "llmload_loader_purposes"
-PURPOSES_HELP = (
-    "what the loader under test is for, one per line: inference and/or train (default: both). Checks of the "
-    "other purpose skip, saying so. A loader function can say the same with an attribute: "
-    "load.llmload_purposes = ('inference',)."
-)
 
 
 class LoaderUnderTest(NamedTuple):

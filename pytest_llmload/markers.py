@@ -8,17 +8,8 @@ from typing import Any, Callable, NamedTuple, Optional
 import pytest
 
 from pytest_llmload import gpus
+from pytest_llmload.surface import DEEPSPEED_MARKER, GPU_FIXTURES_INI
 
-NEEDS_GPUS_HELP = (
-    "needs_gpus(n): skip unless at least n CUDA devices are visible (n a positive int); also marks the test 'gpu'."
-)
-GPU_HELP = "gpu: the test needs a GPU; set automatically on needs_gpus tests and tests using a GPU fixture. Select with -m gpu."
-DEEPSPEED_HELP = (
-    "llmload_deepspeed: the test starts DeepSpeed; DeepSpeed is imported after collection, outside any test's "
-    "deadline."
-)
-GPU_FIXTURES_INI = "llmload_gpu_fixtures"
-GPU_FIXTURES_HELP = "extra fixture names that need a GPU: tests using them are marked 'gpu' (default: gpu_model)."
 BUILTIN_GPU_FIXTURES = ("gpu_model",)
 
 
@@ -104,7 +95,7 @@ def check_flag_markers(item: pytest.Item) -> None:
     """``gpu`` and ``llmload_deepspeed`` take no arguments: ``gpu(2)`` would read as a GPU count and be ignored."""
     read_marker(item, "gpu", _no_arguments,
                 "gpu takes no arguments; for a number of GPUs use @pytest.mark.needs_gpus(n), which also marks it gpu")
-    read_marker(item, "llmload_deepspeed", _no_arguments, "expected @pytest.mark.llmload_deepspeed, without arguments")
+    read_marker(item, DEEPSPEED_MARKER, _no_arguments, f"expected @pytest.mark.{DEEPSPEED_MARKER}, without arguments")
 
 
 def gpu_fixture_names(config: pytest.Config) -> set[str]:
@@ -142,7 +133,7 @@ def enforce_needs_gpus(item: pytest.Item) -> None:
 
 def needs_deepspeed(item: pytest.Item) -> bool:
     """A test marked ``llmload_deepspeed``, or a conformance check that starts a process group."""
-    if item.get_closest_marker("llmload_deepspeed") is not None:
+    if item.get_closest_marker(DEEPSPEED_MARKER) is not None:
         return True
     check = getattr(item, "callspec", None) and item.callspec.params.get("check")
     return getattr(check, "world_size", 1) > 1

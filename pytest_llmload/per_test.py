@@ -9,6 +9,9 @@ it included) enters, and leaves again:
 - DeepSpeed without its JIT-built CPU comm op, for a test that starts DeepSpeed
   (:func:`pytest_llmload.runners.ranks.deepspeed_without_shm_op`).
 
+Before that, at setup, an invalid llmload marker errors the test, too few GPUs skip it, and after the loader
+under test hung once, a later test that uses it fails at once (:mod:`pytest_llmload.hung_loader`).
+
 Imports nothing heavy: the modules that set the state load with the first test that needs it.
 """
 
@@ -18,11 +21,35 @@ import contextlib
 
 import pytest
 
-from pytest_llmload import markers
+from pytest_llmload import hung_loader, markers
 
 # Why DeepSpeed cannot start in this run (set after collection, when importing it failed):
 # the tests that need it error with this sentence, the others run.
 deepspeed_error_key = pytest.StashKey[str]()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # DeepSpeed's import (seconds) is paid here, outside any test's deadline, and only when a collected test
+    # will start DeepSpeed; its ranks, forked later, inherit it. (They never build DeepSpeed's CPU comm op: see
+    # runners/ranks.py.)
+    if any(markers.will_start_deepspeed(item) for item in session.items):
+        from importlib.util import find_spec
+
+        if find_spec("deepspeed") is not None:
+            from pytest_llmload.runners import ranks as distributed
+
+            try:
+                distributed.preload(("deepspeed", "deepspeed.comm.torch"))
+            except Exception as exc:  # DS_ACCELERATOR='tpu', say: the DeepSpeed tests error with it, not the run
+                session.config.stash[deepspeed_error_key] = distributed.deepspeed_setup_error(exc)
+
+
+@pytest.hookimpl(specname="pytest_runtest_setup")  # after the skip marks (tryfirst), before the fixtures
+def pytest_runtest_setup_checks(item: pytest.Item) -> None:  # (pytest reads only names starting pytest_)
+    markers.enforce_needs_gpus(item)
+    if deepspeed_error_key in item.config.stash and markers.will_start_deepspeed(item):
+        pytest.fail(item.config.stash[deepspeed_error_key], pytrace=False)
+    hung_loader.fail_if_hung_before(item)
 
 
 def _state_for(item: pytest.Item) -> contextlib.ExitStack:
@@ -40,8 +67,6 @@ def _state_for(item: pytest.Item) -> contextlib.ExitStack:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item: pytest.Item):
-    if deepspeed_error_key in item.config.stash and markers.will_start_deepspeed(item):
-        pytest.fail(item.config.stash[deepspeed_error_key], pytrace=False)
     with _state_for(item):
         return (yield)
 

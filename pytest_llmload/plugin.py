@@ -1,133 +1,179 @@
-"""pytest-llmload's pytest plugin (entry point ``pytest11: llmload``): the whole plugin surface in one place.
+"""pytest-llmload's pytest plugin (entry point ``pytest11: llmload``): what pytest imports on every run.
 
-Every option, ini key and marker is declared here (each help text is defined once, beside the code that reads
-it); the sub-plugins in ``SUB_PLUGINS`` add hooks only. Fixtures are in :mod:`pytest_llmload.fixtures`.
+Most runs of a repo that installs the plugin never use it, so at start-up this module imports only the plugin's
+vocabulary (:mod:`pytest_llmload.surface`: every option, ini key and marker, declared here) and its fixtures
+(:mod:`pytest_llmload.fixtures`). The sub-plugins that do the work are imported and registered when a run turns
+out to need them (:func:`switch_on`):
 
-One naming rule: every option, ini key, marker and fixture starts with ``llmload`` (``--llmload-...``,
-``llmload_...``), except the names the README promises as this plugin's vocabulary (the fixtures ``gpu_model``,
-``lora_model``, ``distributed_env``; the markers ``needs_gpus`` and ``gpu``) and ``limit_torch_memory``, named after
-pytest-memray's ``limit_memory``.
+- at the start, when the run configures the plugin (one of its options, ini keys or ``$PYTEST_LLMLOAD_LOADER``
+  set: a bad value is then a usage error at once), runs under ``pytest -n`` (the controller sums up what its
+  workers report), or under torchrun/srun/mpirun;
+- after collection, when a collected test uses an llmload fixture or marker, or the test modules imported the
+  plugin's checks (``parametrize_with_loader_checks``).
 
-This module is imported on every pytest run of a repo that has the plugin installed, so it imports
-nothing heavy: torch and the Hugging Face stack load only when a fixture asks for them.
+A failing test is matched against the known failures in every run (the catalog is imported on the first failure).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import types
 
 import pytest
 
-from pytest_llmload import hung_loader, loading, markers, per_test
-from pytest_llmload.diagnostics import known_failures as known_failure_report
-from pytest_llmload.diagnostics import memory_limit, report
-from pytest_llmload.runners import isolated_marker, launcher, lifeline, xdist_gpus
+from pytest_llmload import surface
 from pytest_llmload.fixtures import (  # noqa: F401  (pytest discovers fixtures on the plugin module)
     distributed_env,
     gpu_model,
+    hook_choice_key,
+    llmload_check_options,
     llmload_checkpoint,
     llmload_checkpoint_factory,
     llmload_device,
     llmload_load,
     llmload_loader,
-    llmload_check_options,
     llmload_offline,
     llmload_tokenizer,
-    hook_choice_key,
     loader_choice_key,
     lora_model,
 )
 
-# The sub-plugins, loaded one way: their hooks only. Every option, ini key and marker is declared below.
-# Registered in pytest_addoption rather than named in `pytest_plugins`: pytest would mark them for assertion
-# rewriting when this module has imported them already, and warn about it on every run of every project.
+# The sub-plugins, by module name: their hooks only (every option, ini key and marker is declared here).
 SUB_PLUGINS = (
-    isolated_marker,  # llmload_isolated: the test body in a forked child
-    report,  # phase tables, device-map summaries, the session summary
-    memory_limit,  # limit_torch_memory
-    hung_loader,  # after the loader hangs once, the rest fail at once instead of waiting
-    xdist_gpus,  # under pytest -n: each xdist worker its own GPUs
-    per_test,  # offline mode, and DeepSpeed without its op build, only while the tests that need them run
-    launcher,  # under torchrun/srun/mpirun: distributed_env tests on every rank
+    "pytest_llmload.runners.isolated_marker",  # llmload_isolated: the test body in a forked child
+    "pytest_llmload.diagnostics.report",  # phase tables, device-map summaries, the session summary
+    "pytest_llmload.diagnostics.memory_limit",  # limit_torch_memory
+    "pytest_llmload.hung_loader",  # after the loader hangs once, the rest fail at once instead of waiting
+    "pytest_llmload.per_test",  # markers enforced; offline mode and DeepSpeed only while the tests that need them run
 )
+XDIST_GPUS = "pytest_llmload.runners.xdist_gpus"  # under pytest -n: each xdist worker its own GPUs
+LAUNCHER = "pytest_llmload.runners.launcher"  # under torchrun/srun/mpirun: distributed_env tests on every rank
 
+# What marks a test as an llmload test: every llmload fixture requests llmload_offline, except these two.
+_FIXTURE_ROOTS = ("llmload_offline", "llmload_device", "llmload_check_options")
+_MARKERS = frozenset({"needs_gpus", "gpu", surface.DEEPSPEED_MARKER, surface.ISOLATED_MARKER,
+                      surface.MEMORY_LIMIT_MARKER})
+_INI_KEYS = (surface.LOADER_INI, surface.HOOK_INI, surface.PURPOSES_INI, surface.GPU_FIXTURES_INI,
+             surface.EXPECTED_FAILURES_INI, surface.STRICT_INI, surface.PHASE_PROGRESS_INI,
+             surface.NEAR_DEADLINE_INI, surface.GPUS_PER_WORKER_INI)
 
-STRICT_HELP = (
-    "count a check that could not judge the loader (skipped 'not exercised: ...', e.g. nothing was offloaded, "
-    "the 4-bit request was ignored) as a failure. Precedence: --llmload-strict, then the ini key."
-)
+switched_on_key = pytest.StashKey[bool]()
 strict_key = pytest.StashKey[bool]()
-EXPECTED_FAILURES_INI = "llmload_expected_failed_checks"
 
 
-def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginManager) -> None:
-    for module in SUB_PLUGINS:
-        if not pluginmanager.is_registered(module):
-            pluginmanager.register(module, module.__name__)
+def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("llmload", "pytest-llmload: Hugging Face model-loading regression checks")
-    group.addoption("--llmload-loader", dest="llmload_loader", metavar="MODULE:FUNCTION", help=loading.LOADER_HELP)
-    parser.addini(loading.INI_KEY, help=loading.LOADER_HELP, default=None)
-    group.addoption(loading.HOOK_OPTION, dest="llmload_training_args_hook", metavar="MODULE:FUNCTION",
-                    help=loading.HOOK_HELP)
-    parser.addini(loading.HOOK_INI, help=loading.HOOK_HELP, default=None)
-    parser.addini(loading.PURPOSES_INI, help=loading.PURPOSES_HELP, type="linelist", default=[])
-    parser.addini(markers.GPU_FIXTURES_INI, help=markers.GPU_FIXTURES_HELP, type="linelist", default=[])
-    parser.addini(
-        EXPECTED_FAILURES_INI, type="linelist", default=[],
-        help="known gaps of the configured loader, one 'check_name: reason' a line: the shipped suite "
-        "(pytest --pyargs pytest_llmload.suite) runs them as strict xfails.",
-    )
-    group.addoption(
-        "--llmload-progress", dest="llmload_progress", metavar="PATH",
-        help="append one JSON line per test outcome to PATH (used by 'python -m pytest_llmload').",
-    )
-    group.addoption("--llmload-strict", dest="llmload_strict", action="store_true", default=None, help=STRICT_HELP)
-    parser.addini("llmload_strict", type="bool", default=False, help=STRICT_HELP)
-    group.addoption(report.PROGRESS_OPTION, dest="llmload_phase_progress", metavar="SECONDS",
-                    help=report.PROGRESS_HELP)
-    parser.addini(report.PROGRESS_INI, help=report.PROGRESS_HELP, default=None)
-    parser.addini(report.NEAR_DEADLINE_INI, help=report.NEAR_DEADLINE_HELP, default=None)
-    group.addoption(hung_loader.WAIT_OPTION, dest="llmload_wait_after_hang", action="store_true", default=False,
-                    help=hung_loader.WAIT_HELP)
-    group.addoption(xdist_gpus.OPTION, dest="llmload_gpus_per_worker", metavar="K|off", help=xdist_gpus.HELP)
-    parser.addini(xdist_gpus.INI, help=xdist_gpus.HELP, default=None)
+    group.addoption(surface.LOADER_OPTION, dest="llmload_loader", metavar="MODULE:FUNCTION",
+                    help=surface.LOADER_HELP)
+    parser.addini(surface.LOADER_INI, help=surface.LOADER_HELP, default=None)
+    group.addoption(surface.HOOK_OPTION, dest="llmload_training_args_hook", metavar="MODULE:FUNCTION",
+                    help=surface.HOOK_HELP)
+    parser.addini(surface.HOOK_INI, help=surface.HOOK_HELP, default=None)
+    parser.addini(surface.PURPOSES_INI, help=surface.PURPOSES_HELP, type="linelist", default=[])
+    parser.addini(surface.GPU_FIXTURES_INI, help=surface.GPU_FIXTURES_HELP, type="linelist", default=[])
+    parser.addini(surface.EXPECTED_FAILURES_INI, type="linelist", default=[], help=surface.EXPECTED_FAILURES_HELP)
+    group.addoption("--llmload-progress", dest="llmload_progress", metavar="PATH", help=surface.PROGRESS_FILE_HELP)
+    group.addoption("--llmload-strict", dest="llmload_strict", action="store_true", default=None,
+                    help=surface.STRICT_HELP)
+    parser.addini(surface.STRICT_INI, type="bool", default=False, help=surface.STRICT_HELP)
+    group.addoption(surface.PHASE_PROGRESS_OPTION, dest="llmload_phase_progress", metavar="SECONDS",
+                    help=surface.PHASE_PROGRESS_HELP)
+    parser.addini(surface.PHASE_PROGRESS_INI, help=surface.PHASE_PROGRESS_HELP, default=None)
+    parser.addini(surface.NEAR_DEADLINE_INI, help=surface.NEAR_DEADLINE_HELP, default=None)
+    group.addoption(surface.WAIT_OPTION, dest="llmload_wait_after_hang", action="store_true", default=False,
+                    help=surface.WAIT_HELP)
+    group.addoption(surface.GPUS_PER_WORKER_OPTION, dest="llmload_gpus_per_worker", metavar="K|off",
+                    help=surface.GPUS_PER_WORKER_HELP)
+    parser.addini(surface.GPUS_PER_WORKER_INI, help=surface.GPUS_PER_WORKER_HELP, default=None)
+
+
+def switch_on(config: pytest.Config, *modules: str) -> None:
+    """Import and register the sub-plugins (``SUB_PLUGINS`` and ``modules``). A sub-plugin registered after
+    configure has its ``pytest_configure`` called at once (pytest replays the historic hook)."""
+    from importlib import import_module
+
+    config.stash[switched_on_key] = True
+    for name in (*modules, *SUB_PLUGINS):
+        module = import_module(name)
+        if not config.pluginmanager.is_registered(module):
+            config.pluginmanager.register(module, name)
+
+
+def _under_xdist_controller(config: pytest.Config) -> bool:
+    return not hasattr(config, "workerinput") and bool(getattr(config.option, "numprocesses", None)
+                                                       or getattr(config.option, "tx", None))
+
+
+def _configured(config: pytest.Config) -> bool:
+    """Any of the plugin's options, ini keys or ``$PYTEST_LLMLOAD_LOADER`` set in this run."""
+    if surface.LOADER_ENV in os.environ:
+        return True
+    if any(value not in (None, False) for name, value in vars(config.option).items() if name.startswith("llmload_")):
+        return True
+    return any(_ini_set(config, key) for key in _INI_KEYS)
+
+
+def _ini_set(config: pytest.Config, key: str) -> bool:
+    try:
+        return config.getini(key) not in (None, "", [], False)
+    except (ValueError, pytest.UsageError):  # set, to something wrong: reading it again says so
+        return True
+
+
+@pytest.hookimpl(wrapper=True)  # before xdist's own (tryfirst) one, which asks xdist_gpus for `-n auto`'s count
+def pytest_cmdline_main(config: pytest.Config):
+    # Every launcher sets MASTER_ADDR and MASTER_PORT (launcher.detect reads the rest).
+    launched = bool(os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"))
+    if _under_xdist_controller(config):
+        switch_on(config, XDIST_GPUS, *([LAUNCHER] if launched else []))
+    elif launched:
+        switch_on(config, LAUNCHER)
+    return (yield)
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    lifeline.tie_to_main_job()  # under the main job: end with it, and stop cleanly on SIGTERM
-    config.addinivalue_line("markers", markers.NEEDS_GPUS_HELP)
-    config.addinivalue_line("markers", markers.GPU_HELP)
-    config.addinivalue_line("markers", markers.DEEPSPEED_HELP)
-    config.addinivalue_line("markers", isolated_marker.ISOLATED_HELP)
-    config.addinivalue_line("markers", memory_limit.HELP)
+    if surface.PARENT_ENV in os.environ:  # started by the main job: end with it, stop cleanly on SIGTERM
+        from pytest_llmload.runners import lifeline
+
+        lifeline.tie_to_main_job()
+    for line in (surface.NEEDS_GPUS_HELP, surface.GPU_HELP, surface.DEEPSPEED_HELP, surface.ISOLATED_HELP,
+                 surface.MEMORY_LIMIT_HELP):
+        config.addinivalue_line("markers", line)
+    if not _configured(config):
+        return  # the reference loader, no hook, defaults: nothing to check, nothing to import
+    _read_configuration(config)
+    switch_on(config)
+
+
+def _read_configuration(config: pytest.Config) -> None:
+    from pytest_llmload import loading
+
     try:
-        choice = loading.choose_loader(
-            config.getoption("llmload_loader"), os.environ, config.getini(loading.INI_KEY)
-        )
-        hook = loading.choose_training_args_hook(config.getoption("llmload_training_args_hook"),
-                                                 config.getini(loading.HOOK_INI))
-        if config.getini(loading.PURPOSES_INI):
-            loading.parse_purposes(config.getini(loading.PURPOSES_INI), f"ini '{loading.PURPOSES_INI}'")
+        config.stash[loader_choice_key] = loading.choose_loader(
+            config.getoption("llmload_loader"), os.environ, config.getini(surface.LOADER_INI))
+        config.stash[hook_choice_key] = loading.choose_training_args_hook(
+            config.getoption("llmload_training_args_hook"), config.getini(surface.HOOK_INI))
+        if config.getini(surface.PURPOSES_INI):
+            loading.parse_purposes(config.getini(surface.PURPOSES_INI), f"ini '{surface.PURPOSES_INI}'")
     except loading.LoaderSpecError as exc:
         raise pytest.UsageError(str(exc)) from None
-    config.stash[loader_choice_key] = choice
-    config.stash[hook_choice_key] = hook
-    if config.getini(EXPECTED_FAILURES_INI):  # checked here, a usage error, not a collection error of the suite
+    if config.getini(surface.EXPECTED_FAILURES_INI):  # a usage error here, not a collection error of the suite
         from pytest_llmload.conformance import check_params, parse_expected_failures
 
-        source = f"ini '{EXPECTED_FAILURES_INI}'"
+        source = f"ini '{surface.EXPECTED_FAILURES_INI}'"
         try:
-            check_params(expected_failed_checks=parse_expected_failures(config.getini(EXPECTED_FAILURES_INI), source))
+            check_params(expected_failed_checks=parse_expected_failures(
+                config.getini(surface.EXPECTED_FAILURES_INI), source))
         except pytest.UsageError as exc:
             raise pytest.UsageError(str(exc) if str(exc).startswith(source) else f"{source}: {exc}") from None
     option = config.getoption("llmload_strict")
     try:
-        config.stash[strict_key] = bool(option if option is not None else config.getini("llmload_strict"))
+        config.stash[strict_key] = bool(option if option is not None else config.getini(surface.STRICT_INI))
     except (ValueError, pytest.UsageError) as exc:  # pytest's own words name the value, not the key
-        raise pytest.UsageError(f"ini 'llmload_strict': {exc}; use true or false.") from None
+        raise pytest.UsageError(f"ini '{surface.STRICT_INI}': {exc}; use true or false.") from None
     if config.getoption("llmload_progress") and not hasattr(config, "workerinput"):
-        from pytest_llmload import progress  # only the main job asks for it: plugin load stays cheap
+        from pytest_llmload import progress  # only the main job asks for it
 
         path = config.getoption("llmload_progress")
         try:
@@ -151,10 +197,16 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def pytest_report_header(config: pytest.Config) -> list[str]:
     from pytest_llmload.header import header_lines  # imported when the header is printed, not at plugin load
 
-    return header_lines(config.stash[loader_choice_key])
+    return header_lines(config)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.stash.get(switched_on_key, False):
+        if not _uses_llmload(config, items):
+            return
+        switch_on(config)
+    from pytest_llmload import markers
+
     markers.mark_gpu_tests(config, items)
     # A configured loader (or training-args hook) is imported only if a collected test uses it, and then before
     # any test runs: a spec that does not import is one usage error, not an error repeated on every test.
@@ -162,12 +214,37 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     _check_imports(config, used)
 
 
+def _uses_llmload(config: pytest.Config, items: list[pytest.Item]) -> bool:
+    roots = {*_FIXTURE_ROOTS, *config.getini(surface.GPU_FIXTURES_INI)}
+    if any(roots.intersection(getattr(item, "fixturenames", ()))
+           or any(mark.name in _MARKERS for mark in item.iter_markers()) for item in items):
+        return True
+    # Tests that use the package without its fixtures or markers (its checks through
+    # parametrize_with_loader_checks, its phases, call_loader): their module or a conftest imported from it.
+    modules = {id(m): m for m in (getattr(item, "module", None) for item in items) if m is not None}
+    conftests = (p for p in config.pluginmanager.get_plugins()
+                 if isinstance(p, types.ModuleType) and p.__name__.rpartition(".")[2] == "conftest")
+    return any(_imports_llmload(module) for module in (*modules.values(), *conftests))
+
+
+def _imports_llmload(module: types.ModuleType) -> bool:
+    for value in list(vars(module).values()):
+        if isinstance(value, types.ModuleType):
+            name = value.__name__
+        elif isinstance(value, (types.FunctionType, type)):
+            name = getattr(value, "__module__", None)
+        else:
+            continue
+        if isinstance(name, str) and (name == "pytest_llmload" or name.startswith("pytest_llmload.")):
+            return True
+    return False
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     # An xdist controller collects nothing; it checks the specs itself so that workers never hit a usage
     # error (which xdist reports as a crash).
-    config = session.config
-    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
-        _check_imports(config, _IMPORTED_FOR)
+    if _under_xdist_controller(session.config):
+        _check_imports(session.config, _IMPORTED_FOR)
 
 
 # The fixture that imports each configured spec, and where the spec is kept.
@@ -178,37 +255,21 @@ def _check_imports(config: pytest.Config, used_fixtures) -> None:
     for fixture, key in _IMPORTED_FOR.items():
         choice = config.stash.get(key, None)
         if fixture in used_fixtures and choice is not None and not choice.is_reference:
+            from pytest_llmload import loading
+
             try:
                 loading.import_loader(choice)
             except loading.LoaderSpecError as exc:
                 raise pytest.UsageError(str(exc)) from None
 
 
-def pytest_collection_finish(session: pytest.Session) -> None:
-    # DeepSpeed's import (seconds) is paid here, outside any test's deadline, and only when a collected test
-    # will start DeepSpeed; its ranks, forked later, inherit it. (They never build DeepSpeed's CPU comm op: see
-    # runners/ranks.py.)
-    if any(markers.will_start_deepspeed(item) for item in session.items):
-        from importlib.util import find_spec
-
-        if find_spec("deepspeed") is not None:
-            from pytest_llmload.runners import ranks as distributed
-
-            try:
-                distributed.preload(("deepspeed", "deepspeed.comm.torch"))
-            except Exception as exc:  # DS_ACCELERATOR='tpu', say: the DeepSpeed tests error with it, not the run
-                session.config.stash[per_test.deepspeed_error_key] = distributed.deepspeed_setup_error(exc)
-
-
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    markers.enforce_needs_gpus(item)
-    hung_loader.fail_if_hung_before(item)
-
-
 @pytest.hookimpl(wrapper=True, trylast=True)  # innermost: the known-failure section comes before the sub-plugins' ones
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     report = yield
-    known_failure_report.annotate(item, call, report)
+    if report.failed and call.excinfo is not None:  # any failing test, llmload's or not
+        from pytest_llmload.diagnostics import known_failures
+
+        known_failures.annotate(item, call, report)
     if report.skipped and item.config.stash.get(strict_key, False) and isinstance(report.longrepr, tuple):
         from pytest_llmload.failures.base import NOT_EXERCISED
 
@@ -220,5 +281,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    for line in known_failure_report.summary_lines(config):
+    known_failures = sys.modules.get("pytest_llmload.diagnostics.known_failures")
+    for line in known_failures.summary_lines(config) if known_failures else ():
         terminalreporter.write_line(line)

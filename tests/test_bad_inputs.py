@@ -265,10 +265,9 @@ def test_a_bad_input_ends_in_a_sentence(pytester, monkeypatch, case):
     for key, value in (case.env or {}).items():
         monkeypatch.setenv(key, value)
     # In-process where it can be (a fresh interpreter costs ~1 s a case): xdist runs, and loader modules that
-    # exit or fail at import, get a process of their own. (no:hypothesispytest: its plugin imports all of
-    # hypothesis, ~1 s a process.)
+    # exit or fail at import, get a process of their own.
     run = pytester.runpytest_subprocess if case.own_process else pytester.runpytest
-    result = run("-p", "no:cacheprovider", "-p", "no:hypothesispytest", *case.args)
+    result = run("-p", "no:cacheprovider", *case.args)
     output = result.stdout.str() + "\n" + result.stderr.str()
     assert "INTERNALERROR" not in output and "Traceback" not in output, output
     assert re.search(case.sentence, output, re.DOTALL), output

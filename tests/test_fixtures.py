@@ -95,8 +95,7 @@ def test_gpu_tests_skip_on_a_cpu_runner_before_anything_heavy_is_imported(pytest
         def test_gpu_check(check, llmload_loader, llmload_checkpoint, tmp_path):
             check(llmload_loader, llmload_checkpoint, tmp_path)
     """)
-    result = pytester.runpytest_subprocess("-m", "gpu", "-s", "-rs", "-p", "no:cacheprovider",
-                                           "-p", "no:hypothesispytest")
+    result = pytester.runpytest_subprocess("-m", "gpu", "-s", "-rs", "-p", "no:cacheprovider")
     result.assert_outcomes(skipped=3)
     result.stdout.fnmatch_lines(["*heavy imported: []", "*gpu_model needs 1 GPU, 0 visible*"])
 

@@ -112,9 +112,7 @@ def test_bad_spec_is_not_imported_when_no_test_uses_a_loader(loaders, monkeypatc
 
 
 def test_bad_spec_under_xdist_is_a_usage_error_not_a_crash(loaders):
-    # (no:hypothesispytest: its plugin imports all of hypothesis, ~1 s a process, at the end of every run)
-    result = loaders.runpytest_subprocess("-n", "2", "-p", "no:hypothesispytest", "--llmload-loader",
-                                          "nope_missing_pkg:load")
+    result = loaders.runpytest_subprocess("-n", "2", "--llmload-loader", "nope_missing_pkg:load")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["ERROR: loader spec 'nope_missing_pkg:load' from --llmload-loader: *"])
     assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()

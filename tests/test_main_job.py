@@ -27,8 +27,20 @@ def main_job(*args, cwd=REPO, env=None):
                           text=True, timeout=280, env=env)
 
 
-def test_reference_loader_passes_with_a_row_per_check():
-    run = main_job("-k", "pad_token or offload_inference")
+def new_tmpdir(tmp_path) -> dict:
+    """An environment whose TMPDIR is a new empty directory: what a main job leaves there can be listed."""
+    (tmp_path / "tmp").mkdir()
+    return {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
+
+
+def left_in(env: dict) -> list[Path]:
+    return [p for p in Path(env["TMPDIR"]).iterdir() if p.name.startswith("llmload-main-")]
+
+
+# (Each main job imports the stack, ~8 s: a run serves every assertion about it.)
+def test_reference_loader_passes_with_a_row_per_check_and_leaves_nothing_behind(tmp_path):
+    env = new_tmpdir(tmp_path)
+    run = main_job("-k", "pad_token or offload_inference", env=env)
     assert run.returncode == 0, run.stdout + run.stderr
     out = run.stdout
     assert "llmload: checking loader pytest_llmload.reference_loader:load_model_and_tokenizer (from built-in default)" in out
@@ -40,6 +52,8 @@ def test_reference_loader_passes_with_a_row_per_check():
                 r"check_offload_inference_cuda +offload-hang \(000\) +skipped \(needs 1 GPU, 0 visible"):
         assert re.search(f"^{row}", table, re.M), (row, table)
     assert "llmload: 2 passed, 1 skipped in" in out
+    assert "nothing failed: pytest output removed (--log PATH keeps it)" in out
+    assert left_in(env) == []
 
 
 def test_a_before_loader_fails_with_exit_1_naming_the_check():
@@ -101,12 +115,15 @@ def odd_loaders(tmp_path):
     return tmp_path
 
 
-def test_a_loaders_own_error_is_an_error_row_not_a_known_failure(odd_loaders):
+def test_a_loaders_own_error_is_an_error_row_not_a_known_failure_and_its_log_is_kept(odd_loaders):
     import json
 
+    env = new_tmpdir(odd_loaders)
     run = main_job("--loader", "odd_loaders:breaks_on_train", "-k", "train_request_trains and not cuda",
-                   "--json", str(odd_loaders / "out.json"), cwd=odd_loaders)
+                   "--json", str(odd_loaders / "out.json"), cwd=odd_loaders, env=env)
     assert run.returncode == 1, run.stdout + run.stderr
+    (kept,) = left_in(env)
+    assert [p.name for p in kept.iterdir()] == ["pytest.log"] and f"pytest output: {kept / 'pytest.log'}" in run.stdout
     assert re.search(r"^check_train_request_trains +meta-backward \(002\) +error ", run.stdout, re.M), run.stdout
     assert "ERROR check_train_request_trains: " in run.stdout and "'load_in_4bit'" in run.stdout
     (record,) = json.loads((odd_loaders / "out.json").read_text())
@@ -131,23 +148,6 @@ def test_an_inference_only_loader_skips_the_training_checks(odd_loaders):
     assert run.returncode == 0, run.stdout + run.stderr
     assert "skipped (check_train_request_trains: loader odd_loaders:for_evaluation is declared for inference only" \
         in run.stdout
-
-
-def test_the_main_job_leaves_nothing_behind_unless_a_check_failed(odd_loaders):
-    import os
-
-    tmp = odd_loaders / "tmp"
-    tmp.mkdir()
-    env = {**os.environ, "TMPDIR": str(tmp)}
-    ok = main_job("-k", "pad_token and not cuda", env=env, cwd=odd_loaders)
-    assert ok.returncode == 0, ok.stdout + ok.stderr
-    assert "nothing failed: pytest output removed (--log PATH keeps it)" in ok.stdout
-    assert [p.name for p in tmp.iterdir() if p.name.startswith("llmload-main-")] == []
-    failed = main_job("--loader", "odd_loaders:breaks_on_train", "-k", "train_request_trains and not cuda",
-                      env=env, cwd=odd_loaders)
-    assert failed.returncode == 1
-    (kept,) = [p for p in tmp.iterdir() if p.name.startswith("llmload-main-")]
-    assert [p.name for p in kept.iterdir()] == ["pytest.log"] and f"pytest output: {kept / 'pytest.log'}" in failed.stdout
 
 
 # --- reliability: signals, crashes, hangs (issue 17) ---------------------------------------------------------

@@ -22,8 +22,7 @@ def pytest_unconfigure(config):
 def test_plain_run_with_plugin_imports_nothing_heavy(pytester):
     pytester.makeconftest(PROBE)
     pytester.makepyfile("import pytest\n\n@pytest.mark.needs_gpus(1)\ndef test_gpu(): pass\n\ndef test_plain(): pass\n")
-    # (no:hypothesispytest: its plugin imports all of hypothesis, ~1 s, at the end of every run)
-    result = pytester.runpytest_subprocess("-p", "llmload", "-p", "no:hypothesispytest")
+    result = pytester.runpytest_subprocess("-p", "llmload")
     result.assert_outcomes(passed=1, skipped=1)
     result.stdout.fnmatch_lines(["llmload: loader *", "HEAVY IMPORTED: []", "DEFERRED IMPORTED: []"])
     # Another project's run gets no warning from the plugin: five PytestAssertRewriteWarnings on every run (the
@@ -35,7 +34,7 @@ def test_the_probe_sees_torch_when_a_fixture_needs_it(pytester):
     # The same probe must be able to fail: a run that uses a fixture does import the stack.
     pytester.makeconftest(PROBE)
     pytester.makepyfile("def test_ckpt(llmload_checkpoint): pass\n")
-    result = pytester.runpytest_subprocess("-p", "no:hypothesispytest")
+    result = pytester.runpytest_subprocess()
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["HEAVY IMPORTED: [[]*'torch'*'transformers'*[]]",
                                  "DEFERRED IMPORTED: [[]*'pytest_llmload.offline'*[]]"])

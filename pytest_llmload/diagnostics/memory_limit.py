@@ -36,14 +36,8 @@ from pytest_llmload import gpus
 from pytest_llmload.diagnostics import memory_probe
 from pytest_llmload.markers import fail_invalid_markers, read_marker
 from pytest_llmload.sizes import format_bytes, parse_size
+from pytest_llmload.surface import MEMORY_LIMIT_MARKER as MARKER
 
-MARKER = "limit_torch_memory"
-HELP = (
-    "limit_torch_memory(limit, *, device=None): fail the test when the peak memory torch allocates during its "
-    "call passes limit ('24 MB' = 24*10**6 bytes, '1.5 GiB', or an int of bytes): per GPU where CUDA is "
-    "visible (device='cuda'), else torch's CPU allocator (device='cpu', profiler memory events). Skips, "
-    "saying why, where it cannot measure."
-)
 limit_key = pytest.StashKey["MemoryLimit"]()
 measured_key = pytest.StashKey["Measured"]()
 _EXPECTED = ("expected a size such as '24 MB' (powers of 1000), '1.5 GiB' (powers of 1024) or a positive int of "
@@ -196,7 +190,7 @@ def failure_message(limit: MemoryLimit, measured: Measured) -> Optional[str]:
     )
 
 
-# --- hooks (registered through plugin.py's pytest_plugins) ------------------------------------------------
+# --- hooks (registered by plugin.switch_on when a run uses the plugin) ------------------------------------
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

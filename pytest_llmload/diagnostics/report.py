@@ -1,6 +1,6 @@
 """Diagnostics in the test report: phase timings, where the models are, and a summary of the session.
 
-Registered through ``plugin.py``'s ``pytest_plugins``. For every test:
+Registered by ``plugin.switch_on`` when a run uses the plugin. For every test:
 
 - its phases (:mod:`pytest_llmload.diagnostics.phases`: loads through the loader seam, the checks' steps, your own
   ``with phase(...)``) are recorded; a failing test's report gets a section ``llmload: phases`` with the
@@ -30,19 +30,9 @@ import pytest
 
 from pytest_llmload.diagnostics.device_map_summary import placement_lines
 from pytest_llmload.sizes import format_bytes
+from pytest_llmload.surface import NEAR_DEADLINE_INI, PHASE_PROGRESS_INI as PROGRESS_INI, PHASE_PROGRESS_OPTION as PROGRESS_OPTION
 from pytest_llmload.diagnostics.phases import PhaseRecorder, heartbeat, recording
 
-PROGRESS_INI = "llmload_phase_progress_seconds"
-PROGRESS_OPTION = "--llmload-phase-progress"
-PROGRESS_HELP = (
-    "seconds between progress lines (to stderr) while one phase of a test (load, generate, ...) runs long; "
-    "0 turns them off. Default 30. Precedence: --llmload-phase-progress, then the ini key."
-)
-NEAR_DEADLINE_INI = "llmload_near_deadline"
-NEAR_DEADLINE_HELP = (
-    "the fraction of its deadline (pytest-timeout, or a check's own) above which the session summary lists a "
-    "test or check as close to it. Default 0.8."
-)
 DEFAULT_PROGRESS_SECONDS = 30.0
 DEFAULT_NEAR_DEADLINE = 0.8
 # Under pytest-timeout's thread method the table is printed this long before the kill: 5% of the deadline, but

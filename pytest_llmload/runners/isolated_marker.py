@@ -25,13 +25,8 @@ import sys
 import pytest
 
 from pytest_llmload.markers import fail_invalid_markers, read_marker
+from pytest_llmload.surface import ISOLATED_MARKER as MARKER
 
-MARKER = "llmload_isolated"
-ISOLATED_HELP = (
-    f"{MARKER}(timeout=None): run the test's body in a child forked from the test process (fixtures stay "
-    "here); the deadline in seconds is enforced here, with the child's thread stacks (default: pytest-timeout's "
-    "less a few seconds, else 120). Process-wide changes (environment, patches, process groups) die with the child."
-)
 
 
 def _isolated_signature(*, timeout=None):  # Python itself rejects positional or unknown arguments

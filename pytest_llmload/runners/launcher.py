@@ -307,7 +307,7 @@ def agreed(exc: BaseException) -> BaseException:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The plugin's hooks (listed in pytest_llmload.plugin.pytest_plugins); idle without a launcher
+# The plugin's hooks (registered by plugin.switch_on under a launcher); idle without one
 # ---------------------------------------------------------------------------------------------------------
 
 meeting_key = pytest.StashKey[Meeting]()

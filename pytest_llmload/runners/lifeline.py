@@ -23,9 +23,8 @@ import sys
 import threading
 from typing import Optional
 
-# Set by the main job for its pytest child: the pid to die with, and the temp dir to remove if it dies first.
-PARENT_ENV = "PYTEST_LLMLOAD_PARENT_PID"
-PARENT_WORKDIR_ENV = "PYTEST_LLMLOAD_PARENT_WORKDIR"
+from pytest_llmload.surface import PARENT_ENV, PARENT_WORKDIR_ENV
+
 # After SIGTERM, the longest pytest may take to clean up before it is killed (a cleanup that blocks).
 HARD_STOP_S = 20.0
 _POLL_S = 0.5

@@ -27,6 +27,7 @@ from typing import NamedTuple, Optional, Sequence
 import pytest
 
 from pytest_llmload import gpus
+from pytest_llmload.surface import GPUS_PER_WORKER_INI as INI, GPUS_PER_WORKER_OPTION as OPTION
 
 # Test seam, never set in real use: the comma-separated UUIDs of the machine's GPUs, read in place of
 # `nvidia-smi -L` (controller) and of torch's count (gpus.visible_gpu_count), so that the assignment and
@@ -36,13 +37,6 @@ FAKE_GPUS_ENV = "PYTEST_LLMLOAD_FAKE_GPUS"
 WORKER_GPUS_ENV = "PYTEST_LLMLOAD_WORKER_GPUS"
 TOTAL_ENV = "PYTEST_LLMLOAD_GPUS_TOTAL"
 
-OPTION = "--llmload-gpus-per-worker"
-INI = "llmload_gpus_per_worker"
-HELP = (
-    "under pytest -n N on a machine with GPUs: how many GPUs each xdist worker holds (its own "
-    "CUDA_VISIBLE_DEVICES; default: the visible GPUs divided by N), or 'off' to let every worker see every GPU. "
-    "Precedence: the option, then the ini key."
-)
 OFF = "off"
 
 _plan_key = pytest.StashKey["Plan"]()

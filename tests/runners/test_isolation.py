@@ -547,9 +547,7 @@ def test_isolated_tests_under_xdist(pytester, tmp_path):
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
     pytester.makepyfile(test_xdist=textwrap.dedent(XDIST_TESTS.format(probe=PROBE, pid_dir=str(pid_dir))))
-    # (no:hypothesispytest: its plugin imports all of hypothesis, ~1 s a process, at the end of every run)
-    result = pytester.runpytest_subprocess("-n", "2", "-p", "no:cacheprovider", "-p", "no:hypothesispytest",
-                                           timeout=110)
+    result = pytester.runpytest_subprocess("-n", "2", "-p", "no:cacheprovider", timeout=110)
     result.assert_outcomes(passed=6, failed=1)
     result.stdout.fnmatch_lines(["*isolated test test_hangs did not return: deadline of 1 s exceeded*"])
     (hung,) = [int(p.name) for p in pid_dir.iterdir()]

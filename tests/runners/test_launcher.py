@@ -135,7 +135,7 @@ def torchrun_pytest(path, *args: str) -> tuple[subprocess.CompletedProcess, floa
     started = time.monotonic()
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "pytest", "-p", "no:cacheprovider", "-rs", "--junitxml=report.xml", *args],
+         "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-rs", "--junitxml=report.xml", *args],
         cwd=path, env=env, capture_output=True, text=True, timeout=150,
     )
     return result, time.monotonic() - started

@@ -146,7 +146,7 @@ FOUR = "GPU-a,GPU-b,GPU-c,GPU-d"
 def project(pytester, monkeypatch):
     """A project whose conftest records each worker's view; the environment is that of a plain CI runner."""
     for name in ("CUDA_VISIBLE_DEVICES", xdist_gpus.FAKE_GPUS_ENV, xdist_gpus.WORKER_GPUS_ENV, xdist_gpus.TOTAL_ENV,
-                 "PYTEST_XDIST_AUTO_NUM_WORKERS", "PYTEST_ADDOPTS",
+                 "PYTEST_XDIST_AUTO_NUM_WORKERS",
                  "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT"):  # (set when this suite itself runs under -n)
         monkeypatch.delenv(name, raising=False)
     pytester.makeconftest(CONFTEST)
