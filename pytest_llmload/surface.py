@@ -1,4 +1,5 @@
-"""The plugin's whole vocabulary: every option, ini key, marker and environment variable, with its help text.
+"""The plugin's vocabulary: every option, ini key and marker, with its help text, and the environment variables
+it reads at start-up.
 
 pytest imports the plugin on every run of every repo that installs it, most of which never use it. So the plugin
 imports only this module and its fixtures at start-up (plain strings, no imports), and the code that reads a
