@@ -186,14 +186,11 @@ def llmload_check_options(request) -> dict:
     """Options the configuration gives the checks: ``prepare_args``, the training script's hook for the Trainer
     check (``--llmload-training-args-hook``, else the ini key ``llmload_training_args_hook``; else the loader's
     own attribute, read by the check). Pass them on: ``check(loader, checkpoint, tmp_path, **llmload_check_options)``."""
-    from pytest_llmload.loading import HOOK_INI, LoaderSpecError, choose_training_args_hook, import_loader
+    from pytest_llmload.loading import LoaderSpecError, import_loader
 
-    try:  # normally checked at configure and collection (usage errors); here for plugins loaded by hand
-        if hook_choice_key in request.config.stash:
-            choice = request.config.stash[hook_choice_key]
-        else:  # the plugin was registered without its configure hook
-            choice = choose_training_args_hook(request.config.getoption("llmload_training_args_hook"),
-                                               request.config.getini(HOOK_INI))
+    # Chosen at configure; a run that sets neither the option nor the ini key has none (the plugin read nothing).
+    choice = request.config.stash.get(hook_choice_key, None)
+    try:  # normally checked at collection (a usage error); here for a hook that imports only the second time
         return {} if choice is None else {"prepare_args": import_loader(choice)}
     except LoaderSpecError as exc:
         pytest.fail(str(exc), pytrace=False)

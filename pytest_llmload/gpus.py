@@ -26,7 +26,7 @@ def _driver_present() -> bool:
 @functools.lru_cache(maxsize=None)
 def visible_gpu_count() -> int:
     """Number of CUDA devices torch would see. Cached; imports torch only where a driver exists."""
-    from pytest_llmload.runners import xdist_gpus  # (imported at plugin load already)
+    from pytest_llmload.runners import xdist_gpus  # its test seam (small, imports nothing heavy)
 
     if xdist_gpus.FAKE_GPUS_ENV in os.environ:  # the test seam: GPUs faked on a CPU machine
         outer = os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -210,8 +210,6 @@ def normalise_result(value: Any, *, loader_name: str, request: "LoadRequest") ->
     )
 
 
-
-
 class LoaderUnderTest(NamedTuple):
     """A loader together with its name, called under the contract: ``loader(request) -> LoadResult``.
     ``purposes`` is what the loader declares it is for (``None``: anything)."""

@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def pytest_command(loader: Optional[str], keyword: Optional[str], progress: Path, extra: list[str],
                    strict: bool = False, wait_after_hang: bool = False) -> list[str]:
-    from pytest_llmload.hung_loader import WAIT_OPTION
+    from pytest_llmload.surface import WAIT_OPTION
 
     # (no:hypothesispytest: its plugin imports all of hypothesis at the end of a run, a second for nothing here)
     # (pytest_llmload.suite's __main__: pytest, without the interpreter's 2 s teardown of the stack)
@@ -86,7 +86,7 @@ def pytest_command(loader: Optional[str], keyword: Optional[str], progress: Path
 
 def _in_main_job_terms(text: str) -> str:
     """The pytest options a message names, as this command spells them."""
-    from pytest_llmload.hung_loader import WAIT_OPTION
+    from pytest_llmload.surface import WAIT_OPTION
 
     return text.replace(OPTION, "--loader").replace(WAIT_OPTION, WAIT_AFTER_HANG)
 

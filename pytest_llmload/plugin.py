@@ -54,9 +54,7 @@ LAUNCHER = "pytest_llmload.runners.launcher"  # under torchrun/srun/mpirun: dist
 _FIXTURE_ROOTS = ("llmload_offline", "llmload_device", "llmload_check_options")
 _MARKERS = frozenset({"needs_gpus", "gpu", surface.DEEPSPEED_MARKER, surface.ISOLATED_MARKER,
                       surface.MEMORY_LIMIT_MARKER})
-_INI_KEYS = (surface.LOADER_INI, surface.HOOK_INI, surface.PURPOSES_INI, surface.GPU_FIXTURES_INI,
-             surface.EXPECTED_FAILURES_INI, surface.STRICT_INI, surface.PHASE_PROGRESS_INI,
-             surface.NEAR_DEADLINE_INI, surface.GPUS_PER_WORKER_INI)
+_INI_KEYS = tuple(value for name, value in vars(surface).items() if name.endswith("_INI"))  # all declared below
 
 switched_on_key = pytest.StashKey[bool]()
 strict_key = pytest.StashKey[bool]()

@@ -60,13 +60,12 @@ class ProgressWriter:
 
     # Registered as a plugin object: these are its hooks.
     def pytest_sessionstart(self, session: pytest.Session) -> None:
-        from pytest_llmload.fixtures import loader_choice_key
+        from pytest_llmload.loading import chosen_loader
 
-        choice = session.config.stash.get(loader_choice_key, None)
-        if choice is not None:
-            inifile = session.config.inipath if choice.source.startswith("ini ") else None
-            self.write(event="loader", spec=choice.spec, source=choice.source,
-                       inifile=None if inifile is None else str(inifile))
+        choice = chosen_loader(session.config)
+        inifile = session.config.inipath if choice.source.startswith("ini ") else None
+        self.write(event="loader", spec=choice.spec, source=choice.source,
+                   inifile=None if inifile is None else str(inifile))
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         if not self._collected:  # under xdist the controller collects nothing: see the next hook

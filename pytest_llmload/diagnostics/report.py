@@ -30,7 +30,8 @@ import pytest
 
 from pytest_llmload.diagnostics.device_map_summary import placement_lines
 from pytest_llmload.sizes import format_bytes
-from pytest_llmload.surface import NEAR_DEADLINE_INI, PHASE_PROGRESS_INI as PROGRESS_INI, PHASE_PROGRESS_OPTION as PROGRESS_OPTION
+from pytest_llmload.surface import NEAR_DEADLINE_INI
+from pytest_llmload.surface import PHASE_PROGRESS_INI as PROGRESS_INI, PHASE_PROGRESS_OPTION as PROGRESS_OPTION
 from pytest_llmload.diagnostics.phases import PhaseRecorder, heartbeat, recording
 
 DEFAULT_PROGRESS_SECONDS = 30.0

@@ -28,7 +28,6 @@ from pytest_llmload.markers import fail_invalid_markers, read_marker
 from pytest_llmload.surface import ISOLATED_MARKER as MARKER
 
 
-
 def _isolated_signature(*, timeout=None):  # Python itself rejects positional or unknown arguments
     return timeout
 

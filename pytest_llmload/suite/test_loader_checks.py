@@ -1,8 +1,7 @@
 """Every regression check against the loader under test (the ``llmload_loader`` fixture)."""
 
 from pytest_llmload.conformance import check_params, parse_expected_failures
-
-EXPECTED_INI = "llmload_expected_failed_checks"
+from pytest_llmload.surface import EXPECTED_FAILURES_INI as EXPECTED_INI
 
 
 def pytest_generate_tests(metafunc):
