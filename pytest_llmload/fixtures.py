@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Callable
 
 import pytest
 
+from pytest_llmload.keys import hook_choice_key, without_trainer_key
 from pytest_llmload.surface import PURPOSES_INI
 
 if TYPE_CHECKING:
@@ -18,8 +19,6 @@ if TYPE_CHECKING:
 
 # pytest imports this module on every run (the plugin registers these fixtures): everything else is imported
 # by the fixture that needs it.
-loader_choice_key = pytest.StashKey["LoaderChoice"]()
-hook_choice_key = pytest.StashKey["LoaderChoice | None"]()  # the training-args hook configured, if any
 
 
 @pytest.fixture(scope="session")
@@ -185,12 +184,20 @@ def distributed_env(request, llmload_offline):
 def llmload_check_options(request) -> dict:
     """Options the configuration gives the checks: ``prepare_args``, the training script's hook for the Trainer
     check (``--llmload-training-args-hook``, else the ini key ``llmload_training_args_hook``; else the loader's
-    own attribute, read by the check). Pass them on: ``check(loader, checkpoint, tmp_path, **llmload_check_options)``."""
+    own attribute, read by the check), and ``trains_without_trainer`` (``--llmload-trains-without-trainer``, the
+    ini key, else the loader's attribute). A test with a ``check`` parameter gets them without asking; pass them
+    on elsewhere: ``check(loader, checkpoint, tmp_path, **llmload_check_options)``."""
+    return check_options(request.config)
+
+
+def check_options(config: pytest.Config) -> dict:
+    """The options of :func:`llmload_check_options`, read from the configuration (a bad hook fails the test)."""
     from pytest_llmload.loading import LoaderSpecError, import_loader
 
+    options = {"trains_without_trainer": True} if config.stash.get(without_trainer_key, False) else {}
     # Chosen at configure; a run that sets neither the option nor the ini key has none (the plugin read nothing).
-    choice = request.config.stash.get(hook_choice_key, None)
+    choice = config.stash.get(hook_choice_key, None)
     try:  # normally checked at collection (a usage error); here for a hook that imports only the second time
-        return {} if choice is None else {"prepare_args": import_loader(choice)}
+        return options if choice is None else {**options, "prepare_args": import_loader(choice)}
     except LoaderSpecError as exc:
         pytest.fail(str(exc), pytrace=False)

@@ -49,14 +49,19 @@ def hang_in_loader(exc: BaseException, test: str) -> Optional[Hang]:
     """The :class:`Hang`, when ``exc`` (``test``'s failure) is a deadline that passed while the loader was being
     called; ``None`` for any other failure."""
     text = str(exc)
-    # A child (isolated check, rank) still running at its deadline: its thread stacks say where it was.
-    outcomes = getattr(exc, "outcomes", None) or ([exc.outcome] if hasattr(exc, "outcome") else [])
-    hung = [o for o in outcomes if getattr(o, "status", None) == "hung"]
-    if hung:
-        where = "\n".join(o.stacks for o in hung)
+    outcomes = getattr(exc, "outcomes", None) or ([exc.outcome] if hasattr(exc, "outcome") else None)
+    if outcomes is not None:
+        # Children (an isolated check, ranks): a hang only where one was still running at its deadline and none
+        # raised or died first (the others then wait on it, which is no hang of the loader's).
+        statuses = [getattr(o, "status", None) for o in outcomes]
+        if "hung" not in statuses or "raised" in statuses or "died" in statuses:
+            return None
+        where = "\n".join(o.stacks for o in outcomes if o.status == "hung")
         found = _OWN_DEADLINE.search(text)
-    else:  # this process: pytest-timeout's traceback, or probes.deadline's stacks in its message
-        found = _PYTEST_TIMEOUT.search(text) or _OWN_DEADLINE.search(text)
+    else:  # this process: a deadline that really passed (pytest-timeout's, or probes.deadline's own exception)
+        found = _PYTEST_TIMEOUT.search(text)
+        if found is None and type(exc).__name__ == "DeadlineExceeded":
+            found = _OWN_DEADLINE.search(text)
         if found is None:
             return None
         where = text + "".join(traceback.format_tb(exc.__traceback__))

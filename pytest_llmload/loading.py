@@ -7,6 +7,7 @@ fixture, which bypasses all of these.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import re
@@ -32,16 +33,40 @@ REFERENCE_SPEC = "pytest_llmload.reference_loader:load_model_and_tokenizer"
 _SPEC_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
 
+def _rebuilt(cls: type, message: str, state: dict) -> BaseException:
+    exc = cls.__new__(cls)
+    Exception.__init__(exc, message)
+    exc.__dict__.update(state)
+    return exc
+
+
+class _Picklable:
+    """Exceptions whose ``__init__`` takes more than the message still cross a process boundary (an isolated
+    check's child, a rank) as themselves: rebuilt from the message and whatever of their state pickles."""
+
+    def __reduce__(self):
+        import pickle
+
+        state = {}
+        for key, value in vars(self).items():
+            try:
+                pickle.dumps(value)
+            except Exception:  # noqa: BLE001 - the loader's own exception may not pickle: its text is in the message
+                continue
+            state[key] = value
+        return _rebuilt, (type(self), str(self), state)
+
+
 class LoaderSpecError(Exception):
     """A loader spec that is malformed, does not import, or names no callable."""
 
 
-class LoaderContractError(TypeError):
+class LoaderContractError(_Picklable, TypeError):
     """A loader that returned something other than a model or ``(model, tokenizer)``, or that changed
     process-wide state the harness needs (its own ``Accelerator()``)."""
 
 
-class LoaderError(Exception):
+class LoaderError(_Picklable, Exception):
     """The loader raised. Not a known failure by itself: a check names a failure only when it sees the failure's
     own mechanism; anything else is the loader's own error, reported as an ``error`` row. ``original`` is the
     loader's exception (also chained as ``__cause__``, so the full traceback is in the log)."""
@@ -54,7 +79,7 @@ class LoaderError(Exception):
                          f"{_phase_detail(request)}){where}")
 
 
-class LoaderModelError(Exception):
+class LoaderModelError(_Picklable, Exception):
     """The loader's model misbehaves in a way that is not the check's failure (it cannot train for another
     reason, say): reported as an ``error`` row, like :class:`LoaderError`, never as the known failure."""
 
@@ -86,7 +111,7 @@ REFERENCE_CHOICE = LoaderChoice(REFERENCE_SPEC, "built-in default")
 def chosen_loader(config) -> LoaderChoice:
     """The loader the plugin chose at configure; the reference loader where the run configured nothing (the
     plugin then never imported this module to choose)."""
-    from pytest_llmload.fixtures import loader_choice_key
+    from pytest_llmload.keys import loader_choice_key
 
     return config.stash.get(loader_choice_key, None) or REFERENCE_CHOICE
 
@@ -231,12 +256,16 @@ def call_loader(loader: Callable[["LoadRequest"], Any], request: "LoadRequest", 
 
     name = loader_name or getattr(loader, "__qualname__", None) or repr(loader)
     accelerate_state = _accelerate_state()
-    with phase("load", _phase_detail(request)) as timed:
+    with phase("load", _phase_detail(request)) as timed, _exits_refused(name, request):
         try:
             returned = loader(request)
         except Exception as exc:
             raise LoaderError(exc, name, request) from exc
         result = normalise_result(returned, loader_name=name, request=request)
+    if getattr(sys.stdout, "closed", False) or getattr(sys.stderr, "closed", False):
+        closed = "sys.stdout" if getattr(sys.stdout, "closed", False) else "sys.stderr"
+        raise LoaderContractError(f"loader {name} closed {closed} while loading ({_phase_detail(request)}): the "
+                                  "process it runs in still writes there; a loader must leave the process's streams open.")
     if accelerate_state is not None and not accelerate_state and _accelerate_state():
         raise LoaderContractError(
             f"loader {name} created accelerate's process-wide state (an Accelerator() or AcceleratorState()) while "
@@ -245,6 +274,31 @@ def call_loader(loader: Callable[["LoadRequest"], Any], request: "LoadRequest", 
         )
     track_model(result.model, request.model_path, timed.seconds)
     return result
+
+
+class _LoaderExited(BaseException):
+    """``os._exit`` called by the loader, turned into an exception: a BaseException, past its ``except Exception``."""
+
+
+@contextlib.contextmanager
+def _exits_refused(name: str, request: "LoadRequest"):
+    """A loader that ends its process (``sys.exit``, ``os._exit``) is an error row saying so, not a dead child
+    blamed on the check's failure."""
+    real_exit = os._exit
+
+    def refuse(code=0):
+        raise _LoaderExited(code)
+
+    os._exit = refuse
+    try:
+        yield
+    except (SystemExit, _LoaderExited) as exc:
+        how = "sys.exit" if isinstance(exc, SystemExit) else "os._exit"
+        raise LoaderContractError(
+            f"loader {name} tried to end its process with {how}({exc.args[0] if exc.args else ''}) while loading "
+            f"({_phase_detail(request)}); a loader must return the model or raise, never exit.") from None
+    finally:
+        os._exit = real_exit
 
 
 def _accelerate_state() -> Optional[bool]:

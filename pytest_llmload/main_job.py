@@ -349,7 +349,8 @@ def _report(job: MainJob, code: int) -> tuple[int, bool]:
     for record in failed:
         if record not in fast:
             label = "ERROR" if record["outcome"] == "error" else "FAILED"
-            print(f"{label} {record['check']}: {_in_main_job_terms(_summary(record))}", file=out)
+            text = _in_main_job_terms(_summary(record)).replace("\n", "\n    ")
+            print(f"{label} {record['check']}: {text}", file=out)
     if fast:
         names = ", ".join(r["check"] for r in fast)
         print(f"NOT RUN {names}: {_in_main_job_terms(_summary(fast[0]))}", file=out)
@@ -380,22 +381,17 @@ def summary_table(results: list[dict]) -> list[str]:
 
 
 def json_records(results: list[dict]) -> list[dict]:
-    """``--json``: one object per check. ``failure`` is the catalog id the row is attributed to: the check's own
-    for a failed check; for an error, a known failure only where its signature is in the error; else null."""
-    from pytest_llmload import failures
-
+    """``--json``: one object per check. ``failure`` is the catalog id the row is attributed to, only where the
+    check observed that failure's mechanism (the verdict decided from the exception, :mod:`.failures.verdict`);
+    ``cause`` says what an error row is (loader, contract, model, hang, died, check)."""
     records = []
     for record in results:
-        outcome, failure = record["outcome"], None
-        if outcome in ("failed", "xpassed") and "llmload strict: " not in record["reason"]:
-            guarded = _failure_of(record["check"])
-            failure = guarded.id if guarded is not None else None
-        elif outcome == "error" and not _failed_fast(record):
-            matched = failures.match(record["reason"])
-            failure = matched[0].id if matched else None
+        outcome = record["outcome"]
+        failure = record.get("failure") if outcome == "failed" else None
         detail = _in_main_job_terms(_summary(record)) if outcome in FAILED_OUTCOMES else record["reason"]
         records.append({"check": record["check"], "outcome": outcome, "failure": failure,
-                        "reason": record["reason"], "seconds": record["seconds"], "detail": detail})
+                        "cause": record.get("cause"), "reason": record["reason"], "seconds": record["seconds"],
+                        "detail": detail})
     return records
 
 

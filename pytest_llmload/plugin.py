@@ -26,7 +26,6 @@ from pytest_llmload import surface
 from pytest_llmload.fixtures import (  # noqa: F401  (pytest discovers fixtures on the plugin module)
     distributed_env,
     gpu_model,
-    hook_choice_key,
     llmload_check_options,
     llmload_checkpoint,
     llmload_checkpoint_factory,
@@ -35,9 +34,9 @@ from pytest_llmload.fixtures import (  # noqa: F401  (pytest discovers fixtures 
     llmload_loader,
     llmload_offline,
     llmload_tokenizer,
-    loader_choice_key,
     lora_model,
 )
+from pytest_llmload.keys import hook_choice_key, loader_choice_key, without_trainer_key
 
 # The sub-plugins, by module name: their hooks only (every option, ini key and marker is declared here).
 SUB_PLUGINS = (
@@ -68,6 +67,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(surface.HOOK_OPTION, dest="llmload_training_args_hook", metavar="MODULE:FUNCTION",
                     help=surface.HOOK_HELP)
     parser.addini(surface.HOOK_INI, help=surface.HOOK_HELP, default=None)
+    group.addoption(surface.WITHOUT_TRAINER_OPTION, dest="llmload_trains_without_trainer", action="store_true",
+                    default=None, help=surface.WITHOUT_TRAINER_HELP)
+    parser.addini(surface.WITHOUT_TRAINER_INI, help=surface.WITHOUT_TRAINER_HELP, type="bool", default=False)
     parser.addini(surface.PURPOSES_INI, help=surface.PURPOSES_HELP, type="linelist", default=[])
     parser.addini(surface.GPU_FIXTURES_INI, help=surface.GPU_FIXTURES_HELP, type="linelist", default=[])
     parser.addini(surface.EXPECTED_FAILURES_INI, type="linelist", default=[], help=surface.EXPECTED_FAILURES_HELP)
@@ -165,6 +167,12 @@ def _read_configuration(config: pytest.Config) -> None:
                 config.getini(surface.EXPECTED_FAILURES_INI), source))
         except pytest.UsageError as exc:
             raise pytest.UsageError(str(exc) if str(exc).startswith(source) else f"{source}: {exc}") from None
+    option = config.getoption("llmload_trains_without_trainer")
+    try:
+        config.stash[without_trainer_key] = bool(
+            option if option is not None else config.getini(surface.WITHOUT_TRAINER_INI))
+    except (ValueError, pytest.UsageError) as exc:
+        raise pytest.UsageError(f"ini '{surface.WITHOUT_TRAINER_INI}': {exc}; use true or false.") from None
     option = config.getoption("llmload_strict")
     try:
         config.stash[strict_key] = bool(option if option is not None else config.getini(surface.STRICT_INI))
@@ -264,6 +272,15 @@ def _check_imports(config: pytest.Config, used_fixtures) -> None:
 @pytest.hookimpl(wrapper=True, trylast=True)  # innermost: the known-failure section comes before the sub-plugins' ones
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     report = yield
+    check = _check_of(item)
+    if check is not None and call.when == "call" and call.excinfo is not None and report.failed:
+        from pytest_llmload.failures import verdict
+
+        found = verdict.of_exception(call.excinfo.value, check.failure)
+        if found is not None:
+            report.user_properties.extend(found.properties())
+            if found.cause == "check":  # the check's own crash: say so first, the traceback below
+                report.longrepr = f"{found.sentence}\n\n{report.longreprtext}"
     if report.failed and call.excinfo is not None:  # any failing test, llmload's or not
         from pytest_llmload.diagnostics import known_failures
 
@@ -276,6 +293,28 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
             report.outcome = "failed"
             report.longrepr = f"llmload strict: a check that exercised nothing is a failure here: {reason}"
     return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    """Around a test that runs a check: the options the configuration gives checks, so that a repo's own
+    ``parametrize_with_loader_checks`` test honours the ini keys without asking for ``llmload_check_options``."""
+    if _check_of(item) is None:
+        return (yield)
+    from pytest_llmload.fixtures import check_options
+    from pytest_llmload.keys import configured_check_options
+
+    token = configured_check_options.set(check_options(item.config))
+    try:
+        return (yield)
+    finally:
+        configured_check_options.reset(token)
+
+
+def _check_of(item: pytest.Item):
+    """The :class:`~pytest_llmload.failures.base.Check` a test runs (its ``check`` parameter), or ``None``."""
+    check = getattr(getattr(item, "callspec", None), "params", {}).get("check")
+    return check if hasattr(check, "failure") and hasattr(check, "function") else None
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:

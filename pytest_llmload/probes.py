@@ -36,6 +36,11 @@ class _DeadlinePassed(BaseException):
     """Raised by the alarm; a BaseException so that a loader's ``except Exception`` cannot swallow it."""
 
 
+class DeadlineExceeded(AssertionError):
+    """A block of :func:`deadline` ran past its deadline (the verdict decides whether that is a failure's
+    mechanism or a hung loader: :mod:`pytest_llmload.failures.verdict`)."""
+
+
 def _innermost_own_frame(frame) -> Optional[Any]:
     """The innermost frame that is not threading/queue/futures plumbing: where the code is stuck."""
     plumbing = ("threading.py", "queue.py", os.path.join("concurrent", "futures"), "selectors.py")
@@ -97,7 +102,7 @@ def deadline(seconds: float, what: str) -> Iterator[None]:
         yield
     except _DeadlinePassed:
         note_deadline(what, time.monotonic() - start, seconds)
-        raise AssertionError(
+        raise DeadlineExceeded(
             f"{what} did not return: deadline of {seconds:g} s exceeded, blocked in {captured['where']}.\n"
             f"Stacks of every thread:\n{captured['stacks']}"
         ) from None
@@ -114,7 +119,7 @@ def _fail_if_late(start: float, seconds: float, what: str) -> None:
     elapsed = time.monotonic() - start
     note_deadline(what, elapsed, seconds)  # the session summary lists checks that came close
     if elapsed > seconds:
-        raise AssertionError(f"{what} took {elapsed:.2f} s: deadline of {seconds:g} s exceeded.")
+        raise DeadlineExceeded(f"{what} took {elapsed:.2f} s: deadline of {seconds:g} s exceeded.")
 
 
 # --- spies -----------------------------------------------------------------------------------------------

@@ -29,6 +29,15 @@ HOOK_HELP = (
     f"The Trainer check runs Trainer as transformers ships it, with this hook. Precedence: {HOOK_OPTION}, ini "
     f"'{HOOK_INI}', the loader function's attribute {HOOK_ATTRIBUTE}; default: none (stock Trainer)."
 )
+WITHOUT_TRAINER_ATTRIBUTE = "llmload_trains_without_trainer"
+WITHOUT_TRAINER_INI = "llmload_trains_without_trainer"
+WITHOUT_TRAINER_OPTION = "--llmload-trains-without-trainer"
+WITHOUT_TRAINER_HELP = (
+    "declare that this repo's training never hands the model to transformers.Trainer (a custom loop, accelerate, "
+    "FSDP or DeepSpeed scripts): the Trainer check (dp-dtype) then skips 'not exercised'. Precedence: "
+    f"{WITHOUT_TRAINER_OPTION}, ini '{WITHOUT_TRAINER_INI}' (true/false), the loader function's attribute "
+    f"{WITHOUT_TRAINER_ATTRIBUTE} = True."
+)
 PURPOSES_ATTRIBUTE = "llmload_purposes"
 PURPOSES_INI = "llmload_loader_purposes"
 PURPOSES_HELP = (

@@ -268,6 +268,7 @@ def observe_trainer(
         x = inputs[0]
         calls.append((str(x.dtype), str(module.weight.dtype), torch.is_autocast_enabled(x.device.type)))
 
+    model.train()  # as Trainer does before its first step (and before the reference forward: see below)
     reference = _reference_loss(model, row, bf16=bf16)
     handle = head.register_forward_pre_hook(record)
     error = None

@@ -21,10 +21,17 @@ def failure_text(excinfo: pytest.ExceptionInfo) -> str:
 def annotate(item: pytest.Item, call: pytest.CallInfo, report: pytest.TestReport) -> None:
     if not report.failed or call.excinfo is None:
         return
+    from pytest_llmload.failures.verdict import of_report
+
+    judged = of_report(report)
+    if judged is not None and judged["kind"] != "failed":  # a check's error row names no known failure
+        return
     text = failure_text(call.excinfo)
     from pytest_llmload import failures as catalog  # only a failing test needs it: plugin load stays cheap
 
-    found = catalog.match(text)
+    # A check's row names the failure it observed, and only that; any other failing test, what its text matches.
+    found = [catalog.BY_ID[judged["failure"]]] if judged is not None and judged["failure"] in catalog.BY_ID \
+        else catalog.match(text)
     if not found:
         return
     report.sections.append((SECTION, "\n\n".join(failure.explain(text) for failure in found)))

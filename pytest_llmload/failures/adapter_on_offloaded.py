@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_llmload.failures.base import Check, KnownFailure, not_exercised
-from pytest_llmload.loading import call_loader
+from pytest_llmload.failures import contract
 from pytest_llmload.request import LoadRequest
 from pytest_llmload.scenarios import input_ids, offload_budget, plain_model, refusal_problem
 
@@ -327,6 +327,8 @@ def _greedy(model, ids, new_tokens: int):
 
     with torch.no_grad():
         logits = model(input_ids=ids).logits.float().cpu()
+        vocab = contract.checkpoint_vocab(model.config._name_or_path) if hasattr(model, "config") else None
+        logits = contract.checkpoint_logits(logits, vocab) if vocab else logits
         out = model.generate(input_ids=ids[:1], attention_mask=torch.ones_like(ids[:1]), do_sample=False,
                              max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
     return logits, out.cpu()
@@ -376,7 +378,9 @@ def check_adapter_on_offloaded_base(loader: Loader, checkpoint, workdir, *, devi
     opened: list = []
     try:
         with _record_loads(loads), _record_opens(opened), contextlib.chdir(workdir):
-            model = call_loader(loader, request).model
+            model = contract.load(loader, request, check="check_adapter_on_offloaded_base").model
+    except contract.ContractGap:
+        raise
     except Exception as exc:
         original = exc.original if isinstance(exc, LoaderError) else exc
         if refusal_problem(original) is None:
@@ -399,7 +403,10 @@ def check_adapter_on_offloaded_base(loader: Loader, checkpoint, workdir, *, devi
     want_logits, want_tokens = _greedy(truth, ids, new_tokens)
     del truth, base
 
-    model.eval()
+    facts = contract.observe(model, request)
+    contract.require(bool(facts.offloaded), name, f"loaded the base {facts.where} under max_memory={budget}: nothing "
+                     "was offloaded", "an adapter on an offloaded base")
+    contract.for_inference(model)
     lora = _lora_parameters(model)
     on_meta = [n for n, p in lora if p.device.type == "meta"]
     read_adapter = any(os.path.realpath(p).startswith(os.path.realpath(adapter) + os.sep) for p in opened)

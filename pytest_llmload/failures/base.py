@@ -38,6 +38,9 @@ class KnownFailure(NamedTuple):
     # A pattern that makes the match certain (e.g. a DataParallel frame), and what its absence means.
     tell: str | None = None
     without_tell: str = ""
+    # A deadline passed inside the loader call is this failure's own mechanism (offload-hang: the load never
+    # returns); for every other failure a hung loader is an error row, no verdict on the failure.
+    hang_is_mechanism: bool = False
 
     @property
     def module(self) -> str:
@@ -91,12 +94,18 @@ class Check(NamedTuple):
     def __call__(self, loader: Any, checkpoint: Path, workdir: Path, **options: Any) -> None:
         """Run the check. ``options`` go to the check function where it takes them (``prepare_args``: the
         training script's hook for the Trainer check); others are ignored, so one set fits every check."""
+        from pytest_llmload.keys import configured_check_options
         from pytest_llmload.loading import as_loader_under_test, training_args_hook
+        from pytest_llmload.surface import WITHOUT_TRAINER_ATTRIBUTE
 
         args = (as_loader_under_test(loader), Path(checkpoint), Path(workdir))
         accepted = _keywords(self.function)
+        given = {k: v for k, v in options.items() if v is not None}
+        options = {**configured_check_options.get(), **given}  # what the test passes wins over the configuration
         if "prepare_args" in accepted and options.get("prepare_args") is None:
             options["prepare_args"] = training_args_hook(args[0])  # the loader's own, where it names one
+        if "trains_without_trainer" in accepted and options.get("trains_without_trainer") is None:
+            options["trains_without_trainer"] = bool(getattr(args[0].function, WITHOUT_TRAINER_ATTRIBUTE, False))
         kwargs = {k: v for k, v in options.items() if k in accepted and v is not None}
         declared = args[0].purposes
         if declared is not None and self.purpose not in declared:

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from pytest_llmload.failures.base import Check, KnownFailure, not_exercised
-from pytest_llmload.loading import call_loader
+from pytest_llmload.failures import contract
+from pytest_llmload.loading import LoaderModelError
 from pytest_llmload.request import LoadRequest
 from pytest_llmload.scenarios import where_loaded
 
@@ -117,10 +118,14 @@ def check_trainer_does_not_wrap_placed_model(
     *,
     prepare_args: Optional[Callable[[Any, Any], Any]] = None,
     simulated_n_gpu: int = 2,
+    trains_without_trainer: bool = False,
 ) -> None:
     """Seed 003: a train/4-bit/LoRA model from a local bf16 (stage-1) checkpoint, given to a stock Trainer with 2 GPUs, is not wrapped in nn.DataParallel and its first step runs with consistent dtypes; needs bitsandbytes 4-bit (its CPU backend will do)."""
     from pytest_llmload.trainer_guard import observe_trainer
 
+    if trains_without_trainer:
+        not_exercised("check_trainer_does_not_wrap_placed_model", "is declared to train without transformers.Trainer "
+                      "(llmload_trains_without_trainer)", "Trainer's wrap decision")
     refusal = four_bit_refusal()
     if refusal is not None:
         import pytest
@@ -134,7 +139,7 @@ def check_trainer_does_not_wrap_placed_model(
 
     request = LoadRequest(stage1, purpose="train", dtype="bfloat16", device="cpu", quantization="4bit", lora=True,
                           gpu_count=simulated_n_gpu)
-    model = call_loader(loader, request).model
+    model = contract.load(loader, request, check="check_trainer_does_not_wrap_placed_model").model
     if not _is_4bit(model):
         # DataParallel over a plain, unplaced model is ordinary and works: not this failure's scenario.
         not_exercised("check_trainer_does_not_wrap_placed_model", f"ignored the 4-bit request: it returned an "
@@ -143,7 +148,7 @@ def check_trainer_does_not_wrap_placed_model(
     reading = _upstream_reading(obs)
     logger.info("seed 003: %s -- %s", obs.describe(), reading)
 
-    problems = []
+    problems, others = [], []
     if obs.data_parallel:
         problems.append("Trainer wrapped the model in nn.DataParallel")
     if obs.n_gpu > 1 or obs.train_batch_size != obs.per_device_batch:
@@ -156,16 +161,21 @@ def check_trainer_does_not_wrap_placed_model(
         problems.append(
             f"the first step mixed dtypes at the lm_head: {obs.error or obs.dtype_mismatches}"
         )
+    # Not this failure's mechanism: the loader's model cannot train under Trainer for another reason.
     elif obs.error:
-        problems.append(f"the first step failed: {obs.error}")
+        others.append(f"the first step failed: {obs.error}")
     elif obs.first_step_loss is None:
-        problems.append("the first step logged no loss")
+        others.append("the first step logged no loss")
     elif obs.first_step_grad_norm is not None and not obs.first_step_grad_norm > 0:
-        problems.append(f"the first step's gradient norm is {obs.first_step_grad_norm}: nothing was trained")
+        others.append(f"the first step's gradient norm is {obs.first_step_grad_norm}: nothing was trained")
     ratio = obs.loss_ratio
     # Under nn.DataParallel on CPU the module runs unsplit, so its loss figure means nothing off CPU.
     if not obs.data_parallel and ratio is not None and abs(ratio - 1) > LOSS_RATIO_TOLERANCE:
         problems.append(f"the first step's loss is x{ratio:.3f} the model's own loss on the same rows")
+    if others and not problems:
+        raise LoaderModelError(f"the loader's 4-bit model does not train under a stock Trainer, for a reason that is "
+                               f"not write-up 003's ({'; '.join(others)}).\n{obs.describe()}")
+    problems += others
     if problems:
         hint = (
             "" if prepare_args is not None else

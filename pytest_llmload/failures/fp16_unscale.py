@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from pytest_llmload.failures.base import Check, KnownFailure
-from pytest_llmload.loading import call_loader
+from pytest_llmload.failures import contract
 from pytest_llmload.request import LoadRequest
 
 Loader = Callable[[LoadRequest], Any]
@@ -147,7 +147,7 @@ def check_fp16_train_request_keeps_fp32_master_weights(loader: Loader, checkpoin
     for lora in variants:
         label = f"dtype=float16, lora={lora}"
         request = LoadRequest(checkpoint, purpose="train", dtype="float16", device=device, lora=lora)
-        model = call_loader(loader, request).model
+        model = contract.load(loader, request, check="check_fp16_train_request_keeps_fp32_master_weights").model
         named = list(model.named_parameters())
         trainable = [(n, p) for n, p in named if p.requires_grad]
         if not trainable:

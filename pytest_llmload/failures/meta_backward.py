@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from pytest_llmload.failures.base import Check, KnownFailure
-from pytest_llmload.loading import LoaderError, LoaderModelError, call_loader
+from pytest_llmload.failures import contract
+from pytest_llmload.loading import LoaderError, LoaderModelError
 from pytest_llmload.request import LoadRequest
 from pytest_llmload.scenarios import offload_budget, placement_problems, refusal_problem, train_step_problems
 
@@ -76,7 +77,7 @@ def check_train_request_trains(loader: Loader, checkpoint, workdir, *, device: s
             offload_folder=Path(workdir) / f"offload-train-{len(outcomes)}",
         )
         try:
-            model = call_loader(loader, request).model
+            model = contract.load(loader, request, check="check_train_request_trains").model
         except LoaderError as exc:
             # Refusing a budget that cannot hold the model for training is write-up 002's fix; any other error
             # is the loader's own, reported as such (an error, not this failure).

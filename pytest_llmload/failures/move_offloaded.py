@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional
 
 from pytest_llmload.failures.base import Check, KnownFailure, not_exercised
-from pytest_llmload.loading import LoaderError, call_loader
+from pytest_llmload.failures import contract
+from pytest_llmload.loading import LoaderError
 from pytest_llmload.request import LoadRequest
 from pytest_llmload.scenarios import LOADING_LIBRARIES, input_ids, offload_budget, offloaded_parts, where_loaded
 
@@ -232,7 +233,7 @@ def check_offloaded_model_not_moved(loader: Loader, checkpoint, workdir, *, devi
                           max_memory=offload_budget(checkpoint, device, fraction=fraction),
                           offload_folder=Path(workdir) / "offload")
     try:
-        model = call_loader(loader, request).model
+        model = contract.load(loader, request, check="check_offloaded_model_not_moved").model
     except LoaderError as exc:
         move = find_move(exc.original)
         if move is None:

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from pytest_llmload.diagnostics.phases import phase
 from pytest_llmload.failures.base import Check, KnownFailure, not_exercised
-from pytest_llmload.loading import call_loader
+from pytest_llmload.failures import contract
 from pytest_llmload.probes import deadline, record_network, record_writes, spy_classmethod, system_tempdir
 from pytest_llmload.request import LoadRequest
 from pytest_llmload.scenarios import input_ids, offload_budget, offloaded_parts, plain_model, where_loaded
@@ -47,6 +47,7 @@ FAILURE = KnownFailure(
         "offload is wanted, and set pad_token_id directly instead of a second GenerationConfig.from_pretrained."
     ),
     occurs="transformers <= 4.56 with device_map + max_memory + offload_folder; any hardware, worst on big models.",
+    hang_is_mechanism=True,
 )
 
 
@@ -64,7 +65,7 @@ def check_offload_inference(loader: Loader, checkpoint, workdir, *, device: str 
                           max_memory=offload_budget(checkpoint, device), offload_folder=Path(workdir) / "offload")
     start = time.monotonic()
     with deadline(deadline_s, f"the offloading inference load of {checkpoint} (max_memory={request.max_memory_dict})"):
-        model = call_loader(loader, request).model
+        model = contract.load(loader, request, check="check_offload_inference").model
     load_s = time.monotonic() - start
     if not offloaded_parts(model):
         not_exercised("check_offload_inference", f"loaded the model {where_loaded(model)} under "
@@ -74,7 +75,7 @@ def check_offload_inference(loader: Loader, checkpoint, workdir, *, device: str 
     ids = input_ids(whole, device)
     with torch.no_grad(), deadline(deadline_s, "a forward pass of the offloaded model"), \
             phase("forward", f"offloaded and whole, batch {ids.shape[0]} x {ids.shape[1]} tokens"):
-        got, want = model(input_ids=ids).logits, whole(input_ids=ids).logits
+        got, want = contract.checkpoint_logits(model(input_ids=ids).logits, request), whole(input_ids=ids).logits
     try:
         torch.testing.assert_close(got.float().cpu(), want.float().cpu())
     except AssertionError as exc:
@@ -110,7 +111,7 @@ def check_load_writes_only_offload_folder(loader: Loader, checkpoint, workdir, *
                           max_memory=offload_budget(checkpoint, device), offload_folder=offload_folder)
     before = os.stat(system_tmp).st_mtime_ns
     with system_tempdir(system_tmp), record_writes() as writes:
-        model = call_loader(loader, request).model
+        model = contract.load(loader, request, check="check_load_writes_only_offload_folder").model
     inside = os.path.realpath(offload_folder) + os.sep
     outside = [w for w in writes if not w.at_import and not (w.path + os.sep).startswith(inside)]
     touched_tmp = os.stat(system_tmp).st_mtime_ns != before
@@ -145,7 +146,7 @@ def check_pad_token_set_offline(loader: Loader, checkpoint, workdir, *, device: 
     request = LoadRequest(checkpoint, purpose="inference", device=device)
     calls: list = []
     with record_network() as attempts, spy_classmethod(GenerationConfig, "from_pretrained", calls):
-        model, tokenizer = call_loader(loader, request)
+        model, tokenizer = contract.load(loader, request, check="check_pad_token_set_offline")
     problems = []
     outside = [c for c in calls if not c[1].startswith("transformers.")]
     if outside:

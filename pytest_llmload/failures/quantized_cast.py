@@ -29,6 +29,8 @@ accepts it; 4.46 refuses 4-bit on CPU, and the check skips there)::
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import re
 import traceback
@@ -37,7 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from pytest_llmload.failures.base import Check, KnownFailure
-from pytest_llmload.loading import LoaderError, call_loader
+from pytest_llmload.failures import contract
+from pytest_llmload.loading import LoaderError, LoaderModelError
 from pytest_llmload.request import LoadRequest
 
 logger = logging.getLogger(__name__)
@@ -97,7 +100,10 @@ def _cast_call_site(exc: BaseException) -> str:
     for index in range(len(frames) - 1, 0, -1):
         frame = frames[index]
         if frame.name in _CASTS and frame.filename.replace("\\", "/").endswith("transformers/modeling_utils.py"):
-            caller = frames[index - 1]
+            below = [f for f in frames[:index] if f.filename != __file__]  # not our spy
+            if not below:
+                continue
+            caller = below[-1]
             return f"`{(caller.line or '').strip()}` ({Path(caller.filename).name}:{caller.lineno}, in {caller.name})"
     caller = frames[-1] if frames else None
     return f"({Path(caller.filename).name}:{caller.lineno}, in {caller.name})" if caller else "(unknown)"
@@ -154,6 +160,34 @@ def _kept_in_float32(model) -> tuple[str, ...]:
     for attribute in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict"):
         names.update(getattr(base, attribute, None) or ())
     return tuple(sorted(names))
+
+
+@contextlib.contextmanager
+def record_cast_refusals(refused: list):
+    """Record each refusal transformers raises when a quantized model is cast (``.half()``, ``.to(dtype)``, ...),
+    even one the loader catches: the mechanism is the cast, seen where it happens."""
+    from transformers import PreTrainedModel
+
+    originals = {name: getattr(PreTrainedModel, name) for name in _CASTS if name in vars(PreTrainedModel)}
+
+    def spying(original):
+        @functools.wraps(original)
+        def cast(self, *args, **kwargs):
+            try:
+                return original(self, *args, **kwargs)
+            except Exception as exc:
+                if is_cast_refusal(exc):
+                    refused.append(exc)
+                raise
+        return cast
+
+    for name, original in originals.items():
+        setattr(PreTrainedModel, name, spying(original))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(PreTrainedModel, name, original)
 
 
 def dtype_problems(model, quantization: str, dtype: str) -> list[str]:
@@ -228,13 +262,19 @@ def check_quantized_request_keeps_dtype(loader: Loader, checkpoint, workdir, *, 
             not_run.append(f"[8bit] {why}")
             variants = tuple(v for v in variants if v[0] != "8bit")
 
-    failures, exercised = [], 0
+    failures, others, exercised = [], [], 0
     for quantization, dtype in variants:
         label = f"{quantization}, {dtype}"
         request = LoadRequest(checkpoint, purpose="inference", dtype=dtype, device=device, quantization=quantization,
                               offload_folder=Path(workdir) / f"offload-{quantization}-{dtype}")
+        refused: list = []
         try:
-            model = call_loader(loader, request).model
+            with record_cast_refusals(refused):
+                model = contract.load(loader, request, check="check_quantized_request_keeps_dtype").model
+        except contract.ContractGap:
+            if not refused:
+                raise
+            model = None  # the wrong dtype is what the swallowed cast left: the cast is the finding
         except LoaderError as error:
             if not is_cast_refusal(error.original) or _inside_from_pretrained(error.original):
                 # The loader's own error; or from_pretrained moving the model itself (accelerate's dispatch_model
@@ -245,6 +285,13 @@ def check_quantized_request_keeps_dtype(loader: Loader, checkpoint, workdir, *, 
                             f"{_cast_call_site(error.original)} raised {type(error.original).__name__}: "
                             f"{error.original}")
             continue
+        if refused:  # the loader cast the model, transformers refused, and the loader swallowed the refusal
+            exercised += 1
+            failures.append(f"[{label}] the loader cast the {quantization} model after loading and swallowed "
+                            f"transformers' refusal: {_cast_call_site(refused[0])} raised "
+                            f"{type(refused[0]).__name__}: {refused[0]}")
+            del model
+            continue
         quantized, plain = quantized_layers(model, quantization)
         if not quantized:
             layer = "Linear4bit" if quantization == "4bit" else "Linear8bitLt"
@@ -254,11 +301,17 @@ def check_quantized_request_keeps_dtype(loader: Loader, checkpoint, workdir, *, 
             continue
         exercised += 1
         model.eval()
+        # No cast was seen: whatever else is wrong is the loader's own (the contract layer caught the weights'
+        # dtype already), not this failure's mechanism.
         problems = dtype_problems(model, quantization, dtype) + forward_problems(model, device)
         if problems:
-            failures.append(f"[{label}] {len(quantized)} {quantization} layers, but " + "; ".join(problems))
+            others.append(f"[{label}] {len(quantized)} {quantization} layers, but " + "; ".join(problems))
         del model
 
+    if others and not failures:
+        raise LoaderModelError("the loader's quantized model is not usable as asked, with no cast after loading "
+                               "(not quantized-cast's mechanism):\n  " + "\n  ".join(others))
+    failures += [f"(also, not a cast) {other}" for other in others]
     if failures:
         unexercised = "\n  not exercised: " + "\n  not exercised: ".join(not_run) if not_run else ""
         raise AssertionError(

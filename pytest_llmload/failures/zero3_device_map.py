@@ -56,7 +56,8 @@ from pytest_llmload.failures.distributed_device_map import (
     model_module,
     step_and_probe,
 )
-from pytest_llmload.loading import call_loader
+from pytest_llmload.failures import contract
+from pytest_llmload.loading import LoaderError, LoaderModelError
 from pytest_llmload.request import LoadRequest
 from pytest_llmload.runners import ranks
 
@@ -94,7 +95,7 @@ FAILURE = KnownFailure(
 ZERO3_CONFIG = {**DEEPSPEED_CONFIG, "zero_optimization": {"stage": 3}}
 
 
-class LoaderFailedOnRank(RuntimeError):
+class LoaderFailedOnRank(LoaderModelError):
     """The loader (or the model it returned) failed on a rank for a reason other than ZeRO-3's device_map refusal."""
 
 
@@ -122,15 +123,11 @@ def check_zero3_load(
     # GPU ranks start from a clean forkserver and import DeepSpeed themselves: they must pick its CUDA
     # accelerator even when the test process was told DS_ACCELERATOR=cpu.
     env = {"DS_ACCELERATOR": "cuda"} if backend == "nccl" else None
-    try:
-        results = ranks.run_ranks(
-            _load_under_zero3, world_size, args=(loader, os.fspath(checkpoint), os.fspath(workdir), device, backend),
-            backend=backend, timeout=timeout, env=env,
-        )
-    except ranks.DistributedRunFailed as exc:  # an AssertionError subclass: not this failure's verdict
-        raise LoaderFailedOnRank(
-            f"check_zero3_load: a rank failed outside the ZeRO-3 device_map decision (not zero3-device-map):\n{exc}"
-        ) from exc
+    # A rank that raised, hung or died: failures.verdict judges what it raised (the refusal is a result, not a raise).
+    results = ranks.run_ranks(
+        _load_under_zero3, world_size, args=(loader, os.fspath(checkpoint), os.fspath(workdir), device, backend),
+        backend=backend, timeout=timeout, env=env,
+    )
 
     refused = [(rank, r) for rank, r in enumerate(results) if "zero3_error" in r]
     if refused:
@@ -234,11 +231,13 @@ def _load_under_zero3(loader: Loader, checkpoint: str, workdir: str, device: str
     request = LoadRequest(checkpoint, purpose="train", device=device, deepspeed=True, zero_stage=3,
                           offload_folder=Path(workdir) / f"offload-zero3-rank{rank}")
     try:
-        model = call_loader(loader, request).model
+        model = contract.load(loader, request, check="check_zero3_load").model
     except Exception as exc:  # noqa: BLE001 - judged here: the refusal, or the loader's own error
         refusal = zero3_refusal(exc)
         if refusal is not None:
             return {"zero3_error": str(refusal), "device_map": device_map_in_traceback(refusal)}
+        if not isinstance(exc, LoaderError):
+            raise  # a contract gap, or the check's own crash: failures.verdict judges what the rank raised
         return {"loader_error": traceback.format_exc()}
 
     params = list(model.parameters())

@@ -159,20 +159,12 @@ def test_check_fails_when_the_cast_error_is_swallowed(llmload_checkpoint, tmp_pa
                                                            variants=(("4bit", "float16"), ("4bit", "bfloat16")))
     message = str(excinfo.value)
     print(message)
-    # With the cast swallowed, the other weights keep the dtype from_pretrained gave them without dtype=: the
-    # checkpoint's float32 on transformers 5.x, so both requests fail; float16 on 4.x (its bitsandbytes quantizer
-    # forces it), so there the float16 request really gets float16 weights and only the bfloat16 one fails.
-    loaded_in = _dtype_without_dtype_kwarg("4bit")
-    failing = [dtype for dtype in ("float16", "bfloat16") if dtype != loaded_in]
-    assert message.startswith(f"{len(failing)} of 2 quantized requests failed")
+    # The mechanism is seen where it happens: the spy on the model's casts records transformers' refusal even
+    # though the loader caught it (whatever dtype the other weights kept).
+    assert message.startswith("2 of 2 quantized requests failed")
     for dtype in ("float16", "bfloat16"):
-        if dtype not in failing:
-            assert f"[4bit, {dtype}]" not in message
-            continue
-        assert (f"[4bit, {dtype}] {QUANTIZED} 4bit layers, but {NON_QUANTIZED} of {NON_QUANTIZED} non-quantized "
-                f"parameters are {loaded_in}, not the requested {dtype}, e.g. ['model.embed_tokens.weight', ") in message
-    assert "and the 4-bit layers compute in float32 (bnb_4bit_compute_dtype): the dtype never reached from_pretrained" \
-        in message
+        assert f"[4bit, {dtype}] the loader cast the 4bit model after loading and swallowed transformers' refusal: " \
+            in message
 
 
 # --- (c) the reference loader passes ------------------------------------------------------------------------

@@ -1,0 +1,19 @@
+"""What the plugin keeps on ``config.stash`` and in context for one run: the loader and hook chosen at configure,
+and the options every check gets (one floor below the plugin, its fixtures and the loader seam, which all read
+them). Imports pytest only."""
+
+from __future__ import annotations
+
+import contextvars
+from typing import Any
+
+import pytest
+
+loader_choice_key = pytest.StashKey["LoaderChoice"]()
+hook_choice_key = pytest.StashKey["LoaderChoice | None"]()  # the training-args hook configured, if any
+without_trainer_key = pytest.StashKey[bool]()  # the repo declared that it trains without transformers.Trainer
+
+# The options the configuration gives the check a test runs (set by the plugin around the call of a test with a
+# ``check`` parameter): a user's own ``parametrize_with_loader_checks`` test gets them without asking for them.
+configured_check_options: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar(
+    "llmload_configured_check_options", default={})
