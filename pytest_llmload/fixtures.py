@@ -172,9 +172,10 @@ def distributed_env(request, llmload_offline):
     from pytest_llmload import gpus
     from pytest_llmload.runners import launcher
 
-    launched = launcher.distributed_env_for(request, gpus.visible_gpu_count, pytest.skip)
-    if launched is not None:
-        return launched
+    if launcher.meeting_of(request.config) is not None:  # under a launcher: its object (imported only there)
+        from pytest_llmload.runners import launched_env
+
+        return launched_env.distributed_env_for(request, gpus.visible_gpu_count, pytest.skip)
     from pytest_llmload.runners.ranks import DistributedEnv
 
     return DistributedEnv(gpus.visible_gpu_count, pytest.skip)

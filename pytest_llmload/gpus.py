@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import sys
+from typing import NamedTuple, Optional
+
+from pytest_llmload.surface import GPUS_PER_WORKER_OPTION
 
 _DRIVER_PROC = "/proc/driver/nvidia/gpus"
 
@@ -26,11 +30,9 @@ def _driver_present() -> bool:
 @functools.lru_cache(maxsize=None)
 def visible_gpu_count() -> int:
     """Number of CUDA devices torch would see. Cached; imports torch only where a driver exists."""
-    from pytest_llmload.runners import xdist_gpus  # its test seam (small, imports nothing heavy)
-
-    if xdist_gpus.FAKE_GPUS_ENV in os.environ:  # the test seam: GPUs faked on a CPU machine
+    if FAKE_GPUS_ENV in os.environ:  # the test seam: GPUs faked on a CPU machine
         outer = os.environ.get("CUDA_VISIBLE_DEVICES")
-        return len(xdist_gpus.visible_devices(outer, xdist_gpus.physical_devices()))
+        return len(visible_devices(outer, physical_devices()))
     if "torch" not in sys.modules:
         if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
             return 0
@@ -79,7 +81,91 @@ def skip_reason(needed: int) -> str | None:
         return None
     unit = "GPU" if needed == 1 else "GPUs"
     reason = f"needs {needed} {unit}, {have} visible ({visible_devices_label()})"
-    from pytest_llmload.runners.xdist_gpus import worker_hint
-
     hint = worker_hint(needed)  # under pytest -n: this worker's share of the GPUs, and what would run the test
     return reason if hint is None else f"{reason}; {hint}"
+
+
+# --- the machine's GPUs without torch, and a worker's share (runners.xdist_gpus assigns them) ------------
+
+# Test seam, never set in real use: the comma-separated UUIDs of the machine's GPUs, read in place of
+# `nvidia-smi -L` (controller) and of torch's count (gpus.visible_gpu_count), so that the assignment and
+# the skips can be tested on a CPU machine.
+FAKE_GPUS_ENV = "PYTEST_LLMLOAD_FAKE_GPUS"
+# Set in each worker that got GPUs: its list and G, for the skip reason of a test that needs more than it holds.
+WORKER_GPUS_ENV = "PYTEST_LLMLOAD_WORKER_GPUS"
+TOTAL_ENV = "PYTEST_LLMLOAD_GPUS_TOTAL"
+
+class Physical(NamedTuple):
+    """The machine's GPUs as the driver lists them: their count (``None``: unknown) and UUIDs (GPU and MIG)."""
+
+    count: Optional[int]
+    uuids: tuple[str, ...] = ()
+
+
+def parse_nvidia_smi(listing: str) -> Physical:
+    """``nvidia-smi -L`` output: one ``GPU i: name (UUID: GPU-...)`` line per GPU, MIG devices indented below."""
+    gpu_lines = [line for line in listing.splitlines() if re.match(r"GPU \d+:", line)]
+    return Physical(len(gpu_lines), tuple(re.findall(r"\(UUID: ((?:GPU|MIG)-[^)\s]+)\)", listing)))
+
+
+def physical_devices() -> Physical:
+    """The machine's GPUs, without torch: the test seam, else ``nvidia-smi -L``, else the driver's /proc entries."""
+    fake = os.environ.get(FAKE_GPUS_ENV)
+    if fake is not None:
+        uuids = tuple(u.strip() for u in fake.split(",") if u.strip())
+        return Physical(len(uuids), uuids)
+    if not _driver_present():
+        return Physical(0)
+    import shutil  # only where a driver exists: plugin load stays cheap
+    import subprocess
+
+    smi = shutil.which("nvidia-smi")
+    if smi is not None:
+        try:
+            listed = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            listed = None
+        if listed is not None and listed.returncode == 0:
+            return parse_nvidia_smi(listed.stdout)
+    try:
+        return Physical(len(os.listdir(_DRIVER_PROC)))
+    except OSError:
+        return Physical(None)
+
+
+def _names_a_device(entry: str, physical: Physical) -> bool:
+    if entry.isdigit():
+        return physical.count is None or int(entry) < physical.count
+    if entry.startswith(("GPU-", "MIG-")):  # CUDA accepts a unique prefix of a UUID
+        return not physical.uuids or any(uuid.startswith(entry) for uuid in physical.uuids)
+    return False
+
+
+def visible_devices(outer: Optional[str], physical: Physical) -> list[str]:
+    """The entries of ``CUDA_VISIBLE_DEVICES`` (``outer``; ``None``: unset) that CUDA would use, as written.
+
+    As CUDA does, reading stops at the first entry that names no device (``-1``, an index past the last GPU,
+    an unknown UUID, a repeat), so ``""`` and ``"-1"`` hide every GPU. Unset: every GPU, by index."""
+    if outer is None:
+        return [str(i) for i in range(physical.count or 0)]
+    entries: list[str] = []
+    for entry in (part.strip() for part in outer.split(",")):
+        if entry in entries or not _names_a_device(entry, physical):
+            break
+        entries.append(entry)
+    return entries
+
+
+def worker_hint(needed: int, environ=os.environ) -> Optional[str]:
+    """For a test needing ``needed`` GPUs on a worker holding fewer: which worker, its share, what would run it.
+
+    ``None`` outside such a worker, or where ``CUDA_VISIBLE_DEVICES`` is no longer what the worker was given."""
+    assigned = environ.get(WORKER_GPUS_ENV)
+    if assigned is None or environ.get("CUDA_VISIBLE_DEVICES") != assigned:
+        return None
+    k, total = len(assigned.split(",")), int(environ[TOTAL_ENV])
+    worker = environ.get("PYTEST_XDIST_WORKER", "?")
+    held = f"xdist worker {worker} holds {k} of the run's {total} GPUs"
+    if needed > total:
+        return held
+    return f"{held}: run it with -n {total // needed}, or with {GPUS_PER_WORKER_OPTION} {needed}"

@@ -351,6 +351,9 @@ def _report(job: MainJob, code: int) -> tuple[int, bool]:
             label = "ERROR" if record["outcome"] == "error" else "FAILED"
             text = _in_main_job_terms(_summary(record)).replace("\n", "\n    ")
             print(f"{label} {record['check']}: {text}", file=out)
+            failure = _failure_of(record["check"]) if record["outcome"] == "failed" else None
+            if failure is not None and record.get("failure"):  # what to do about it, where the mechanism was seen
+                print(f"    fix ({failure.id}): {_in_main_job_terms(failure.fix)}", file=out)
     if fast:
         names = ", ".join(r["check"] for r in fast)
         print(f"NOT RUN {names}: {_in_main_job_terms(_summary(fast[0]))}", file=out)

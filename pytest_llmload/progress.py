@@ -42,20 +42,12 @@ def _raised_by_the_loader(report: pytest.TestReport) -> bool:
         "loader error: " in (message.splitlines() or [""])[0]
 
 
-SUMMARY_LINES = 6
-
-
 def summary_line(report) -> str:
-    """A failure's cause: the exception pytest found (``AssertionError: ...``; its first lines, where the first
-    ends in a colon and the cause follows), else the report's first line (a child's death or deadline, a strict
-    failure), never a tail of captured output."""
-    lines = [line.rstrip() for line in _crash_message(report).splitlines() if line.strip()]
-    if not lines:
-        return ""
-    head = lines[0].strip().removeprefix("Failed: ")  # pytest.fail()'s message is the sentence; "Failed" says nothing
-    if not head.endswith(":"):
-        return head
-    return "\n".join([head, *lines[1:SUMMARY_LINES]])
+    """A failure's cause in one line: the exception line pytest found (``AssertionError: ...``), else the
+    report's first line (a child's death or deadline, a strict failure), never a tail of captured output. A check's
+    row says more: its verdict's sentence (:mod:`pytest_llmload.failures.verdict`)."""
+    line = next((line.strip() for line in _crash_message(report).splitlines() if line.strip()), "")
+    return line.removeprefix("Failed: ")  # pytest.fail()'s message is the sentence; "Failed" says nothing
 
 
 class ProgressWriter:
@@ -115,7 +107,7 @@ class ProgressWriter:
         summary = summary_line(report) if report.failed else reason
         if judged is not None:  # a check's row: its verdict was decided from the exception (failures.verdict)
             outcome, failure, cause = judged["kind"], judged["failure"], judged["cause"]
-            summary = judged["sentence"] if outcome == "error" and judged["sentence"] else summary
+            summary = judged["sentence"] or summary  # the exception's own words, also from a child or a rank
         started = self._started.get(report.nodeid, time.perf_counter())
         self.write(event="result", nodeid=report.nodeid, check=check_name(report.nodeid), outcome=outcome,
                    reason=reason, summary=summary,

@@ -60,7 +60,10 @@ def test_a_before_loader_fails_with_exit_1_naming_the_check():
     run = main_job("--loader", "fixtures.loaders.before_meta_backward:load", "-k", "train_request_trains and not cuda")
     assert run.returncode == 1, run.stdout + run.stderr
     assert re.search(r"^check_train_request_trains +meta-backward \(002\) +FAILED", run.stdout, re.M), run.stdout
-    assert "FAILED check_train_request_trains: AssertionError: 4 of 8 train requests failed (write-up 002" in run.stdout
+    # The finding in the check's own words, with the lines that say what failed, then what to do about it.
+    assert "FAILED check_train_request_trains: 4 of 8 train requests failed (write-up 002" in run.stdout, run.stdout
+    assert re.search(r"^ +\[max_memory=.*lora=False, gradient_checkpointing=False\]$", run.stdout, re.M), run.stdout
+    assert "    fix (meta-backward): " in run.stdout, run.stdout
 
 
 @pytest.mark.parametrize(

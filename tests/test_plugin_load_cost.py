@@ -48,8 +48,7 @@ def pytest_unconfigure(config):
 """
 
 
-@pytest.mark.parametrize(("args", "header"), [(("-q",), []), ((), ["gpus", "header", "loading", "runners",
-                                                                   "runners.xdist_gpus", "surface"])],
+@pytest.mark.parametrize(("args", "header"), [(("-q",), []), ((), ["gpus", "header", "loading", "surface"])],
                          ids=["quiet", "with the header"])
 def test_a_run_that_never_uses_the_plugin_imports_only_its_vocabulary_and_fixtures(pytester, args, header):
     # (keys: the stash keys the fixtures read, one floor below them.) Nothing of the plugin's work is compiled or run in such a run: its sub-plugins are registered by

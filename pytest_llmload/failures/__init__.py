@@ -10,9 +10,6 @@ row in the README's table.
 
 from __future__ import annotations
 
-import os
-from typing import Union
-
 from pytest_llmload.failures import (
     adapter_on_offloaded,
     distributed_device_map,
@@ -26,6 +23,7 @@ from pytest_llmload.failures import (
     zero3_device_map,
 )
 from pytest_llmload.failures.base import Check, KnownFailure
+from pytest_llmload.runners.ranks import preload_for_isolated_checks  # (its home: one floor down)
 
 # The write-ups' five first (shared/seeds), then those taken from upstream issue trackers.
 MODULES = (meta_backward, offload_hang, inference_stall, dp_dtype, distributed_device_map,
@@ -41,23 +39,6 @@ REGISTRY: tuple[Check, ...] = tuple(sorted((check for module in MODULES for chec
 def match(text: str) -> list[KnownFailure]:
     """The known failures whose signatures appear in ``text`` (a failure's message and traceback)."""
     return [failure for failure in CATALOG if failure.matches(text)]
-
-
-def preload_for_isolated_checks(checkpoint: Union["os.PathLike[str]", str], *, peft: bool = True) -> None:
-    """Import here, before an isolated check forks, what the checks import: what a child imports dies with it,
-    and the next check would pay for it again (1.5 s a check for peft and its dependencies, measured).
-
-    peft (``peft=True``: a check that uses adapters) only where no GPU is visible: it imports bitsandbytes, whose
-    import reads the devices' compute capability and so initialises CUDA, and a process that has initialised CUDA
-    can no longer fork. A run of inference checks alone never imports it (about 2.5 s of CPU).
-    """
-    from pytest_llmload import gpus
-    from pytest_llmload.runners import ranks
-
-    modules = ranks.HF_PRELOAD + distributed_device_map.model_module(checkpoint)
-    if peft and gpus.visible_gpu_count() == 0:
-        modules += ("peft",)
-    ranks.preload(modules)
 
 
 __all__ = ["BY_ID", "CATALOG", "Check", "KnownFailure", "MODULES", "REGISTRY", "match",

@@ -115,8 +115,8 @@ class Check(NamedTuple):
                         f"check needs a {self.purpose} load")
         if not self.isolated:
             return self.function(*args, **kwargs)
-        from pytest_llmload.failures import preload_for_isolated_checks
         from pytest_llmload.runners import isolated_marker, isolation
+        from pytest_llmload.runners.ranks import preload_for_isolated_checks
 
         preload_for_isolated_checks(args[1], peft=self.uses_adapters or self.purpose == "train")
         isolation.run_isolated(self.function, args, kwargs, timeout=self.timeout, label=self.name,

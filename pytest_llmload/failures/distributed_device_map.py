@@ -32,7 +32,6 @@ check catches loaders that spread it anyway (a memory budget, an explicit map); 
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -182,7 +181,7 @@ def check_distributed_train_step(
             "DS_ACCELERATOR=cpu on a CPU-only machine); pass modes=('ddp',) to check without it."
         )
     ranks.preload(
-        (ranks.DEEPSPEED_PRELOAD if "deepspeed" in modes else ranks.HF_PRELOAD) + model_module(checkpoint)
+        (ranks.DEEPSPEED_PRELOAD if "deepspeed" in modes else ranks.HF_PRELOAD) + ranks.model_module(checkpoint)
     )
     problems, unexercised = [], []
     for mode in modes:  # every mode is run and judged: a loader may pin without a budget and spread with one
@@ -212,15 +211,6 @@ def _missing(module: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(module) is None
-
-
-def model_module(checkpoint) -> tuple[str, ...]:
-    """The transformers modeling module of the checkpoint's architecture, imported lazily otherwise."""
-    try:
-        model_type = json.loads((Path(checkpoint) / "config.json").read_text())["model_type"]
-    except (OSError, ValueError, KeyError):
-        return ()
-    return (f"transformers.models.{model_type}.modeling_{model_type}",)
 
 
 def _judge(results: list[dict]) -> list[str]:

@@ -43,7 +43,9 @@ FAILURE = KnownFailure(
     ),
     fix=(
         "Do not let Trainer data-parallelise a placed model: set training_args._n_gpu = 1 when hf_device_map "
-        "spreads the model (pytest_llmload.trainer_guard does this), or launch one process per GPU instead."
+        "spreads the model (pytest_llmload.trainer_guard does this), or launch one process per GPU instead; name "
+        "that hook to the check (--llmload-training-args-hook), or declare llmload_trains_without_trainer where "
+        "the repo never trains with transformers.Trainer."
     ),
     occurs="2+ GPUs; transformers Trainer up to 4.57 wraps 4-bit models, later versions skip 4-bit.",
     tell=r"data_parallel|parallel_apply",
@@ -179,9 +181,11 @@ def check_trainer_does_not_wrap_placed_model(
     if problems:
         hint = (
             "" if prepare_args is not None else
-            " Fix it in the training script: call pytest_llmload.trainer_guard.prepare_training_args_for_placed_model"
-            "(args, model) before building the Trainer (write-up 003: training_args._n_gpu = 1), and pass that "
-            "hook to this check as prepare_args."
+            " This judges a stock Trainer (no training-args hook was given). Fix it in the training script: call "
+            "pytest_llmload.trainer_guard.prepare_training_args_for_placed_model(args, model) before building the "
+            "Trainer (write-up 003: training_args._n_gpu = 1) and name that hook (--llmload-training-args-hook, the "
+            "ini key or the loader's llmload_training_args_hook); or, where the repo never trains with "
+            "transformers.Trainer, declare llmload_trains_without_trainer."
         )
         raise AssertionError(
             f"seed 003 (DataParallel over a placed model): {'; '.join(problems)}.\n"

@@ -63,7 +63,7 @@ def of_exception(exc: BaseException, failure: Any) -> Optional[Verdict]:
         in_loader = _LOADER_FRAME.search(str(exc) + "".join(traceback.format_tb(exc.__traceback__))) is not None
         return _hang(failure, in_loader, _first_line(exc))
     if type(exc) is AssertionError or type(exc).__name__ == "FailureObserved":
-        return Verdict("failed", failure.id, "mechanism", _first_line(exc))
+        return Verdict("failed", failure.id, "mechanism", _head(exc))
     return _check_broke(exc)
 
 
@@ -125,6 +125,18 @@ def _is_skip(exc: BaseException) -> bool:
 def _is_timeout(exc: BaseException) -> bool:
     """A deadline that really passed in this process: probes.deadline's, or pytest-timeout's."""
     return type(exc).__name__ == "DeadlineExceeded" or str(exc).startswith("Timeout (>")
+
+
+SUMMARY_LINES = 6
+
+
+def _head(exc: BaseException) -> str:
+    """A check's finding: its first line, and the lines after it where the first ends in a colon (the cause
+    follows), up to :data:`SUMMARY_LINES`."""
+    lines = [line.rstrip() for line in str(exc).splitlines() if line.strip()]
+    if not lines or not lines[0].endswith(":"):
+        return _first_line(exc)
+    return "\n".join(lines[:SUMMARY_LINES])
 
 
 def _first_line(exc: BaseException) -> str:

@@ -53,7 +53,6 @@ from pytest_llmload.failures.distributed_device_map import (
     DEEPSPEED_CONFIG,
     LEARNING_RATE,
     judge_step,
-    model_module,
     step_and_probe,
 )
 from pytest_llmload.failures import contract
@@ -119,7 +118,7 @@ def check_zero3_load(
     if _missing("deepspeed"):
         raise RuntimeError("check_zero3_load needs the deepspeed package (pip install deepspeed; DS_ACCELERATOR=cpu "
                            "on a CPU-only machine).")
-    ranks.preload(ranks.DEEPSPEED_PRELOAD + model_module(checkpoint))
+    ranks.preload(ranks.DEEPSPEED_PRELOAD + ranks.model_module(checkpoint))
     # GPU ranks start from a clean forkserver and import DeepSpeed themselves: they must pick its CUDA
     # accelerator even when the test process was told DS_ACCELERATOR=cpu.
     env = {"DS_ACCELERATOR": "cuda"} if backend == "nccl" else None

@@ -17,7 +17,7 @@ import pytest
 from pytest_llmload import gpus
 from pytest_llmload.runners import isolation, ranks
 from pytest_llmload.runners.isolation import ChildOutcome
-from pytest_llmload.runners.launcher import RESULT_MARGIN_S, Launch, Meeting, agree, agreed, test_key
+from pytest_llmload.runners.launcher import RESULT_MARGIN_S, Launch, Meeting, agree, agreed, meeting_of, test_key
 from pytest_llmload.runners.ranks import DistributedEnv, DistributedRunFailed
 
 
@@ -135,3 +135,12 @@ def _outcomes(received: Mapping[int, dict], world_size: int, waited: float) -> l
                 setattr(outcome, name, value)
         outcomes.append(outcome)
     return outcomes
+
+
+def distributed_env_for(request: pytest.FixtureRequest, gpu_count: Callable[[], int], skip: Callable[[str], Any]):
+    """The ``distributed_env`` of a test under a launcher (a :class:`LaunchedEnv`); ``None`` for
+    a plain run."""
+    meeting = meeting_of(request.config)
+    if meeting is None:
+        return None
+    return LaunchedEnv(meeting, request.node.nodeid, gpu_count, skip)

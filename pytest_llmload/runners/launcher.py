@@ -320,17 +320,6 @@ def meeting_of(config: pytest.Config) -> Optional[Meeting]:
     return config.stash.get(meeting_key, None)
 
 
-def distributed_env_for(request: pytest.FixtureRequest, gpu_count: Callable[[], int], skip: Callable[[str], Any]):
-    """The ``distributed_env`` of a test under a launcher (a :class:`~.launched_env.LaunchedEnv`); ``None`` for
-    a plain run."""
-    meeting = meeting_of(request.config)
-    if meeting is None:
-        return None
-    from pytest_llmload.runners.launched_env import LaunchedEnv
-
-    return LaunchedEnv(meeting, request.node.nodeid, gpu_count, skip)
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
     try:

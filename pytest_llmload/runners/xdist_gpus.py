@@ -21,33 +21,18 @@ standard library and pytest.
 from __future__ import annotations
 
 import os
-import re
 from typing import NamedTuple, Optional, Sequence
 
 import pytest
 
 from pytest_llmload import gpus
+from pytest_llmload.gpus import TOTAL_ENV, WORKER_GPUS_ENV, physical_devices, visible_devices  # one floor down
 from pytest_llmload.surface import GPUS_PER_WORKER_INI as INI, GPUS_PER_WORKER_OPTION as OPTION
-
-# Test seam, never set in real use: the comma-separated UUIDs of the machine's GPUs, read in place of
-# `nvidia-smi -L` (controller) and of torch's count (gpus.visible_gpu_count), so that the assignment and
-# the skips can be tested on a CPU machine.
-FAKE_GPUS_ENV = "PYTEST_LLMLOAD_FAKE_GPUS"
-# Set in each worker that got GPUs: its list and G, for the skip reason of a test that needs more than it holds.
-WORKER_GPUS_ENV = "PYTEST_LLMLOAD_WORKER_GPUS"
-TOTAL_ENV = "PYTEST_LLMLOAD_GPUS_TOTAL"
 
 OFF = "off"
 
 _plan_key = pytest.StashKey["Plan"]()
 _devices_key = pytest.StashKey[list]()
-
-
-class Physical(NamedTuple):
-    """The machine's GPUs as the driver lists them: their count (``None``: unknown) and UUIDs (GPU and MIG)."""
-
-    count: Optional[int]
-    uuids: tuple[str, ...] = ()
 
 
 class Plan(NamedTuple):
@@ -58,60 +43,6 @@ class Plan(NamedTuple):
 
 class PlanError(ValueError):
     """More workers than the GPUs can serve; the message names G, N, K and what to run."""
-
-
-def parse_nvidia_smi(listing: str) -> Physical:
-    """``nvidia-smi -L`` output: one ``GPU i: name (UUID: GPU-...)`` line per GPU, MIG devices indented below."""
-    gpu_lines = [line for line in listing.splitlines() if re.match(r"GPU \d+:", line)]
-    return Physical(len(gpu_lines), tuple(re.findall(r"\(UUID: ((?:GPU|MIG)-[^)\s]+)\)", listing)))
-
-
-def physical_devices() -> Physical:
-    """The machine's GPUs, without torch: the test seam, else ``nvidia-smi -L``, else the driver's /proc entries."""
-    fake = os.environ.get(FAKE_GPUS_ENV)
-    if fake is not None:
-        uuids = tuple(u.strip() for u in fake.split(",") if u.strip())
-        return Physical(len(uuids), uuids)
-    if not gpus._driver_present():
-        return Physical(0)
-    import shutil  # only where a driver exists: plugin load stays cheap
-    import subprocess
-
-    smi = shutil.which("nvidia-smi")
-    if smi is not None:
-        try:
-            listed = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.SubprocessError):
-            listed = None
-        if listed is not None and listed.returncode == 0:
-            return parse_nvidia_smi(listed.stdout)
-    try:
-        return Physical(len(os.listdir(gpus._DRIVER_PROC)))
-    except OSError:
-        return Physical(None)
-
-
-def _names_a_device(entry: str, physical: Physical) -> bool:
-    if entry.isdigit():
-        return physical.count is None or int(entry) < physical.count
-    if entry.startswith(("GPU-", "MIG-")):  # CUDA accepts a unique prefix of a UUID
-        return not physical.uuids or any(uuid.startswith(entry) for uuid in physical.uuids)
-    return False
-
-
-def visible_devices(outer: Optional[str], physical: Physical) -> list[str]:
-    """The entries of ``CUDA_VISIBLE_DEVICES`` (``outer``; ``None``: unset) that CUDA would use, as written.
-
-    As CUDA does, reading stops at the first entry that names no device (``-1``, an index past the last GPU,
-    an unknown UUID, a repeat), so ``""`` and ``"-1"`` hide every GPU. Unset: every GPU, by index."""
-    if outer is None:
-        return [str(i) for i in range(physical.count or 0)]
-    entries: list[str] = []
-    for entry in (part.strip() for part in outer.split(",")):
-        if entry in entries or not _names_a_device(entry, physical):
-            break
-        entries.append(entry)
-    return entries
 
 
 def plan(workers: int, devices: Sequence[str], per_worker: Optional[int], source: str) -> Plan:
@@ -151,21 +82,6 @@ def parse_per_worker(value: Optional[str], where: str) -> "int | str | None":
         f"{where}={value!r} is neither a positive number of GPUs nor '{OFF}'; pass e.g. {OPTION} 2 "
         f"(each xdist worker holds 2 GPUs) or {OPTION} {OFF}."
     )
-
-
-def worker_hint(needed: int, environ=os.environ) -> Optional[str]:
-    """For a test needing ``needed`` GPUs on a worker holding fewer: which worker, its share, what would run it.
-
-    ``None`` outside such a worker, or where ``CUDA_VISIBLE_DEVICES`` is no longer what the worker was given."""
-    assigned = environ.get(WORKER_GPUS_ENV)
-    if assigned is None or environ.get("CUDA_VISIBLE_DEVICES") != assigned:
-        return None
-    k, total = len(assigned.split(",")), int(environ[TOTAL_ENV])
-    worker = environ.get("PYTEST_XDIST_WORKER", "?")
-    held = f"xdist worker {worker} holds {k} of the run's {total} GPUs"
-    if needed > total:
-        return held
-    return f"{held}: run it with -n {total // needed}, or with {OPTION} {needed}"
 
 
 # --- hooks (this module is a sub-plugin of pytest_llmload.plugin; its option is declared there) -------------

@@ -8,8 +8,10 @@ import json
 
 import pytest
 
+from pytest_llmload import gpus
+from pytest_llmload.gpus import Physical, visible_devices
 from pytest_llmload.runners import xdist_gpus
-from pytest_llmload.runners.xdist_gpus import Physical, PlanError, plan, visible_devices
+from pytest_llmload.runners.xdist_gpus import PlanError, plan
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -22,7 +24,7 @@ GPU 1: NVIDIA A100-SXM4-40GB (UUID: GPU-9a8b7c6d-0000-1111-2222-333344445555)
 
 
 def test_nvidia_smi_listing_counts_gpus_and_keeps_every_uuid():
-    physical = xdist_gpus.parse_nvidia_smi(NVIDIA_SMI_L)
+    physical = gpus.parse_nvidia_smi(NVIDIA_SMI_L)
     assert physical.count == 2
     assert [uuid[:12] for uuid in physical.uuids] == ["GPU-5f3e1c2a", "GPU-9a8b7c6d", "MIG-1b2c3d4e", "MIG-6f7a8b9c"]
 
@@ -44,7 +46,7 @@ def test_visible_list_is_read_as_cuda_reads_it(outer, expected):
 
 
 def test_uuid_prefixes_and_mig_devices_name_devices():
-    physical = xdist_gpus.parse_nvidia_smi(NVIDIA_SMI_L)
+    physical = gpus.parse_nvidia_smi(NVIDIA_SMI_L)
     assert visible_devices("MIG-6f7a,MIG-1b2c3d4e,GPU-5f3e", physical) == ["MIG-6f7a", "MIG-1b2c3d4e", "GPU-5f3e"]
 
 
@@ -95,14 +97,14 @@ def test_per_worker_values():
 
 
 def test_worker_hint_names_the_worker_its_share_and_the_command():
-    environ = {xdist_gpus.WORKER_GPUS_ENV: "GPU-c", "CUDA_VISIBLE_DEVICES": "GPU-c", xdist_gpus.TOTAL_ENV: "8",
+    environ = {gpus.WORKER_GPUS_ENV: "GPU-c", "CUDA_VISIBLE_DEVICES": "GPU-c", gpus.TOTAL_ENV: "8",
                "PYTEST_XDIST_WORKER": "gw3"}
-    assert xdist_gpus.worker_hint(2, environ) == (
+    assert gpus.worker_hint(2, environ) == (
         "xdist worker gw3 holds 1 of the run's 8 GPUs: run it with -n 4, or with --llmload-gpus-per-worker 2")
-    assert xdist_gpus.worker_hint(16, environ) == "xdist worker gw3 holds 1 of the run's 8 GPUs"
-    assert xdist_gpus.worker_hint(2, {}) is None  # not a worker that got GPUs
+    assert gpus.worker_hint(16, environ) == "xdist worker gw3 holds 1 of the run's 8 GPUs"
+    assert gpus.worker_hint(2, {}) is None  # not a worker that got GPUs
     # A test (or conftest) that set its own CUDA_VISIBLE_DEVICES gets the plain reason.
-    assert xdist_gpus.worker_hint(2, {**environ, "CUDA_VISIBLE_DEVICES": "0"}) is None
+    assert gpus.worker_hint(2, {**environ, "CUDA_VISIBLE_DEVICES": "0"}) is None
 
 
 # --- real xdist runs, GPUs faked ------------------------------------------------------------------------------
@@ -145,7 +147,7 @@ FOUR = "GPU-a,GPU-b,GPU-c,GPU-d"
 @pytest.fixture
 def project(pytester, monkeypatch):
     """A project whose conftest records each worker's view; the environment is that of a plain CI runner."""
-    for name in ("CUDA_VISIBLE_DEVICES", xdist_gpus.FAKE_GPUS_ENV, xdist_gpus.WORKER_GPUS_ENV, xdist_gpus.TOTAL_ENV,
+    for name in ("CUDA_VISIBLE_DEVICES", gpus.FAKE_GPUS_ENV, gpus.WORKER_GPUS_ENV, gpus.TOTAL_ENV,
                  "PYTEST_XDIST_AUTO_NUM_WORKERS",
                  "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT"):  # (set when this suite itself runs under -n)
         monkeypatch.delenv(name, raising=False)
@@ -169,7 +171,7 @@ def workers_views(pytester) -> dict[str, str]:
 
 
 def test_four_workers_on_four_gpus_get_one_each_before_any_conftest(project, monkeypatch):
-    monkeypatch.setenv(xdist_gpus.FAKE_GPUS_ENV, FOUR)
+    monkeypatch.setenv(gpus.FAKE_GPUS_ENV, FOUR)
     result = run(project, "-n", "4")
     result.assert_outcomes(passed=8, skipped=2)
     result.stdout.fnmatch_lines(["llmload: 4 xdist workers, 1 GPU each, their CUDA_VISIBLE_DEVICES: 0 | 1 | 2 | 3"])
@@ -181,7 +183,7 @@ def test_four_workers_on_four_gpus_get_one_each_before_any_conftest(project, mon
 
 
 def test_two_gpu_tests_run_where_workers_hold_two_within_a_runners_uuid_list(project, monkeypatch):
-    monkeypatch.setenv(xdist_gpus.FAKE_GPUS_ENV, EIGHT)
+    monkeypatch.setenv(gpus.FAKE_GPUS_ENV, EIGHT)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-h,GPU-b,GPU-c,GPU-f")  # the CI runner's share
     result = run(project, "-n", "2")
     result.assert_outcomes(passed=10)
@@ -191,7 +193,7 @@ def test_two_gpu_tests_run_where_workers_hold_two_within_a_runners_uuid_list(pro
 
 
 def test_an_outer_index_list_is_kept_as_written(project, monkeypatch):
-    monkeypatch.setenv(xdist_gpus.FAKE_GPUS_ENV, EIGHT)
+    monkeypatch.setenv(gpus.FAKE_GPUS_ENV, EIGHT)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "6,1,3")
     result = run(project, "-n", "3", "--llmload-gpus-per-worker", "1", "-k", "test_one")
     result.assert_outcomes(passed=8)
@@ -199,7 +201,7 @@ def test_an_outer_index_list_is_kept_as_written(project, monkeypatch):
 
 
 def test_more_workers_than_gpus_is_a_usage_error_before_any_worker_starts(project, monkeypatch):
-    monkeypatch.setenv(xdist_gpus.FAKE_GPUS_ENV, EIGHT)
+    monkeypatch.setenv(gpus.FAKE_GPUS_ENV, EIGHT)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
     result = run(project, "-n", "8")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
@@ -212,7 +214,7 @@ def test_more_workers_than_gpus_is_a_usage_error_before_any_worker_starts(projec
 
 
 def test_auto_starts_one_worker_per_gpu(project, monkeypatch):
-    monkeypatch.setenv(xdist_gpus.FAKE_GPUS_ENV, FOUR)
+    monkeypatch.setenv(gpus.FAKE_GPUS_ENV, FOUR)
     monkeypatch.setenv("PYTEST_XDIST_AUTO_NUM_WORKERS", "16")  # xdist's CPU-based answer, capped to 4
     result = run(project, "-n", "auto", "-k", "test_one")
     result.assert_outcomes(passed=8)
@@ -223,10 +225,10 @@ def test_auto_starts_one_worker_per_gpu(project, monkeypatch):
 def test_without_gpus_or_with_assignment_off_nothing_changes(project, monkeypatch, setting):
     monkeypatch.setenv("PYTEST_XDIST_AUTO_NUM_WORKERS", "2")
     if setting == "no GPU":
-        monkeypatch.setenv(xdist_gpus.FAKE_GPUS_ENV, "")  # a machine without GPUs
+        monkeypatch.setenv(gpus.FAKE_GPUS_ENV, "")  # a machine without GPUs
         args = ("-n", "auto")
     else:
-        monkeypatch.setenv(xdist_gpus.FAKE_GPUS_ENV, FOUR)
+        monkeypatch.setenv(gpus.FAKE_GPUS_ENV, FOUR)
         args = ("-n", "auto", "--llmload-gpus-per-worker", "off")
     result = run(project, *args, "-k", "test_one")
     result.assert_outcomes(passed=8)
