@@ -17,3 +17,8 @@ without_trainer_key = pytest.StashKey[bool]()  # the repo declared that it train
 # ``check`` parameter): a user's own ``parametrize_with_loader_checks`` test gets them without asking for them.
 configured_check_options: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar(
     "llmload_configured_check_options", default={})
+
+# What a check says about how it judged, for its row (set by the plugin around the call, like the options above):
+# "simulated: ..." where a machine this runner lacks was stood in for.
+check_notes: contextvars.ContextVar["list[str] | None"] = contextvars.ContextVar("llmload_check_notes", default=None)
+notes_key = pytest.StashKey[list]()

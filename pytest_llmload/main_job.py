@@ -376,6 +376,8 @@ def summary_table(results: list[dict]) -> list[str]:
             outcome += f" ({record['reason']})"
         elif _failed_fast(record):
             outcome += " (not run: the loader hung before)"
+        elif record.get("note"):
+            outcome += f" ({record['note']})"
         rows.append((record["check"], guards, outcome, f"{record['seconds']:.2f}s"))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     lines = [f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]:>7}" for r in rows]
@@ -393,8 +395,8 @@ def json_records(results: list[dict]) -> list[dict]:
         failure = record.get("failure") if outcome == "failed" else None
         detail = _in_main_job_terms(_summary(record)) if outcome in FAILED_OUTCOMES else record["reason"]
         records.append({"check": record["check"], "outcome": outcome, "failure": failure,
-                        "cause": record.get("cause"), "reason": record["reason"], "seconds": record["seconds"],
-                        "detail": detail})
+                        "cause": record.get("cause"), "note": record.get("note"), "reason": record["reason"],
+                        "seconds": record["seconds"], "detail": detail})
     return records
 
 

@@ -273,6 +273,12 @@ def _check_imports(config: pytest.Config, used_fixtures) -> None:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     report = yield
     check = _check_of(item)
+    if check is not None and call.when == "call":
+        from pytest_llmload.keys import notes_key
+
+        notes = item.stash.get(notes_key, None)
+        if notes:
+            report.user_properties.append(("llmload_note", "; ".join(notes)))
     if check is not None and call.when == "call" and call.excinfo is not None and report.failed:
         from pytest_llmload.failures import verdict
 
@@ -302,13 +308,16 @@ def pytest_runtest_call(item: pytest.Item):
     if _check_of(item) is None:
         return (yield)
     from pytest_llmload.fixtures import check_options
-    from pytest_llmload.keys import configured_check_options
+    from pytest_llmload.keys import check_notes, configured_check_options, notes_key
 
-    token = configured_check_options.set(check_options(item.config))
+    notes: list[str] = []
+    item.stash[notes_key] = notes
+    tokens = (configured_check_options.set(check_options(item.config)), check_notes.set(notes))
     try:
         return (yield)
     finally:
-        configured_check_options.reset(token)
+        configured_check_options.reset(tokens[0])
+        check_notes.reset(tokens[1])
 
 
 def _check_of(item: pytest.Item):

@@ -111,7 +111,8 @@ class ProgressWriter:
         started = self._started.get(report.nodeid, time.perf_counter())
         self.write(event="result", nodeid=report.nodeid, check=check_name(report.nodeid), outcome=outcome,
                    reason=reason, summary=summary,
-                   seconds=round(time.perf_counter() - started, 3), failure=failure, cause=cause)
+                   seconds=round(time.perf_counter() - started, 3), failure=failure, cause=cause,
+                   note=dict(report.user_properties).get("llmload_note"))
 
     def close(self) -> None:
         self._file.close()

@@ -131,7 +131,7 @@ def test_a_loaders_own_error_is_an_error_row_not_a_known_failure_and_its_log_is_
     assert "ERROR check_train_request_trains: " in run.stdout and "'load_in_4bit'" in run.stdout
     (record,) = json.loads((odd_loaders / "out.json").read_text())
     assert (record["check"], record["outcome"], record["failure"]) == ("check_train_request_trains", "error", None)
-    assert set(record) == {"check", "outcome", "failure", "reason", "seconds", "detail", "cause"}
+    assert set(record) == {"check", "outcome", "failure", "reason", "seconds", "detail", "cause", "note"}
 
 
 def test_a_check_that_exercised_nothing_skips_and_strict_fails_it(odd_loaders):

@@ -147,6 +147,15 @@ def require(condition: bool, check: str, did_instead: str, missing: str) -> None
         not_exercised(check, did_instead, missing)
 
 
+def note(text: str) -> None:
+    """Say in the check's row how it judged (``simulated: ...``): shown beside the verdict, in ``--json`` and JUnit."""
+    from pytest_llmload.keys import check_notes
+
+    notes = check_notes.get()
+    if notes is not None:
+        notes.append(text)
+
+
 def for_training(model: Any) -> Any:
     """Train mode, as Trainer and every training loop put a model before its first step."""
     model.train()

@@ -32,6 +32,7 @@ check catches loaders that spread it anyway (a memory budget, an explicit map); 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -183,12 +184,15 @@ def check_distributed_train_step(
     ranks.preload(
         (ranks.DEEPSPEED_PRELOAD if "deepspeed" in modes else ranks.HF_PRELOAD) + ranks.model_module(checkpoint)
     )
-    problems, unexercised = [], []
+    problems, unexercised, simulated, pins = [], [], [], set()
     for mode in modes:  # every mode is run and judged: a loader may pin without a budget and spread with one
         results = ranks.run_ranks(
             _load_prepare_and_step, world_size, args=(loader, os.fspath(checkpoint), os.fspath(workdir), mode, backend),
             backend=backend, timeout=timeout,
         )
+        if any("simulated" in result for result in results):
+            simulated.append(mode)
+            pins.update(result["simulated"] for result in results if "simulated" in result)
         skipped = [result["skip"] for result in results if "skip" in result]
         if skipped:
             unexercised.append(f"{skipped[0]} [mode {mode}]")
@@ -196,6 +200,9 @@ def check_distributed_train_step(
         if all("refused" in result for result in results):
             continue  # the budget cannot hold the model, and the loader said so: not this failure
         problems += [f"{mode}: {problem}" for problem in _judge(results)]
+    if simulated:
+        contract.note(f"simulated: the ranks' pins {', '.join(sorted(pins))} loaded on the cpu, no accelerator "
+                      f"here ({', '.join(simulated)})")
     if not problems and len(unexercised) == len(modes):
         not_exercised("check_distributed_train_step", "; ".join(unexercised), "a distributed train load")
     if problems:
@@ -277,9 +284,6 @@ def _load_prepare_and_step(loader: Loader, checkpoint: str, workdir: str, mode: 
     """
     import torch
     import torch.distributed as dist
-    from accelerate import Accelerator
-    from accelerate.utils import DistributedType
-
     from transformers import PreTrainedModel
 
     from pytest_llmload.loading import LoaderError
@@ -300,13 +304,55 @@ def _load_prepare_and_step(loader: Loader, checkpoint: str, workdir: str, mode: 
     except LoaderError as exc:
         placement = _placement(calls)
         pinned = placement.get("device_map")
-        if isinstance(pinned, dict) and pinned and all(not isinstance(v, str) or v.startswith("cuda")
-                                                         for v in pinned.values()) and not torch.cuda.is_available():
-            return {"skip": f"pins each rank to its accelerator index (device_map={pinned!r}) on a runner without "
-                            f"accelerators, which cannot load it ({type(exc.original).__name__})"}
+        if _pins_an_accelerator(pinned) and not torch.cuda.is_available():
+            # A runner without accelerators cannot load a rank pinned to its accelerator index. Such a pin puts the
+            # whole model on one device per rank, which accelerate accepts; what is left to judge (prepare and a
+            # synchronised step) is run with the rank's device simulated by the cpu, and the row says so.
+            simulated = f"device_map={pinned!r}"
+            calls.clear()
+            with spy_classmethod(PreTrainedModel, "from_pretrained", calls), _pins_on_cpu():
+                model = contract.load(loader, request, check="check_distributed_train_step").model  # else its error
+            result = _prepare_and_step(model, calls, checkpoint, request, mode, backend, rank)
+            return {**result, "simulated": simulated}
         if mode == "ddp-budget" and refusal_problem(exc.original) is None:
             return {"refused": str(exc.original)}
         raise
+    return _prepare_and_step(model, calls, checkpoint, request, mode, backend, rank)
+
+
+def _pins_an_accelerator(device_map: Any) -> bool:
+    """``{"": 0}``, ``{"": "cuda:1"}``: every entry an accelerator index (what write-up 004's fix pins each rank to)."""
+    return isinstance(device_map, dict) and bool(device_map) and all(
+        (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, str) and v.startswith("cuda"))
+        for v in device_map.values())
+
+
+@contextlib.contextmanager
+def _pins_on_cpu():
+    """``from_pretrained`` with every accelerator entry of an explicit ``device_map`` replaced by ``"cpu"``."""
+    from transformers import PreTrainedModel
+
+    original = PreTrainedModel.__dict__["from_pretrained"]
+
+    def on_cpu(klass, *args, **kwargs):
+        if _pins_an_accelerator(kwargs.get("device_map")):
+            kwargs["device_map"] = {name: "cpu" for name in kwargs["device_map"]}
+        return original.__func__(klass, *args, **kwargs)
+
+    PreTrainedModel.from_pretrained = classmethod(on_cpu)
+    try:
+        yield
+    finally:
+        PreTrainedModel.from_pretrained = original
+
+
+def _prepare_and_step(model, calls: list, checkpoint: str, request: LoadRequest, mode: str, backend: str,
+                      rank: int) -> dict:
+    """Prepare the rank's model with accelerate as the mode's training script does, and take a step."""
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+
     asked = _placement(calls)
     device_map = {name: str(where) for name, where in (getattr(model, "hf_device_map", None) or {}).items()}
     planned = None

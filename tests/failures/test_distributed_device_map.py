@@ -348,14 +348,24 @@ def test_auto_on_a_cpu_runner_fails_with_the_map_accelerate_plans_for_two_gpus(l
 
 
 @pytest.mark.timeout(180)
-def test_pinning_each_rank_to_its_gpu_is_skipped_on_a_runner_without_gpus(llmload_checkpoint, tmp_path):
+def test_pinning_each_rank_to_its_gpu_is_judged_on_the_cpu_on_a_runner_without_gpus_and_says_so(llmload_checkpoint,
+                                                                                               tmp_path):
+    """Write-up 004's fix pins each rank to its accelerator index; a CPU runner cannot load that, so the rank's
+    device is simulated by the cpu (the pin is whole-on-one-device either way) and the prepare and step are real."""
     import torch
+
+    from pytest_llmload.keys import check_notes
 
     if torch.cuda.is_available():
         pytest.skip("on a runner with GPUs this loader is exercised for real")
-    with pytest.raises(pytest.skip.Exception, match=r"not exercised: check_distributed_train_step: the loader pins "
-                                                    r"each rank to its accelerator index \(device_map=\{'': 0\}\)"):
+    notes: list = []
+    token = check_notes.set(notes)
+    try:
         check.check_distributed_train_step(pins_each_rank_to_its_gpu, llmload_checkpoint, tmp_path, modes=("ddp",))
+    finally:
+        check_notes.reset(token)
+    assert notes == ["simulated: the ranks' pins device_map={'': 0}, device_map={'': 1} loaded on the cpu, no "
+                     "accelerator here (ddp)"], notes
 
 
 @pytest.mark.timeout(180)
@@ -374,3 +384,35 @@ def test_a_loader_that_honours_a_budget_on_every_rank_fails_the_budgeted_variant
         check.check_distributed_train_step(honours_the_budget, llmload_checkpoint, tmp_path / "b",
                                            modes=("ddp", "ddp-budget"))
     check.check_distributed_train_step(reference_loader, llmload_checkpoint, tmp_path / "r", modes=("ddp-budget",))
+
+
+def pins_without_a_budget_spreads_with_one(request):
+    """Pins each rank to its accelerator index when no budget is given (a GPU runner's rule), but spreads the model
+    with device_map='auto' under a budget: the first mode cannot run on a CPU runner, the budgeted one must still be
+    judged (issue 25, class 7)."""
+    from transformers import AutoModelForCausalLM
+
+    if request.max_memory is None:
+        placement = {"device_map": {"": int(os.environ.get("LOCAL_RANK", "0"))}}
+    else:
+        placement = {"device_map": "auto", "max_memory": request.max_memory, "offload_folder": request.offload_folder}
+    return AutoModelForCausalLM.from_pretrained(request.model_path, dtype=request.torch_dtype, local_files_only=True,
+                                                **placement)
+
+
+@pytest.mark.timeout(120)
+def test_every_mode_is_judged_even_when_the_first_cannot_run_here(llmload_checkpoint, tmp_path):
+    pytest.importorskip("deepspeed")
+    if gpus.visible_gpu_count():
+        pytest.skip("the pinned modes run on this machine: the premise is a runner without accelerators")
+    with pytest.raises(AssertionError) as excinfo:
+        check.check_distributed_train_step(pins_without_a_budget_spreads_with_one, llmload_checkpoint, tmp_path)
+    assert "ddp-budget: rank 0: accelerator.prepare() raised ValueError" in str(excinfo.value), str(excinfo.value)
+
+
+def test_non_finite_probe_losses_are_no_verdict():
+    from pytest_llmload.loading import LoaderModelError
+
+    results = [{"probe_loss_before": 2.0, "step_loss": float("nan"), "probe_loss_after": float("nan")}] * 2
+    with pytest.raises(LoaderModelError, match=r"the probe step produced non-finite losses on rank 0"):
+        check._judge(results)

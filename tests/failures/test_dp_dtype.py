@@ -265,3 +265,53 @@ def test_two_gpus_write_up_setup_fails_with_the_dtype_error(stage1, tmp_path, re
         pytest.skip(f"this transformers does not wrap the write-up's setup ({_upstream_reading(obs)}): {obs.describe()}")
     assert obs.dtype_error, f"wrapped in nn.DataParallel but no dtype error: {obs.describe()}"
     assert "expected mat1 and mat2 to have the same dtype" in obs.error, obs.error
+
+
+def _without_trainer(request):
+    return before_dp_dtype.load(request)
+
+
+_without_trainer.llmload_trains_without_trainer = True
+
+
+def test_a_repo_that_trains_without_trainer_says_so_and_the_check_is_not_exercised(llmload_checkpoint, tmp_path):
+    from pytest_llmload.failures import REGISTRY
+
+    (check,) = [c for c in REGISTRY if c.name == "check_trainer_does_not_wrap_placed_model"]
+    with pytest.raises(pytest.skip.Exception, match=r"not exercised: .*declared to train without transformers\.Trainer"):
+        check(_without_trainer, llmload_checkpoint, tmp_path)
+
+
+def _eval_mode(request):
+    model, tokenizer = before_dp_dtype.load(request)
+    return model.eval(), tokenizer  # from_pretrained's own mode; Trainer calls model.train() before its first step
+
+
+@pytest.mark.timeout(120)
+def test_the_check_trains_in_train_mode_as_trainer_does(llmload_checkpoint, tmp_path, caplog):
+    """A 4-bit LoRA model returned in eval mode: its first step under Trainer trains (a gradient), as a stock
+    Trainer's does; the check's own reference forward must not run it in eval mode first (issue 25, class 4)."""
+    _require_4bit_here()
+    caplog.set_level(logging.INFO, logger="pytest_llmload")
+    check_trainer_does_not_wrap_placed_model(_eval_mode, llmload_checkpoint, tmp_path, prepare_args=_guard())
+
+
+@pytest.mark.parametrize("how", ["ini", "option"])
+def test_the_declaration_by_ini_key_or_option_reaches_a_repos_own_parametrized_test(pytester, how):
+    pytester.makepyfile(test_mine="""
+        from pytest_llmload.conformance import parametrize_with_loader_checks
+        from pytest_llmload.reference_loader import load_model_and_tokenizer
+
+        @parametrize_with_loader_checks([load_model_and_tokenizer])
+        def test_loader(loader, check, llmload_checkpoint, tmp_path):
+            check(loader, llmload_checkpoint, tmp_path)  # no llmload_check_options: the configuration applies itself
+    """)
+    args = ["-k", "check_trainer_does_not_wrap_placed_model", "-rs", "-p", "no:cacheprovider"]
+    if how == "ini":
+        pytester.makeini("[pytest]\nllmload_trains_without_trainer = true\n")
+    else:
+        args.append("--llmload-trains-without-trainer")
+    result = pytester.runpytest_subprocess(*args)
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["*not exercised: check_trainer_does_not_wrap_placed_model: the loader is declared to "
+                                 "train without transformers.Trainer*"])
