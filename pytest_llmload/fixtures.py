@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Callable
 
 import pytest
 
-from pytest_llmload.keys import hook_choice_key, without_trainer_key
+from pytest_llmload.keys import declared_key, hook_choice_key
 from pytest_llmload.surface import PURPOSES_INI
 
 if TYPE_CHECKING:
@@ -185,8 +185,8 @@ def distributed_env(request, llmload_offline):
 def llmload_check_options(request) -> dict:
     """Options the configuration gives the checks: ``prepare_args``, the training script's hook for the Trainer
     check (``--llmload-training-args-hook``, else the ini key ``llmload_training_args_hook``; else the loader's
-    own attribute, read by the check), and ``trains_without_trainer`` (``--llmload-trains-without-trainer``, the
-    ini key, else the loader's attribute). A test with a ``check`` parameter gets them without asking; pass them
+    own attribute, read by the check), and how the repo trains (``trains_without_trainer``,
+    ``trains_under_deepspeed``: ``--llmload-trains-...``, the ini key, else the loader's attribute). A test with a ``check`` parameter gets them without asking; pass them
     on elsewhere: ``check(loader, checkpoint, tmp_path, **llmload_check_options)``."""
     return check_options(request.config)
 
@@ -195,7 +195,7 @@ def check_options(config: pytest.Config) -> dict:
     """The options of :func:`llmload_check_options`, read from the configuration (a bad hook fails the test)."""
     from pytest_llmload.loading import LoaderSpecError, import_loader
 
-    options = {"trains_without_trainer": True} if config.stash.get(without_trainer_key, False) else {}
+    options = {keyword: True for keyword, set_ in config.stash.get(declared_key, {}).items() if set_}
     # Chosen at configure; a run that sets neither the option nor the ini key has none (the plugin read nothing).
     choice = config.stash.get(hook_choice_key, None)
     try:  # normally checked at collection (a usage error); here for a hook that imports only the second time

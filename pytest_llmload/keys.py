@@ -11,7 +11,7 @@ import pytest
 
 loader_choice_key = pytest.StashKey["LoaderChoice"]()
 hook_choice_key = pytest.StashKey["LoaderChoice | None"]()  # the training-args hook configured, if any
-without_trainer_key = pytest.StashKey[bool]()  # the repo declared that it trains without transformers.Trainer
+declared_key = pytest.StashKey[dict]()  # the training declarations the run set (surface.TRAINING_DECLARATIONS): True
 
 # The options the configuration gives the check a test runs (set by the plugin around the call of a test with a
 # ``check`` parameter): a user's own ``parametrize_with_loader_checks`` test gets them without asking for them.

@@ -36,7 +36,7 @@ from pytest_llmload.fixtures import (  # noqa: F401  (pytest discovers fixtures 
     llmload_tokenizer,
     lora_model,
 )
-from pytest_llmload.keys import hook_choice_key, loader_choice_key, without_trainer_key
+from pytest_llmload.keys import declared_key, hook_choice_key, loader_choice_key
 
 # The sub-plugins, by module name: their hooks only (every option, ini key and marker is declared here).
 SUB_PLUGINS = (
@@ -53,7 +53,8 @@ LAUNCHER = "pytest_llmload.runners.launcher"  # under torchrun/srun/mpirun: dist
 _FIXTURE_ROOTS = ("llmload_offline", "llmload_device", "llmload_check_options")
 _MARKERS = frozenset({"needs_gpus", "gpu", surface.DEEPSPEED_MARKER, surface.ISOLATED_MARKER,
                       surface.MEMORY_LIMIT_MARKER})
-_INI_KEYS = tuple(value for name, value in vars(surface).items() if name.endswith("_INI"))  # all declared below
+_INI_KEYS = (*(value for name, value in vars(surface).items() if name.endswith("_INI")),  # all declared below
+             *(surface.declaration_names(keyword)[1] for keyword in surface.TRAINING_DECLARATIONS))
 
 switched_on_key = pytest.StashKey[bool]()
 strict_key = pytest.StashKey[bool]()
@@ -67,9 +68,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(surface.HOOK_OPTION, dest="llmload_training_args_hook", metavar="MODULE:FUNCTION",
                     help=surface.HOOK_HELP)
     parser.addini(surface.HOOK_INI, help=surface.HOOK_HELP, default=None)
-    group.addoption(surface.WITHOUT_TRAINER_OPTION, dest="llmload_trains_without_trainer", action="store_true",
-                    default=None, help=surface.WITHOUT_TRAINER_HELP)
-    parser.addini(surface.WITHOUT_TRAINER_INI, help=surface.WITHOUT_TRAINER_HELP, type="bool", default=False)
+    for keyword in surface.TRAINING_DECLARATIONS:
+        _, ini, option = surface.declaration_names(keyword)
+        group.addoption(option, dest=f"llmload_{keyword}", action="store_true", default=None,
+                        help=surface.declaration_help(keyword))
+        parser.addini(ini, help=surface.declaration_help(keyword), type="bool", default=False)
     parser.addini(surface.PURPOSES_INI, help=surface.PURPOSES_HELP, type="linelist", default=[])
     parser.addini(surface.GPU_FIXTURES_INI, help=surface.GPU_FIXTURES_HELP, type="linelist", default=[])
     parser.addini(surface.EXPECTED_FAILURES_INI, type="linelist", default=[], help=surface.EXPECTED_FAILURES_HELP)
@@ -167,12 +170,15 @@ def _read_configuration(config: pytest.Config) -> None:
                 config.getini(surface.EXPECTED_FAILURES_INI), source))
         except pytest.UsageError as exc:
             raise pytest.UsageError(str(exc) if str(exc).startswith(source) else f"{source}: {exc}") from None
-    option = config.getoption("llmload_trains_without_trainer")
-    try:
-        config.stash[without_trainer_key] = bool(
-            option if option is not None else config.getini(surface.WITHOUT_TRAINER_INI))
-    except (ValueError, pytest.UsageError) as exc:
-        raise pytest.UsageError(f"ini '{surface.WITHOUT_TRAINER_INI}': {exc}; use true or false.") from None
+    declared = {}
+    for keyword in surface.TRAINING_DECLARATIONS:
+        _, ini, _ = surface.declaration_names(keyword)
+        option = config.getoption(f"llmload_{keyword}")
+        try:
+            declared[keyword] = bool(option if option is not None else config.getini(ini))
+        except (ValueError, pytest.UsageError) as exc:
+            raise pytest.UsageError(f"ini '{ini}': {exc}; use true or false.") from None
+    config.stash[declared_key] = declared
     option = config.getoption("llmload_strict")
     try:
         config.stash[strict_key] = bool(option if option is not None else config.getini(surface.STRICT_INI))

@@ -29,15 +29,32 @@ HOOK_HELP = (
     f"The Trainer check runs Trainer as transformers ships it, with this hook. Precedence: {HOOK_OPTION}, ini "
     f"'{HOOK_INI}', the loader function's attribute {HOOK_ATTRIBUTE}; default: none (stock Trainer)."
 )
-WITHOUT_TRAINER_ATTRIBUTE = "llmload_trains_without_trainer"
-WITHOUT_TRAINER_INI = "llmload_trains_without_trainer"
-WITHOUT_TRAINER_OPTION = "--llmload-trains-without-trainer"
-WITHOUT_TRAINER_HELP = (
-    "declare that this repo's training never hands the model to transformers.Trainer (a custom loop, accelerate, "
-    "FSDP or DeepSpeed scripts): the Trainer check (dp-dtype) then skips 'not exercised'. Precedence: "
-    f"{WITHOUT_TRAINER_OPTION}, ini '{WITHOUT_TRAINER_INI}' (true/false), the loader function's attribute "
-    f"{WITHOUT_TRAINER_ATTRIBUTE} = True."
-)
+# How the repo trains, declared once each by a loader attribute, an ini key and an option of the same name (the
+# option as --llmload-trains-...): what a training check's keyword is called, and the help. A check that takes the
+# keyword skips "not exercised" when its scenario is not how the repo trains.
+TRAINING_DECLARATIONS = {
+    "trains_without_trainer": (
+        "this repo's training never hands the model to transformers.Trainer (a custom loop, accelerate, FSDP or "
+        "DeepSpeed scripts): the Trainer check (dp-dtype) skips 'not exercised'."
+    ),
+    "trains_under_deepspeed": (
+        "this repo trains only under DeepSpeed (its engine keeps float32 master weights for fp16 and runs one process "
+        "per GPU): the fp16 GradScaler check (fp16-unscale) and the Trainer check (dp-dtype) skip 'not exercised'."
+    ),
+}
+
+
+def declaration_names(keyword: str) -> tuple[str, str, str]:
+    """``(attribute, ini key, option)`` of a training declaration: ``llmload_<keyword>`` for the first two."""
+    return f"llmload_{keyword}", f"llmload_{keyword}", "--llmload-" + keyword.replace("_", "-")
+
+
+def declaration_help(keyword: str) -> str:
+    attribute, ini, option = declaration_names(keyword)
+    return (f"declare that {TRAINING_DECLARATIONS[keyword]} Precedence: {option}, ini '{ini}' (true/false), the loader "
+            f"function's attribute {attribute} = True.")
+
+
 PURPOSES_ATTRIBUTE = "llmload_purposes"
 PURPOSES_INI = "llmload_loader_purposes"
 PURPOSES_HELP = (

@@ -96,7 +96,7 @@ class Check(NamedTuple):
         training script's hook for the Trainer check); others are ignored, so one set fits every check."""
         from pytest_llmload.keys import configured_check_options
         from pytest_llmload.loading import as_loader_under_test, training_args_hook
-        from pytest_llmload.surface import WITHOUT_TRAINER_ATTRIBUTE
+        from pytest_llmload.surface import TRAINING_DECLARATIONS, declaration_names
 
         args = (as_loader_under_test(loader), Path(checkpoint), Path(workdir))
         accepted = _keywords(self.function)
@@ -104,8 +104,9 @@ class Check(NamedTuple):
         options = {**configured_check_options.get(), **given}  # what the test passes wins over the configuration
         if "prepare_args" in accepted and options.get("prepare_args") is None:
             options["prepare_args"] = training_args_hook(args[0])  # the loader's own, where it names one
-        if "trains_without_trainer" in accepted and options.get("trains_without_trainer") is None:
-            options["trains_without_trainer"] = bool(getattr(args[0].function, WITHOUT_TRAINER_ATTRIBUTE, False))
+        for keyword in TRAINING_DECLARATIONS:  # how the repo trains: the configuration, else the loader's attribute
+            if keyword in accepted and options.get(keyword) is None:
+                options[keyword] = bool(getattr(args[0].function, declaration_names(keyword)[0], False))
         kwargs = {k: v for k, v in options.items() if k in accepted and v is not None}
         declared = args[0].purposes
         if declared is not None and self.purpose not in declared:

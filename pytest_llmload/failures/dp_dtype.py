@@ -121,13 +121,15 @@ def check_trainer_does_not_wrap_placed_model(
     prepare_args: Optional[Callable[[Any, Any], Any]] = None,
     simulated_n_gpu: int = 2,
     trains_without_trainer: bool = False,
+    trains_under_deepspeed: bool = False,
 ) -> None:
     """Seed 003: a train/4-bit/LoRA model from a local bf16 (stage-1) checkpoint, given to a stock Trainer with 2 GPUs, is not wrapped in nn.DataParallel and its first step runs with consistent dtypes; needs bitsandbytes 4-bit (its CPU backend will do)."""
     from pytest_llmload.trainer_guard import observe_trainer
 
-    if trains_without_trainer:
-        not_exercised("check_trainer_does_not_wrap_placed_model", "is declared to train without transformers.Trainer "
-                      "(llmload_trains_without_trainer)", "Trainer's wrap decision")
+    if trains_without_trainer or trains_under_deepspeed:
+        how = ("to train without transformers.Trainer (llmload_trains_without_trainer)" if trains_without_trainer
+               else "to train only under DeepSpeed, one process per GPU (llmload_trains_under_deepspeed)")
+        not_exercised("check_trainer_does_not_wrap_placed_model", f"is declared {how}", "Trainer's wrap decision")
     refusal = four_bit_refusal()
     if refusal is not None:
         import pytest

@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from pytest_llmload.failures.base import Check, KnownFailure
+from pytest_llmload.failures.base import Check, KnownFailure, not_exercised
 from pytest_llmload.failures import contract
 from pytest_llmload.request import LoadRequest
 
@@ -131,7 +131,8 @@ def _fp16_step(model, device: str) -> tuple[str | None, int, bool]:
 
 
 def check_fp16_train_request_keeps_fp32_master_weights(loader: Loader, checkpoint, workdir, *, device: str = "cpu",
-                                                       variants: Iterable[bool] = LORA_VARIANTS) -> None:
+                                                       variants: Iterable[bool] = LORA_VARIANTS,
+                                                       trains_under_deepspeed: bool = False) -> None:
     """Guards fp16-unscale: a dtype="float16" train request (+/- LoRA) gives float32 trainable weights; one fp16 GradScaler step runs.
 
     For each LoRA switch in ``variants`` (default: without and with LoRA), the loader gets
@@ -143,6 +144,9 @@ def check_fp16_train_request_keeps_fp32_master_weights(loader: Loader, checkpoin
     computes in float16) or upcast what they train pass. A loader's own error propagates as it is."""
     import torch
 
+    if trains_under_deepspeed:  # DeepSpeed's fp16 optimizer keeps its own float32 master weights: no GradScaler
+        not_exercised("check_fp16_train_request_keeps_fp32_master_weights", "is declared to train only under "
+                      "DeepSpeed (llmload_trains_under_deepspeed)", "a torch GradScaler step")
     failures, passed, untrainable = [], [], []
     for lora in variants:
         label = f"dtype=float16, lora={lora}"

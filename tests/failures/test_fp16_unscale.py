@@ -355,3 +355,18 @@ def test_gpu_trainer_fp16_raises_the_reports_error_and_the_check_on_cuda(llmload
     with pytest.raises(AssertionError, match="on cuda:0"):
         CHECK(before_fp16_unscale.load, llmload_checkpoint, tmp_path / "before", device="cuda:0")
     CHECK(reference_with_the_fix, llmload_checkpoint, tmp_path / "fixed", device="cuda:0")
+
+
+def test_a_repo_that_trains_only_under_deepspeed_says_so_and_the_check_is_not_exercised(llmload_checkpoint, tmp_path):
+    """DeepSpeed's fp16 optimizer keeps its own float32 master weights: no torch GradScaler ever sees a float16
+    parameter (OpenRLHF's case in the corpus)."""
+    from pytest_llmload.failures import REGISTRY
+    from pytest_llmload.reference_loader import load_model_and_tokenizer
+
+    def under_deepspeed(request):
+        return load_model_and_tokenizer(request)
+
+    under_deepspeed.llmload_trains_under_deepspeed = True
+    (check,) = [c for c in REGISTRY if c.name == "check_fp16_train_request_keeps_fp32_master_weights"]
+    with pytest.raises(pytest.skip.Exception, match=r"not exercised: .*declared to train only under DeepSpeed"):
+        check(under_deepspeed, llmload_checkpoint, tmp_path)
