@@ -126,14 +126,15 @@ class AdapterBudgetError(ValueError):
 
 def write_adapter(checkpoint, dest, *, seed: int = 0, r: int = 8, lora_alpha: int = 32,
                   targets: tuple[str, ...] = LORA_TARGETS) -> Path:
-    """Save a LoRA adapter for ``checkpoint`` to ``dest`` (``get_peft_model(...).save_pretrained(dest)``).
+    """Save a LoRA adapter for ``checkpoint`` to ``dest`` (``get_peft_model(...).save_pretrained(dest)``), with the
+    checkpoint's tokenizer beside it.
 
     Its weights are random, not zero (``init_lora_weights=False``): they stand in for a trained adapter, and
     what matters is that the adapter changes what the model generates (a fresh LoRA's ``B`` is zero and would
     change nothing). Same ``seed``, same adapter. Returns ``dest``."""
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dest = Path(dest)
     base = AutoModelForCausalLM.from_pretrained(checkpoint, local_files_only=True)
@@ -143,6 +144,8 @@ def write_adapter(checkpoint, dest, *, seed: int = 0, r: int = 8, lora_alpha: in
                                                 target_modules=list(targets), init_lora_weights=False,
                                                 task_type="CAUSAL_LM"))
     model.save_pretrained(dest)
+    # As real projects find a trained adapter: its tokenizer beside it (inference scripts often load it from there).
+    AutoTokenizer.from_pretrained(checkpoint, local_files_only=True).save_pretrained(dest)
     return dest
 
 

@@ -184,12 +184,9 @@ def check_fp16_train_request_keeps_fp32_master_weights(loader: Loader, checkpoin
             "keep them float32, e.g. pytest_llmload.failures.fp16_unscale.upcast_trainable_parameters):\n  "
             + "\n  ".join(failures))
     if untrainable:
-        import pytest
-
-        ran = f"; passed: {'; '.join(passed)}" if passed else ""
-        pytest.skip(f"check_fp16_train_request_keeps_fp32_master_weights: the loader returned a model with no "
-                    f"trainable parameter ({'; '.join(untrainable)}); no fp16 mixed-precision step was exercised "
-                    f"for it{ran}")
+        ran = f" (passed: {'; '.join(passed)})" if passed else ""
+        not_exercised("check_fp16_train_request_keeps_fp32_master_weights", f"returned a model with no trainable "
+                      f"parameter ({'; '.join(untrainable)}){ran}", "an fp16 mixed-precision step")
 
 
 # Isolated, like every check that calls the loader in this process (a hang is killed with the child).

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pytest_llmload.failures.base import Check, KnownFailure
+from pytest_llmload.failures.base import Check, KnownFailure, not_exercised
 from pytest_llmload.failures import contract
 from pytest_llmload.loading import LoaderError, LoaderModelError
 from pytest_llmload.request import LoadRequest
@@ -320,7 +320,7 @@ def check_quantized_request_keeps_dtype(loader: Loader, checkpoint, workdir, *, 
             + "\n  ".join(failures) + unexercised
         )
     if not exercised:
-        pytest.skip("check_quantized_request_keeps_dtype: no quantized load exercised; " + "; ".join(not_run))
+        not_exercised("check_quantized_request_keeps_dtype", "; ".join(not_run), "a quantized load")
     for line in not_run:
         logger.info("check_quantized_request_keeps_dtype: not exercised: %s", line)
 

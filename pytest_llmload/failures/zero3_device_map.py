@@ -48,7 +48,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pytest_llmload.failures.base import Check, KnownFailure
+from pytest_llmload.failures.base import Check, KnownFailure, not_exercised
 from pytest_llmload.failures.distributed_device_map import (
     DEEPSPEED_CONFIG,
     LEARNING_RATE,
@@ -150,11 +150,9 @@ def check_zero3_load(
     unpartitioned = [(rank, r) for rank, r in enumerate(results) if r["ds_params"] == 0]
     if unpartitioned:
         rank, r = unpartitioned[0]
-        pytest.skip(
-            f"check_zero3_load: the loader built the model outside ZeRO-3's zero.Init (rank {rank}: none of its "
-            f"{r['params']} parameters has a ds_id; is_deepspeed_zero3_enabled() was {r['zero3_after']} after the "
-            f"load); from_pretrained did not run under ZeRO-3, so its device_map decision there was not exercised"
-        )
+        not_exercised("check_zero3_load", f"built the model outside ZeRO-3's zero.Init (rank {rank}: none of its "
+                      f"{r['params']} parameters has a ds_id; is_deepspeed_zero3_enabled() was {r['zero3_after']} "
+                      "after the load)", "from_pretrained's device_map decision under ZeRO-3")
     problems = judge_step(results, after="the loss after the step")
     if problems:
         raise LoaderFailedOnRank(

@@ -468,3 +468,14 @@ def test_signatures_keep_apart_from_the_other_catalog_entries(llmload_checkpoint
         # is move-offloaded's context-free signature: that entry names it too.
         overlap = ["move-offloaded"] if ACCELERATE_REFUSAL in text and transformers_load_adapter_redispatches() else []
         assert [f.id for f in others if f.matches(text)] == overlap
+
+
+def test_the_adapter_is_saved_as_projects_find_one_with_its_tokenizer(llmload_checkpoint, tmp_path):
+    """Inference scripts often load the tokenizer from the adapter's directory (issue 25, class 8)."""
+    from transformers import AutoTokenizer
+
+    from pytest_llmload.failures.adapter_on_offloaded import write_adapter
+
+    adapter = write_adapter(llmload_checkpoint, tmp_path / "adapter")
+    assert (adapter / "adapter_config.json").is_file() and (adapter / "adapter_model.safetensors").is_file()
+    assert AutoTokenizer.from_pretrained(adapter, local_files_only=True)("hello")["input_ids"]

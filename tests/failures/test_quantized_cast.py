@@ -262,7 +262,7 @@ def test_check_skips_when_the_loader_ignores_the_quantization_request(llmload_ch
     with pytest.raises(pytest.skip.Exception) as excinfo:
         quantized_cast.check_quantized_request_keeps_dtype(ignores_quantization, llmload_checkpoint, tmp_path)
     reason = str(excinfo.value)
-    assert reason.startswith("check_quantized_request_keeps_dtype: no quantized load exercised; ")
+    assert reason.startswith("not exercised: check_quantized_request_keeps_dtype: the loader [4bit, float16] ")
     assert (f"[4bit, float16] the loader returned no bitsandbytes Linear4bit layer ({QUANTIZED + 1} plain "
             "torch.nn.Linear): it ignored the 4bit request") in reason
 
