@@ -108,8 +108,6 @@ def check_zero3_load(
     timeout: float = 120.0,
 ) -> None:
     """Guards zero3-device-map: on 2 ranks under an accelerate ZeRO-3 plugin a train load passes no device_map and trains."""
-    import pytest
-
     from pytest_llmload import gpus
 
     backend = "nccl" if device.startswith("cuda") else "gloo"
