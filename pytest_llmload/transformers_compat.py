@@ -27,3 +27,55 @@ def enable_gradient_checkpointing(model: Any, *, use_reentrant: Optional[bool] =
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
+
+
+# --- planning a placement (pytest_llmload.prediction.planner) ----------------------------------------------
+# transformers decides where each module goes in a private helper, `_get_device_map`: in
+# transformers.integrations.accelerate from 5.x (model, device_map, max_memory, hf_quantizer), in
+# transformers.modeling_utils before (also dtype and keep_in_fp32_regex). The planner calls it, so a prediction
+# is what from_pretrained itself would decide.
+
+
+def get_device_map(model: Any, device_map: Any, max_memory: Optional[dict], hf_quantizer: Any, dtype: Any) -> dict:
+    """``from_pretrained``'s own placement of ``model`` (built empty, in ``dtype``) for ``device_map`` and
+    ``max_memory``, through the installed transformers' helper."""
+    try:
+        from transformers.integrations.accelerate import _get_device_map
+
+        return _get_device_map(model, device_map, max_memory, hf_quantizer)
+    except ImportError:
+        import re
+
+        from transformers.modeling_utils import _get_device_map
+
+        keep = getattr(model, "_keep_in_fp32_modules", None) or []
+        regex = re.compile("|".join(re.escape(m) for m in keep)) if keep else None
+        return _get_device_map(model, device_map, max_memory, hf_quantizer, dtype, regex)
+
+
+def module_sizes(model: Any, hf_quantizer: Any, dtype: Any) -> dict:
+    """Bytes of each module of ``model`` as the placement counts them (quantized parameters at their packed size)."""
+    try:
+        from transformers.integrations.accelerate import compute_module_sizes
+
+        return dict(compute_module_sizes(model, hf_quantizer)[0])
+    except ImportError:
+        from accelerate.utils import compute_module_sizes
+
+        special = hf_quantizer.get_special_dtypes_update(model, dtype) if hf_quantizer is not None else None
+        target = hf_quantizer.adjust_target_dtype(dtype) if hf_quantizer is not None else dtype
+        return dict(compute_module_sizes(model, dtype=target, special_dtypes=special))
+
+
+def quantize_empty_model(model: Any, hf_quantizer: Any, dtype: Any, device_map: Any) -> None:
+    """Replace ``model``'s layers with the quantizer's own (bitsandbytes ``Linear4bit``/``Linear8bitLt``), on meta,
+    as ``from_pretrained`` does before it loads weights."""
+    import inspect
+
+    accepted = inspect.signature(hf_quantizer.preprocess_model).parameters
+    kwargs = {"model": model, "device_map": device_map}
+    if "dtype" in accepted:
+        kwargs["dtype"] = dtype
+    if "keep_in_fp32_modules" in accepted:
+        kwargs["keep_in_fp32_modules"] = getattr(model, "_keep_in_fp32_modules", None) or []
+    hf_quantizer.preprocess_model(**kwargs)

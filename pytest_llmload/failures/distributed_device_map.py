@@ -392,51 +392,27 @@ def _placement(calls: list) -> dict:
 
 def _plan_on_gpus(checkpoint: str, placement: dict, request: LoadRequest) -> Optional[dict]:
     """Where ``from_pretrained(device_map=..., max_memory=...)`` would put the model on a runner with
-    :data:`SIMULATED_GPUS` GPUs, by accelerate's own planner on an empty-weights copy; ``None`` when the placement
-    does not spread (no device_map, one device) or cannot be planned here."""
+    :data:`SIMULATED_GPUS` GPUs, by transformers' own planner on an empty-weights copy
+    (:mod:`pytest_llmload.prediction.planner`); ``None`` when the placement does not spread (no device_map, one
+    device) or cannot be planned here."""
+    from pytest_llmload.prediction import architectures, planner
+
     device_map = placement.get("device_map")
     if device_map is None:
         return None
     if isinstance(device_map, dict):
         return {name: str(where) for name, where in device_map.items()}
-    if not isinstance(device_map, str) or device_map not in ("auto", "balanced", "balanced_low_0", "sequential"):
+    if not isinstance(device_map, str) or device_map not in planner.STRATEGIES:
         return None  # a single device ("cpu", "cuda:0", ...)
     try:
-        from accelerate import init_empty_weights, infer_auto_device_map
-        from accelerate.utils import get_balanced_memory
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        with init_empty_weights():
-            empty = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint))
-        no_split = getattr(empty, "_no_split_modules", None) or []
+        empty = architectures.empty_model(architectures.load_config(checkpoint), request.torch_dtype)
         budget = placement.get("max_memory")
         gpus = {i: SIMULATED_GPU_BYTES for i in range(SIMULATED_GPUS)}
         max_memory = {**gpus, "cpu": 2**40} if budget is None else {**gpus, **budget} if not any(
             isinstance(k, int) for k in budget) else dict(budget)
-        if device_map != "sequential":
-            try:
-                max_memory = get_balanced_memory(empty, max_memory=max_memory, no_split_module_classes=no_split,
-                                                 dtype=request.torch_dtype, low_zero=device_map == "balanced_low_0")
-            except RuntimeError:  # accelerate < 1.15 resolves torch.device(0), which fails without accelerators
-                max_memory = _balanced_by_hand(empty, max_memory, no_split, request.torch_dtype)
-        planned = infer_auto_device_map(empty, max_memory=max_memory, no_split_module_classes=no_split,
-                                        dtype=request.torch_dtype)
+        return planner.plan(empty, device_map, max_memory, dtype=request.torch_dtype)
     except Exception:  # noqa: BLE001 - a placement accelerate cannot plan here: no verdict from planning
         return None
-    return {name: str(where) for name, where in planned.items()}
-
-
-def _balanced_by_hand(empty, max_memory: dict, no_split: list, dtype) -> dict:
-    """What accelerate's ``get_balanced_memory`` gives (the weights shared out over the GPUs, plus the largest
-    unsplittable block as headroom), for accelerate versions whose own cannot run without accelerators."""
-    from accelerate.utils import compute_module_sizes
-
-    sizes = compute_module_sizes(empty, dtype=dtype)
-    blocks = [sizes[name] for name, module in empty.named_modules() if type(module).__name__ in no_split]
-    gpus = [key for key in max_memory if isinstance(key, int)]
-    share = sizes[""] // max(len(gpus), 1) + max(blocks, default=0)
-    return {key: (min(share, value) if isinstance(key, int) and key != gpus[-1] else value)
-            for key, value in max_memory.items()}
 
 
 # Not isolated: its work already runs in ranks it forks (deadline, stacks, exit codes included), and the

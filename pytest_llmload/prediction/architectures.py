@@ -1,0 +1,77 @@
+"""Real architectures at full size, without weights: the public ``config.json`` of each shipped model, or any local
+``config.json``, built on the meta device (``init_empty_weights``): nothing is downloaded, nothing allocated.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional, Union
+
+SHIPPED = Path(__file__).parent / "architectures"
+
+
+class ArchitectureError(ValueError):
+    """A model name that is not shipped, or a config that cannot be read; the message says what to do."""
+
+
+def shipped_names() -> list[str]:
+    return sorted(p.stem for p in SHIPPED.glob("*.json"))
+
+
+def load_config(name_or_path: Union[str, Path], *, source: str = "--model") -> dict:
+    """The config of a shipped architecture by name (``llama-3-70b``), or of a local ``config.json`` (or the
+    directory holding one); keys starting with ``_`` (the shipped ones' source notes) are left out."""
+    text = str(name_or_path)
+    path = Path(text)
+    if path.is_dir():
+        path = path / "config.json"
+    elif not text.endswith(".json"):
+        path = SHIPPED / f"{text}.json"
+    if not path.is_file():
+        raise ArchitectureError(f"{source} {text!r} is neither a shipped architecture ({', '.join(shipped_names())}) "
+                                "nor a config.json (or a directory holding one); pass one of those.")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(config, dict) or "model_type" not in config:
+            raise ValueError("it has no model_type")
+    except ValueError as exc:
+        raise ArchitectureError(f"{source} {text!r}: {path} is not a transformers config ({exc}).") from None
+    return {k: v for k, v in config.items() if not k.startswith("_")}
+
+
+def empty_model(config: dict, dtype: Any, *, quantizer: Any = None, device_map: Any = None) -> Any:
+    """The model of ``config`` built on meta in ``dtype`` (tied weights tied, as from_pretrained leaves them), its
+    layers replaced by the quantizer's own where ``quantizer`` (a transformers ``HfQuantizer``) is given."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pytest_llmload.transformers_compat import quantize_empty_model
+
+    fields = dict(config)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**fields), dtype=dtype)
+    model.tie_weights()
+    if quantizer is not None:
+        quantize_empty_model(model, quantizer, dtype, device_map)
+    return model
+
+
+def write_checkpoint_dir(config: dict, dest: Path) -> Path:
+    """A directory a loader can be pointed at: the config and a locally built tokenizer, no weights (the loader's
+    ``from_pretrained`` is intercepted before it reads any)."""
+    from pytest_llmload.tiny_models import build_tokenizer
+
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
+    build_tokenizer(min(int(config.get("vocab_size", 512)), 512)).save_pretrained(dest)
+    return dest
+
+
+def parameter_count(model: Any) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def describe(config: dict, name: Optional[str] = None) -> str:
+    layers = config.get("num_hidden_layers", "?")
+    return f"{name or config.get('model_type')} ({config.get('model_type')}, {layers} layers)"
