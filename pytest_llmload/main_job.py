@@ -32,7 +32,7 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 HEARTBEAT_SECONDS = 10.0
 # After passing a signal on, how long pytest gets to stop and clean up before its process group is killed.
 STOP_GRACE_S = 10.0
-FAILED_OUTCOMES = ("failed", "error", "xpassed")
+FAILED_OUTCOMES = ("failed", "predicted", "error", "xpassed")
 WAIT_AFTER_HANG = "--wait-after-hang"
 
 
@@ -60,13 +60,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", metavar="PATH", dest="json_path",
                         help="also write the results to PATH: one object per check (check, outcome, failure, "
                         "reason, seconds, detail)")
+    parser.add_argument("--runner", metavar="PROFILE[,PROFILE]",
+                        help="also predict each scenario on these runner profiles (shipped names, or profile .json "
+                        "files): rows marked PREDICTED say what the loader would do there")
+    parser.add_argument("--model", metavar="NAME|CONFIG",
+                        help="the architecture the predictions load at full size, without weights (default llama-3-8b)")
+    parser.add_argument("--list-runners", action="store_true", help="list the shipped runner profiles, then exit")
+    parser.add_argument("--list-models", action="store_true", help="list the shipped architectures, then exit")
     parser.add_argument("pytest_args", nargs="*", help=argparse.SUPPRESS)
     return parser
 
 
 def pytest_command(loader: Optional[str], keyword: Optional[str], progress: Path, extra: list[str],
-                   strict: bool = False, wait_after_hang: bool = False) -> list[str]:
-    from pytest_llmload.surface import WAIT_OPTION
+                   strict: bool = False, wait_after_hang: bool = False, runner: Optional[str] = None,
+                   model: Optional[str] = None) -> list[str]:
+    from pytest_llmload.surface import MODEL_OPTION, RUNNER_OPTION, WAIT_OPTION
 
     # (no:hypothesispytest: its plugin imports all of hypothesis at the end of a run, a second for nothing here)
     # (pytest_llmload.suite's __main__: pytest, without the interpreter's 2 s teardown of the stack)
@@ -79,6 +87,10 @@ def pytest_command(loader: Optional[str], keyword: Optional[str], progress: Path
         argv.append(WAIT_OPTION)
     if loader:
         argv += [OPTION, loader]
+    if runner:
+        argv += [RUNNER_OPTION, runner]
+    if model:
+        argv += [MODEL_OPTION, model]
     if keyword:
         argv += ["-k", keyword]
     return argv + extra
@@ -98,8 +110,9 @@ def _row(done: int, total: int, record: dict) -> str:
 
 
 def _shown(outcome: str) -> str:
-    """The result column: passed, FAILED (the check saw its failure), error (the loader's own error), skipped."""
-    return outcome.upper() if outcome in ("failed", "xpassed") else outcome
+    """The result column: passed, FAILED (the check saw its failure), PREDICTED (a runner profile would hit one),
+    error (the loader's own error), skipped."""
+    return outcome.upper() if outcome in ("failed", "predicted", "xpassed") else outcome
 
 
 def _summary(record: dict) -> str:
@@ -112,6 +125,25 @@ def _failed_fast(record: dict) -> bool:
     from pytest_llmload.hung_loader import FAILED_FAST
 
     return record["outcome"] == "error" and _summary(record).startswith(FAILED_FAST)
+
+
+def _check_prediction_args(args: argparse.Namespace) -> None:
+    """``--runner``/``--model``: names and files read here, so that a typo is a usage error before pytest starts."""
+    if args.model and not args.runner:
+        raise UsageError(f"--model {args.model!r} names the architecture of the predictions, which run for a runner "
+                         "profile: add --runner (e.g. --runner 8xH100-80GB); --list-runners lists them.")
+    if not args.runner:
+        return
+    from pytest_llmload.prediction import architectures, profiles
+
+    try:
+        for name in (n.strip() for n in args.runner.split(",")):
+            if not name:
+                raise UsageError(f"--runner {args.runner!r} has an empty name; give profiles as NAME[,NAME].")
+            profiles.load_profile(name)
+        architectures.load_config(args.model or "llama-3-8b")
+    except (profiles.ProfileError, architectures.ArchitectureError) as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _check_output_path(path: str, option: str) -> None:
@@ -175,7 +207,7 @@ class MainJob:
     def start(self) -> None:
         args = self.args
         command = pytest_command(args.loader, args.keyword, self.progress, args.pytest_args, strict=args.strict,
-                                 wait_after_hang=args.wait_after_hang)
+                                 wait_after_hang=args.wait_after_hang, runner=args.runner, model=args.model)
         from pytest_llmload.runners.lifeline import PARENT_ENV, PARENT_WORKDIR_ENV
 
         # The child ends with this process (lifeline), and removes this temp dir if this process dies first. Its
@@ -266,6 +298,16 @@ class MainJob:
 def run(argv: Optional[list[str]] = None, out=None) -> int:
     out = out or sys.stdout
     args = build_parser().parse_args(argv)
+    if args.list_runners or args.list_models:
+        from pytest_llmload.prediction import architectures, profiles
+
+        if args.list_runners:
+            for name in profiles.shipped_names():
+                print(profiles.load_profile(name).describe(), file=out)
+        if args.list_models:
+            for name in architectures.shipped_names():
+                print(architectures.describe(architectures.load_config(name), name), file=out)
+        return EXIT_OK
     if args.list:
         from pytest_llmload.conformance import describe_checks
 
@@ -276,6 +318,7 @@ def run(argv: Optional[list[str]] = None, out=None) -> int:
         # A bad --loader or $PYTEST_LLMLOAD_LOADER is a usage error before any pytest starts; the ini key is read
         # by the child, which reports the loader it really runs.
         choose_loader(args.loader, os.environ, None)
+        _check_prediction_args(args)
         for path, option in ((args.log, "--log"), (args.json_path, "--json")):
             if path:
                 _check_output_path(path, option)
@@ -348,11 +391,11 @@ def _report(job: MainJob, code: int) -> tuple[int, bool]:
     fast = [r for r in failed if _failed_fast(r)]
     for record in failed:
         if record not in fast:
-            label = "ERROR" if record["outcome"] == "error" else "FAILED"
+            label = {"error": "ERROR", "predicted": "PREDICTED"}.get(record["outcome"], "FAILED")
             text = _in_main_job_terms(_summary(record)).replace("\n", "\n    ")
             print(f"{label} {record['check']}: {text}", file=out)
-            failure = _failure_of(record["check"]) if record["outcome"] == "failed" else None
-            if failure is not None and record.get("failure"):  # what to do about it, where the mechanism was seen
+            failure = _failure_of(record["check"]) if record["outcome"] in ("failed", "predicted") else None
+            if failure is not None and record.get("failure") == failure.id:  # what to do, where the mechanism shows
                 print(f"    fix ({failure.id}): {_in_main_job_terms(failure.fix)}", file=out)
     if fast:
         names = ", ".join(r["check"] for r in fast)
@@ -392,7 +435,7 @@ def json_records(results: list[dict]) -> list[dict]:
     records = []
     for record in results:
         outcome = record["outcome"]
-        failure = record.get("failure") if outcome == "failed" else None
+        failure = record.get("failure") if outcome in ("failed", "predicted") else None
         detail = _in_main_job_terms(_summary(record)) if outcome in FAILED_OUTCOMES else record["reason"]
         records.append({"check": record["check"], "outcome": outcome, "failure": failure,
                         "cause": record.get("cause"), "note": record.get("note"), "reason": record["reason"],
@@ -409,4 +452,9 @@ def _failure_of(check: str):
     """The known failure a check guards against, ``None`` for a name that is not a shipped check."""
     from pytest_llmload.failures import REGISTRY
 
-    return next((c.failure for c in REGISTRY if c.name == check), None)
+    found = next((c.failure for c in REGISTRY if c.name == check), None)
+    if found is None and check.startswith("predict_"):  # a prediction row: predict_<scenario>@<runner>
+        from pytest_llmload.prediction.predict import scenarios
+
+        found = next((s.failure for s in scenarios() if s.name == check.split("@")[0]), None)
+    return found

@@ -74,6 +74,16 @@ def _safetensors_header(path: Path) -> dict:
         return json.loads(f.read(length))
 
 
+def model_tensors(model) -> list[TensorInfo]:
+    """Every parameter of ``model`` (built empty, on meta, in its dtype) as :class:`TensorInfo`: what a full-size
+    architecture without weights gives the estimates in place of a checkpoint's headers."""
+    return [TensorInfo(name, tuple(p.shape), p.numel() * p.element_size()) for name, p in model.named_parameters()]
+
+
+def _tensors(request: LoadRequest, tensors: Optional[list[TensorInfo]]) -> list[TensorInfo]:
+    return list(tensors) if tensors is not None else checkpoint_tensors(request.model_path)
+
+
 def checkpoint_tensors(checkpoint: Union[str, os.PathLike]) -> list[TensorInfo]:
     """Every tensor of a safetensors checkpoint (sharded or not), from the file headers only."""
     checkpoint = Path(checkpoint)
@@ -249,6 +259,7 @@ def estimate_training_memory(
     lora_rank: int = DEFAULT_LORA_RANK,
     lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS,
     attention: str = "sdpa",
+    tensors: Optional[list[TensorInfo]] = None,
 ) -> MemoryEstimate:
     """Estimate what training ``request`` needs on its device: weights (by dtype and quantization), LoRA
     adapters (fp32, as peft keeps them), gradients, AdamW state (two moments per trainable parameter, in its
@@ -259,12 +270,13 @@ def estimate_training_memory(
 
     The rows add up to the peak of a training step after the first (the optimizer state exists then); the
     gradients of a full fine-tune fill in as activations are freed, so there the sum is above the peak.
-    Not counted: allocator slack, the CUDA context, temporaries inside one op.
+    Not counted: allocator slack, the CUDA context, temporaries inside one op. ``tensors`` (:func:`model_tensors`
+    of a model built empty) stands in for the checkpoint's safetensors headers.
     """
     if attention not in ("sdpa", "eager"):
         raise ValueError(f"attention={attention!r}; expected 'sdpa' or 'eager'.")
     config = json.loads((Path(request.model_path) / "config.json").read_text())
-    tensors = checkpoint_tensors(request.model_path)
+    tensors = _tensors(request, tensors)
     shape = _Shape.from_config(config)
     dbytes = DTYPE_BYTES[request.dtype]
 
@@ -300,6 +312,7 @@ def estimate_inference_memory(
     batch_size: int = 1,
     prompt_len: Optional[int] = None,
     new_tokens: int = 0,
+    tensors: Optional[list[TensorInfo]] = None,
 ) -> MemoryEstimate:
     """Estimate what loading ``request`` and generating with it needs: weights (by dtype and quantization),
     the KV cache for ``prompt_len + new_tokens`` positions, and the largest transient of the prefill (one
@@ -310,7 +323,7 @@ def estimate_inference_memory(
         >>> print(estimate_inference_memory(LoadRequest(ckpt), prompt_len=64, new_tokens=32).table("24GB"))  # doctest: +SKIP
     """
     config = json.loads((Path(request.model_path) / "config.json").read_text())
-    tensors = checkpoint_tensors(request.model_path)
+    tensors = _tensors(request, tensors)
     m = _Shape.from_config(config)
     p = DTYPE_BYTES[request.dtype]
     s = prompt_len if prompt_len is not None else min(DEFAULT_SEQ_LEN, m.context)

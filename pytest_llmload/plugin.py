@@ -36,7 +36,7 @@ from pytest_llmload.fixtures import (  # noqa: F401  (pytest discovers fixtures 
     llmload_tokenizer,
     lora_model,
 )
-from pytest_llmload.keys import declared_key, hook_choice_key, loader_choice_key
+from pytest_llmload.keys import declared_key, hook_choice_key, loader_choice_key, prediction_key
 
 # The sub-plugins, by module name: their hooks only (every option, ini key and marker is declared here).
 SUB_PLUGINS = (
@@ -74,6 +74,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                         help=surface.declaration_help(keyword))
         parser.addini(ini, help=surface.declaration_help(keyword), type="bool", default=False)
     parser.addini(surface.PURPOSES_INI, help=surface.PURPOSES_HELP, type="linelist", default=[])
+    group.addoption(surface.RUNNER_OPTION, dest="llmload_runner", metavar="PROFILE[,PROFILE]",
+                    help=surface.RUNNER_HELP)
+    parser.addini(surface.RUNNER_INI, help=surface.RUNNER_HELP, default=None)
+    group.addoption(surface.MODEL_OPTION, dest="llmload_model", metavar="NAME|CONFIG", help=surface.MODEL_HELP)
+    parser.addini(surface.MODEL_INI, help=surface.MODEL_HELP, default=None)
     parser.addini(surface.GPU_FIXTURES_INI, help=surface.GPU_FIXTURES_HELP, type="linelist", default=[])
     parser.addini(surface.EXPECTED_FAILURES_INI, type="linelist", default=[], help=surface.EXPECTED_FAILURES_HELP)
     group.addoption("--llmload-progress", dest="llmload_progress", metavar="PATH", help=surface.PROGRESS_FILE_HELP)
@@ -170,6 +175,7 @@ def _read_configuration(config: pytest.Config) -> None:
                 config.getini(surface.EXPECTED_FAILURES_INI), source))
         except pytest.UsageError as exc:
             raise pytest.UsageError(str(exc) if str(exc).startswith(source) else f"{source}: {exc}") from None
+    _read_prediction(config)
     declared = {}
     for keyword in surface.TRAINING_DECLARATIONS:
         _, ini, _ = surface.declaration_names(keyword)
@@ -324,6 +330,34 @@ def pytest_runtest_call(item: pytest.Item):
     finally:
         configured_check_options.reset(tokens[0])
         check_notes.reset(tokens[1])
+
+
+def _read_prediction(config: pytest.Config) -> None:
+    """The runner profiles and the architecture of ``--llmload-runner``/``--llmload-model`` (or their ini keys),
+    read at configure: a bad name or file is one usage error."""
+    option, ini = config.getoption("llmload_runner"), config.getini(surface.RUNNER_INI)
+    runners = option if option is not None else ini
+    if not runners:
+        return
+    source = surface.RUNNER_OPTION if option is not None else f"ini '{surface.RUNNER_INI}'"
+    model_option, model_ini = config.getoption("llmload_model"), config.getini(surface.MODEL_INI)
+    model = model_option or model_ini or "llama-3-8b"
+    model_source = surface.MODEL_OPTION if model_option else f"ini '{surface.MODEL_INI}'"
+    from pytest_llmload.prediction import architectures, profiles
+
+    try:
+        loaded = tuple(profiles.load_profile(name.strip(), source=source) for name in runners.split(",") if name.strip())
+        config.stash[prediction_key] = (loaded, (model, architectures.load_config(model, source=model_source)))
+    except (profiles.ProfileError, architectures.ArchitectureError) as exc:
+        raise pytest.UsageError(str(exc)) from None
+
+
+def pytest_ignore_collect(collection_path, config: pytest.Config):
+    """The predictions' suite module exists for runs that name a runner; elsewhere it is not collected at all."""
+    if collection_path.name == "test_predictions.py" and collection_path.parent.name == "suite" and \
+            prediction_key not in config.stash:
+        return True
+    return None
 
 
 def _check_of(item: pytest.Item):

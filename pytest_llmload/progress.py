@@ -16,7 +16,7 @@ import time
 import pytest
 
 progress_key = pytest.StashKey["ProgressWriter"]()
-_PARAM_ID = re.compile(r"\[(?:[^\]-]*-)?(check_[^\]]+)\]$")
+_PARAM_ID = re.compile(r"\[(?:[^\]-]*-)?((?:check|predict)_[^\]]+)\]$")
 
 
 def check_name(nodeid: str) -> str:

@@ -76,6 +76,21 @@ EXPECTED_FAILURES_HELP = (
 )
 PROGRESS_FILE_HELP = "append one JSON line per test outcome to PATH (used by 'python -m pytest_llmload')."
 
+# --- predictions for runners this machine is not (pytest_llmload.prediction) ------------------------------
+RUNNER_OPTION = "--llmload-runner"
+RUNNER_INI = "llmload_runner"
+RUNNER_HELP = (
+    "predict the checks' scenarios on these runner profiles (comma-separated: shipped names like 8xH100-80GB, or "
+    "paths to profile .json files): the rows say what the loader would do there, marked PREDICTED. "
+    f"Precedence: {RUNNER_OPTION}, then the ini key."
+)
+MODEL_OPTION = "--llmload-model"
+MODEL_INI = "llmload_model"
+MODEL_HELP = (
+    "the architecture the predictions load, at full size without weights: a shipped name (llama-3-70b, ...) or a "
+    f"local config.json. Default llama-3-8b. Precedence: {MODEL_OPTION}, then the ini key."
+)
+
 # --- markers (pytest_llmload.markers, runners.isolated_marker, diagnostics.memory_limit) -------------------
 NEEDS_GPUS_HELP = (
     "needs_gpus(n): skip unless at least n CUDA devices are visible (n a positive int); also marks the test 'gpu'."

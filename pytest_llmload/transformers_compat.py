@@ -79,3 +79,19 @@ def quantize_empty_model(model: Any, hf_quantizer: Any, dtype: Any, device_map: 
     if "keep_in_fp32_modules" in accepted:
         kwargs["keep_in_fp32_modules"] = getattr(model, "_keep_in_fp32_modules", None) or []
     hf_quantizer.preprocess_model(**kwargs)
+
+
+def zero3_device_map_refusal(device_map: Any) -> Optional[str]:
+    """transformers' refusal of ``device_map`` under DeepSpeed ZeRO-3 (which must be enabled), or ``None``: its
+    own ``check_and_set_device_map`` from 5.x; before, the same check inline in ``from_pretrained`` (same text)."""
+    if device_map is None:
+        return None
+    try:
+        from transformers.integrations.accelerate import check_and_set_device_map
+    except ImportError:
+        return "DeepSpeed Zero-3 is not compatible with passing a `device_map`."
+    try:
+        check_and_set_device_map(device_map)
+    except ValueError as refusal:
+        return str(refusal)
+    return None

@@ -27,8 +27,8 @@ _OWN_FRAME = re.compile(r'File "([^"]*pytest_llmload[/\\][^"]+)", line (\d+), in
 
 
 class Verdict(NamedTuple):
-    kind: str  # "failed" (the check saw its failure) or "error" (no verdict on the failure)
-    failure: Optional[str]  # the known failure's id, only with kind "failed"
+    kind: str  # "failed" (the check saw its failure), "predicted" (a runner profile would), or "error"
+    failure: Optional[str]  # the known failure's id (or "OOM" for a prediction), only with "failed" or "predicted"
     cause: str  # mechanism | loader | contract | model | hang | died | check
     sentence: str  # the row's one line
 
@@ -62,6 +62,8 @@ def of_exception(exc: BaseException, failure: Any) -> Optional[Verdict]:
     if _is_timeout(exc):
         in_loader = _LOADER_FRAME.search(str(exc) + "".join(traceback.format_tb(exc.__traceback__))) is not None
         return _hang(failure, in_loader, _first_line(exc))
+    if type(exc).__name__ == "PredictedFailure":  # a prediction for a runner this machine is not: never observed
+        return Verdict("predicted", getattr(exc, "failure", None), "prediction", _head(exc))
     if type(exc) is AssertionError or type(exc).__name__ == "FailureObserved":
         return Verdict("failed", failure.id, "mechanism", _head(exc))
     return _check_broke(exc)

@@ -57,15 +57,34 @@ def empty_model(config: dict, dtype: Any, *, quantizer: Any = None, device_map: 
     return model
 
 
-def write_checkpoint_dir(config: dict, dest: Path) -> Path:
-    """A directory a loader can be pointed at: the config and a locally built tokenizer, no weights (the loader's
-    ``from_pretrained`` is intercepted before it reads any)."""
+def write_checkpoint_dir(config: dict, dest: Path, model: Any = None) -> Path:
+    """A directory a loader can be pointed at: the config, a locally built tokenizer and, for ``model`` (built
+    empty), a safetensors header naming every weight with no data after it (what the memory estimates and budget
+    checks read). Nothing can load weights from it: the loader's ``from_pretrained`` is intercepted first."""
     from pytest_llmload.tiny_models import build_tokenizer
 
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
     build_tokenizer(min(int(config.get("vocab_size", 512)), 512)).save_pretrained(dest)
+    if model is not None:
+        _write_header_only_safetensors(model, dest / "model.safetensors")
     return dest
+
+
+_SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "uint8": "U8", "int8": "I8"}
+
+
+def _write_header_only_safetensors(model: Any, path: Path) -> None:
+    import struct
+
+    header, offset = {}, 0
+    for name, p in model.named_parameters():
+        nbytes = p.numel() * p.element_size()
+        header[name] = {"dtype": _SAFETENSORS_DTYPES.get(str(p.dtype).removeprefix("torch."), "F32"),
+                        "shape": list(p.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob)
 
 
 def parameter_count(model: Any) -> int:

@@ -1,0 +1,475 @@
+"""What the loader under test would do on a runner profile with a full-size architecture: each scenario runs the
+loader as it would run there, stops it at ``from_pretrained`` (nothing is loaded or allocated), plans the placement
+with transformers' own code (:mod:`.planner`), estimates memory (:mod:`pytest_llmload.memory`) and names the known
+failure the runner would hit, or OOM with the figures. Every row is a prediction and says what was simulated.
+
+What the loader sees, as on each rank of that runner: the request in the profile's sizes (``max_memory`` the
+profile's capacities, ``gpu_count`` its GPUs, ``device`` ``cuda:<rank>``), the launcher's environment for the
+distributed scenarios, DeepSpeed ZeRO-3 enabled for the ZeRO-3 one, and ``torch.cuda`` reporting the profile's
+GPUs (``is_available``, ``device_count``, ``mem_get_info``, ``get_device_properties``) while the loader runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+import types
+from pathlib import Path
+from typing import Any, Callable, NamedTuple, Optional
+
+from pytest_llmload.prediction import architectures, planner
+from pytest_llmload.prediction.profiles import RunnerProfile
+from pytest_llmload.request import LoadRequest
+from pytest_llmload.sizes import format_bytes
+
+PREDICTION_PREFIX = "predict_"
+DEFAULT_DTYPE = "bfloat16"  # what runs on these runners use; --llmload-dtype changes it
+
+
+class PredictedFailure(AssertionError):
+    """A scenario predicts that the runner would hit ``failure`` (a catalog id, or ``"OOM"``)."""
+
+    def __init__(self, failure: str, message: str) -> None:
+        super().__init__(message)
+        self.failure = failure
+
+
+class DevicePrediction(NamedTuple):
+    device: str
+    modules: int
+    weights: int  # bytes of weights placed there
+    peak: int  # the scenario's predicted peak there (load, or a training step)
+    capacity: Optional[int]  # None: disk, unbounded here
+
+
+class Prediction(NamedTuple):
+    scenario: str
+    runner: str
+    model: str
+    placement: dict  # {module: device}, from the loader's own from_pretrained arguments
+    devices: tuple[DevicePrediction, ...]
+    asked: dict  # the placement arguments the loader passed (device_map, max_memory, quantization)
+    simulated: tuple[str, ...]
+    failure: Optional[str] = None
+    reason: str = ""
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        """One line: the verdict's reason, then each device's peak against its capacity."""
+        per_device = "; ".join(f"{d.device} {format_bytes(d.peak)}"
+                               + (f" of {format_bytes(d.capacity)}" if d.capacity is not None else "")
+                               for d in self.devices)
+        return self.reason + (f" [{per_device}]" if per_device else "")
+
+    def table(self) -> str:
+        """Per device: the modules, the weights, the predicted peak against the capacity."""
+        lines = [f"PREDICTED {self.scenario} on {self.runner} with {self.model}: "
+                 f"{'would hit ' + self.failure if self.failure else 'nothing known'} ({self.reason})"]
+        for d in self.devices:
+            cap = "unbounded" if d.capacity is None else format_bytes(d.capacity)
+            over = "  OVER" if d.capacity is not None and d.peak > d.capacity else ""
+            lines.append(f"  {d.device:>6}: {d.modules:>4} modules, weights {format_bytes(d.weights):>10}, peak "
+                         f"{format_bytes(d.peak):>10} of {cap}{over}")
+        lines += [f"  simulated: {note}" for note in self.simulated]
+        return "\n".join(lines)
+
+
+class _Intercepted(BaseException):
+    """Raised in place of loading: a BaseException so that a loader's ``except Exception`` does not swallow it."""
+
+
+@contextlib.contextmanager
+def _from_pretrained_intercepted(calls: list):
+    """``from_pretrained`` records its arguments and stops the loader there: nothing is read or allocated."""
+    from transformers import PreTrainedModel
+
+    original = PreTrainedModel.__dict__["from_pretrained"]
+
+    def stop(klass, *args, **kwargs):
+        calls.append({"class": klass.__name__, **kwargs})
+        raise _Intercepted()
+
+    PreTrainedModel.from_pretrained = classmethod(stop)
+    try:
+        yield
+    finally:
+        PreTrainedModel.from_pretrained = original
+
+
+@contextlib.contextmanager
+def _cuda_reports(profile: RunnerProfile):
+    """``torch.cuda`` answers as the runner's would: its GPUs, their total memory, all of it free."""
+    import torch
+
+    props = types.SimpleNamespace(total_memory=profile.device_memory, name=profile.device or "GPU", major=9, minor=0,
+                                  multi_processor_count=132)
+    fakes = {"is_available": lambda: profile.devices > 0, "device_count": lambda: profile.devices,
+             "mem_get_info": lambda device=None: (profile.device_memory, profile.device_memory),
+             "get_device_properties": lambda device=None: props,
+             "get_device_name": lambda device=None: props.name}
+    saved = {name: getattr(torch.cuda, name) for name in fakes}
+    for name, fake in fakes.items():
+        setattr(torch.cuda, name, fake)
+    try:
+        yield
+    finally:
+        for name, real in saved.items():
+            setattr(torch.cuda, name, real)
+
+
+@contextlib.contextmanager
+def _environment(values: dict):
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update({key: str(value) for key, value in values.items()})
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@contextlib.contextmanager
+def _zero3_enabled():
+    """DeepSpeed ZeRO-3 as transformers sees it (``is_deepspeed_zero3_enabled()``), as accelerate sets it up."""
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
+
+    config = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
+    try:
+        yield config
+    finally:
+        unset_hf_deepspeed_config()
+
+
+def launcher_env(rank: int, world_size: int) -> dict:
+    """What torchrun sets in rank ``rank`` of ``world_size`` on one node."""
+    return {"WORLD_SIZE": world_size, "RANK": rank, "LOCAL_RANK": rank, "LOCAL_WORLD_SIZE": world_size,
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": 29500}
+
+
+class Call(NamedTuple):
+    """What the loader passed to ``from_pretrained`` (``None``: it never called it)."""
+
+    kwargs: Optional[dict]
+
+
+def run_loader(loader: Callable, request: LoadRequest, profile: RunnerProfile, *, env: Optional[dict] = None,
+               zero3: bool = False) -> Call:
+    """Run ``loader(request)`` as on the runner, stopped at ``from_pretrained``; the loader's own error propagates
+    as :class:`~pytest_llmload.loading.LoaderError`."""
+    from pytest_llmload.loading import LoaderError
+
+    calls: list = []
+    context = _zero3_enabled() if zero3 else contextlib.nullcontext()
+    with _environment(env or {}), context, _cuda_reports(profile), _from_pretrained_intercepted(calls):
+        try:
+            loader(request)
+        except _Intercepted:
+            pass
+        except LoaderError:
+            raise
+        except Exception as exc:
+            raise LoaderError(exc, getattr(loader, "__qualname__", repr(loader)), request) from exc
+    return Call(calls[0] if calls else None)
+
+
+def _dtype_of(kwargs: dict, request: LoadRequest):
+    import torch
+
+    asked = kwargs.get("dtype", kwargs.get("torch_dtype"))
+    if isinstance(asked, torch.dtype):
+        return asked
+    if isinstance(asked, str) and asked != "auto":
+        return getattr(torch, asked)
+    return request.torch_dtype  # "auto" or none: the checkpoint's, which is what the request names here
+
+
+def _quantizer_of(kwargs: dict):
+    config = kwargs.get("quantization_config")
+    if config is None and (kwargs.get("load_in_4bit") or kwargs.get("load_in_8bit")):
+        from transformers import BitsAndBytesConfig
+
+        config = BitsAndBytesConfig(load_in_4bit=bool(kwargs.get("load_in_4bit")),
+                                    load_in_8bit=bool(kwargs.get("load_in_8bit")))
+    if config is None:
+        return None
+    from transformers.quantizers import AutoHfQuantizer
+
+    return AutoHfQuantizer.from_config(config, pre_quantized=False)
+
+
+_EMPTY_MODELS: dict = {}
+
+
+def place(config: dict, kwargs: dict, request: LoadRequest, profile: RunnerProfile) -> tuple[Any, dict, Any, Any]:
+    """The empty model and the map from_pretrained would give it on ``profile`` for the loader's ``kwargs``."""
+    dtype = _dtype_of(kwargs, request)
+    quantizer = _quantizer_of(kwargs)
+    device_map = kwargs.get("device_map")
+    # Built once per architecture, dtype and quantization (every rank of a launcher plans the same empty model).
+    key = (json.dumps(config, sort_keys=True), str(dtype), repr(kwargs.get("quantization_config")),
+           repr(device_map) if quantizer is not None else None)
+    if key not in _EMPTY_MODELS:
+        _EMPTY_MODELS[key] = architectures.empty_model(config, dtype, quantizer=quantizer, device_map=device_map)
+    model = _EMPTY_MODELS[key]
+    budget = kwargs.get("max_memory")
+    max_memory = dict(budget) if budget is not None else profile.max_memory
+    return model, planner.plan(model, device_map, max_memory, dtype=dtype, hf_quantizer=quantizer), quantizer, dtype
+
+
+def _capacity(profile: RunnerProfile, device: str) -> Optional[int]:
+    if device == "disk":
+        return profile.disk
+    if device == "cpu":
+        return profile.host_memory
+    return profile.device_memory
+
+
+def _device_name(where: str) -> str:
+    return f"cuda:{where}" if where.isdigit() else where
+
+
+def predict_placement(scenario: str, loader: Callable, request: LoadRequest, profile: RunnerProfile,
+                      config: dict, model_name: str, *, env: Optional[dict] = None, zero3: bool = False,
+                      simulated: tuple[str, ...] = (), training: bool = False) -> Prediction:
+    """One rank's load on ``profile``: where each module goes, bytes and peaks per device."""
+    from pytest_llmload.memory import estimate_training_memory, model_tensors
+
+    start = time.perf_counter()
+    call = run_loader(loader, request, profile, env=env, zero3=zero3)
+    notes = (f"torch.cuda reports {profile.devices} GPU(s) of {format_bytes(profile.device_memory)}"
+             if profile.devices else "torch.cuda reports no GPU",) + simulated
+    if call.kwargs is None:
+        return Prediction(scenario, profile.name, model_name, {}, (), {}, notes, None,
+                          "the loader never called from_pretrained: nothing to predict", time.perf_counter() - start)
+    kwargs = call.kwargs
+    asked = {key: kwargs.get(key) for key in ("device_map", "max_memory", "quantization_config", "offload_state_dict")
+             if kwargs.get(key)}
+    refusal = None
+    if zero3:
+        from pytest_llmload.transformers_compat import zero3_device_map_refusal
+
+        refusal = zero3_device_map_refusal(kwargs.get("device_map"))
+    model, device_map, quantizer, dtype = place(config, kwargs, request, profile)
+    shares = planner.shares(model, device_map, dtype=dtype, hf_quantizer=quantizer)
+    total_weights = sum(share.bytes for share in shares.values()) or 1
+    step = None
+    if training:
+        step = estimate_training_memory(request, tensors=model_tensors(model))
+    devices = []
+    for where, share in shares.items():
+        extra = 0 if step is None else int((step.total - step["weights"]) * share.bytes / total_weights)
+        devices.append(DevicePrediction(_device_name(where), len(share.modules), share.bytes, share.bytes + extra,
+                                        _capacity(profile, where)))
+    prediction = Prediction(scenario, profile.name, model_name, device_map, tuple(devices), asked, notes,
+                            seconds=time.perf_counter() - start)
+    if refusal is not None:
+        return prediction._replace(failure="zero3-device-map", reason=f"from_pretrained(device_map="
+                                   f"{kwargs.get('device_map')!r}) under ZeRO-3: transformers raises {refusal!r}")
+    over = [d for d in devices if d.capacity is not None and d.peak > d.capacity]
+    if over:
+        d = over[0]
+        what = "a training step" if training else "the load"
+        return prediction._replace(failure="OOM", reason=f"{what} needs {format_bytes(d.peak)} on {d.device}, which "
+                                   f"has {format_bytes(d.capacity)}")
+    return prediction._replace(reason=f"{len(device_map)} map entr{'y' if len(device_map) == 1 else 'ies'} over "
+                               f"{', '.join(d.device for d in devices)}")
+
+
+def model_dir(config: dict, workdir: Path) -> Path:
+    """The directory the loader is pointed at (written once per workdir): config, tokenizer, the weights' header."""
+    dest = Path(workdir) / "model"
+    if not (dest / "config.json").is_file():
+        import torch
+
+        architectures.write_checkpoint_dir(config, dest, architectures.empty_model(config, getattr(torch, DEFAULT_DTYPE)))
+    return dest
+
+
+# --- the scenarios: one row each, named after the check whose failure it predicts ---------------------------------
+
+
+class Scenario(NamedTuple):
+    """A prediction row: ``function(loader, runner, config, model_name, workdir, checkpoint)`` returns the
+    :class:`Prediction` or raises :class:`PredictedFailure`; ``failure`` the catalog entry it guards against."""
+
+    function: Callable[..., Prediction]
+    failure: Any
+    needs_gpus: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.function.__name__
+
+    @property
+    def summary(self) -> str:
+        return " ".join((self.function.__doc__ or "").strip().split("\n\n")[0].split())
+
+
+def _request(model_path: Path, profile: RunnerProfile, rank: int = 0, **fields) -> LoadRequest:
+    device = f"cuda:{rank}" if profile.devices else "cpu"
+    return LoadRequest(model_path, dtype=fields.pop("dtype", DEFAULT_DTYPE), device=device,
+                       gpu_count=profile.devices, **fields)
+
+
+def _offloaded(prediction: Prediction, profile: RunnerProfile) -> list[str]:
+    tiers = ("cpu", "disk") if profile.devices else ("disk",)
+    return [name for name, where in prediction.placement.items() if where in tiers]
+
+
+def _raise_if(prediction: Prediction) -> Prediction:
+    if prediction.failure is not None:
+        raise PredictedFailure(prediction.failure, prediction.table())
+    return prediction
+
+
+def predict_train_load(loader, profile, config, model_name, workdir, checkpoint=None, *,
+                       max_memory: Optional[dict] = None) -> Prediction:
+    """Predicts meta-backward (002) or OOM: a LoRA train load with gradient checkpointing under the runner's memory.
+
+    ``max_memory``: the budget the run gives the loader (default: the runner's capacities)."""
+    from pytest_llmload.loading import LoaderError
+    from pytest_llmload.scenarios import refusal_problem
+
+    request = _request(model_dir(config, workdir), profile, purpose="train", lora=True, gradient_checkpointing=True,
+                       max_memory=profile.max_memory if max_memory is None else max_memory,
+                       offload_folder=Path(workdir) / "offload")
+    try:
+        prediction = predict_placement("predict_train_load", loader, request, profile, config, model_name,
+                                       training=True)
+    except LoaderError as exc:
+        if refusal_problem(exc.original) is not None:
+            raise
+        return Prediction("predict_train_load", profile.name, model_name, {}, (), {}, (), None,
+                          f"the loader refuses the train load before loading, naming the budget (write-up 002's "
+                          f"fix): {str(exc.original).splitlines()[0][:200]}")
+    offloaded = _offloaded(prediction, profile)
+    if offloaded and prediction.failure is None:
+        prediction = prediction._replace(failure="meta-backward", reason=(
+            f"the model that will be trained is offloaded: {len(offloaded)} module(s) on cpu/disk, e.g. "
+            f"{offloaded[:3]}; backward through them raises 'expected device meta' or trains nothing"))
+    return _raise_if(prediction)
+
+
+def predict_inference_load(loader, profile, config, model_name, workdir, checkpoint=None) -> Prediction:
+    """Predicts offload-hang (000) or OOM: an inference load under the runner's memory, and where it offloads."""
+    from importlib import metadata
+
+    from packaging.version import Version
+
+    request = _request(model_dir(config, workdir), profile, purpose="inference", max_memory=profile.max_memory,
+                       offload_folder=Path(workdir) / "offload")
+    prediction = predict_placement("predict_inference_load", loader, request, profile, config, model_name)
+    honours = Version(metadata.version("transformers")).release < (4, 57)
+    if (prediction.failure is None and _offloaded(prediction, profile) and honours
+            and prediction.asked.get("offload_state_dict", False)):
+        prediction = prediction._replace(failure="offload-hang", reason="offload_state_dict=True with a placement "
+                                         "that offloads, on a transformers that honours it: every cpu-bound weight "
+                                         "round-trips through the system temp dir, silently")
+    return _raise_if(prediction)
+
+
+def _launched(scenario: str, profile, config, model_name, workdir, loader, *, deepspeed: bool, zero3: bool = False):
+    """Every rank of a one-node launcher job: the first rank whose placement the runner would refuse, else rank 0's."""
+    world = max(profile.devices, 1)
+    first = None
+    for rank in range(world):
+        request = _request(model_dir(config, workdir), profile, rank=rank, purpose="train", deepspeed=deepspeed,
+                           zero_stage=3 if zero3 else (2 if deepspeed else None))
+        prediction = predict_placement(
+            scenario, loader, request, profile, config, model_name, env=launcher_env(rank, world), zero3=zero3,
+            simulated=(f"rank {rank} of {world} under torchrun's environment"
+                       + (", DeepSpeed ZeRO-3 enabled" if zero3 else ""),))
+        if deepspeed and prediction.placement == {"": "cpu"} and prediction.failure is None:
+            prediction = _deepspeed_states(prediction, profile, config, request, zero3=zero3, rank=rank)
+        first = first or prediction
+        if prediction.failure is None and not zero3 and planner.spreads(prediction.placement):
+            prediction = prediction._replace(failure="distributed-device-map", reason=(
+                f"rank {rank}'s map spans {sorted(set(prediction.placement.values()))}: accelerate refuses it in "
+                "any distributed mode ('You can't train a model that has been loaded with `device_map='auto'` in "
+                "any distributed mode')"))
+        if prediction.failure is not None:
+            return _raise_if(prediction)
+    return first
+
+
+def _deepspeed_states(prediction: Prediction, profile, config: dict, request: LoadRequest, *, zero3: bool,
+                      rank: int) -> Prediction:
+    """No device_map under DeepSpeed: the engine places the model. Its memory per GPU from DeepSpeed's own estimator
+    of model states (a full fine-tune, no offload), against the runner's GPU."""
+    if not profile.devices:
+        return prediction
+    model = next(m for key, m in _EMPTY_MODELS.items() if key[0] == json.dumps(config, sort_keys=True))
+    total = sum(p.numel() for p in model.parameters())
+    if zero3:
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+        no_split = set(getattr(model, "_no_split_modules", None) or [])
+        largest = max((sum(p.numel() for p in m.parameters()) for m in model.modules() if type(m).__name__ in no_split),
+                      default=total)
+        _, gpu, _ = estimate_zero3_model_states_mem_needs(total, largest, num_gpus_per_node=profile.devices,
+                                                          cpu_offload=False, cpu_offload_params=False)
+        how = "estimate_zero3_model_states_mem_needs"
+    else:
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+        _, gpu = estimate_zero2_model_states_mem_needs(total, num_gpus_per_node=profile.devices, cpu_offload=False)
+        how = "estimate_zero2_model_states_mem_needs"
+    device = DevicePrediction(f"cuda:{rank}", 1, 2 * total // (profile.devices if zero3 else 1), int(gpu),
+                              profile.device_memory)
+    prediction = prediction._replace(devices=(device,), placement={"": f"cuda:{rank}"}, simulated=(
+        prediction.simulated + (f"DeepSpeed places the model (no device_map): its model states per GPU by "
+                                f"DeepSpeed's own {how} ({total / 1e9:.1f} B parameters, full fine-tune, no offload)",)),
+        reason=f"DeepSpeed places the model: {format_bytes(gpu)} of model states per GPU ({how})")
+    if gpu > profile.device_memory:
+        return prediction._replace(failure="OOM", reason=f"DeepSpeed's model states need {format_bytes(gpu)} on "
+                                   f"each GPU, which has {format_bytes(profile.device_memory)}")
+    return prediction
+
+
+def predict_launcher_ddp(loader, profile, config, model_name, workdir, checkpoint=None) -> Prediction:
+    """Predicts distributed-device-map (004): a train load on every rank of a torchrun job over the runner's GPUs."""
+    return _launched("predict_launcher_ddp", profile, config, model_name, workdir, loader, deepspeed=False)
+
+
+def predict_launcher_deepspeed(loader, profile, config, model_name, workdir, checkpoint=None) -> Prediction:
+    """Predicts distributed-device-map (004): a train load on every rank of a DeepSpeed (ZeRO-2) job, write-up 004's."""
+    return _launched("predict_launcher_deepspeed", profile, config, model_name, workdir, loader, deepspeed=True)
+
+
+def predict_zero3(loader, profile, config, model_name, workdir, checkpoint=None) -> Prediction:
+    """Predicts zero3-device-map: a train load on every rank under DeepSpeed ZeRO-3 passes no device_map."""
+    return _launched("predict_zero3", profile, config, model_name, workdir, loader, deepspeed=True, zero3=True)
+
+
+def predict_trainer(loader, profile, config, model_name, workdir, checkpoint=None) -> Prediction:
+    """Predicts dp-dtype (003): Trainer's n_gpu and wrap decision for the loader's 4-bit LoRA model on the runner's GPUs."""
+    from pytest_llmload.failures import BY_ID, REGISTRY
+
+    start = time.perf_counter()
+    note = (f"Trainer's own decision for n_gpu={profile.devices}, made on the tiny checkpoint (it depends on the "
+            "GPU count and the model's placement and quantization, not its size)")
+    (check,) = [c for c in REGISTRY if c.name == "check_trainer_does_not_wrap_placed_model"]
+    try:
+        check(loader, checkpoint, Path(workdir) / "trainer", simulated_n_gpu=profile.devices)
+    except AssertionError as exc:
+        raise PredictedFailure(BY_ID["dp-dtype"].id, f"PREDICTED predict_trainer on {profile.name}: would hit "
+                               f"dp-dtype\n  simulated: {note}\n  {str(exc).splitlines()[0]}") from None
+    return Prediction("predict_trainer", profile.name, model_name, {}, (), {}, (note,), None,
+                      f"Trainer keeps n_gpu=1 for the loader's model on {profile.devices} GPUs",
+                      time.perf_counter() - start)
+
+
+def scenarios() -> tuple[Scenario, ...]:
+    from pytest_llmload.failures import BY_ID
+
+    return (Scenario(predict_inference_load, BY_ID["offload-hang"]),
+            Scenario(predict_train_load, BY_ID["meta-backward"]),
+            Scenario(predict_trainer, BY_ID["dp-dtype"], needs_gpus=2),
+            Scenario(predict_launcher_ddp, BY_ID["distributed-device-map"], needs_gpus=2),
+            Scenario(predict_launcher_deepspeed, BY_ID["distributed-device-map"], needs_gpus=2),
+            Scenario(predict_zero3, BY_ID["zero3-device-map"], needs_gpus=1))

@@ -1,0 +1,26 @@
+"""Predictions for the runner profiles the run names (``--llmload-runner``, ``--llmload-model`` or the ini keys):
+each scenario, as the loader under test would meet it there. Collected only when a runner is named."""
+
+import pytest
+
+from pytest_llmload.keys import prediction_key
+
+
+def pytest_generate_tests(metafunc):
+    if "check" in metafunc.fixturenames:
+        from pytest_llmload.prediction.predict import scenarios
+
+        runners, _ = metafunc.config.stash[prediction_key]
+        metafunc.parametrize(("check", "runner"), [pytest.param(scenario, runner, id=f"{scenario.name}@{runner.name}")
+                                                   for runner in runners for scenario in scenarios()])
+
+
+def test_prediction(check, runner, llmload_loader, llmload_checkpoint, tmp_path, request):
+    from pytest_llmload.failures import contract
+
+    model_name, config = request.config.stash[prediction_key][1]
+    if runner.devices < check.needs_gpus:
+        pytest.skip(f"not applicable: {runner.name} has {runner.devices} GPU(s); {check.name} needs "
+                    f"{check.needs_gpus}")
+    prediction = check.function(llmload_loader, runner, config, model_name, tmp_path, llmload_checkpoint)
+    contract.note(f"PREDICTED: {prediction.summary()}")
