@@ -419,6 +419,8 @@ def summary_table(results: list[dict]) -> list[str]:
             outcome += f" ({record['reason']})"
         elif _failed_fast(record):
             outcome += " (not run: the loader hung before)"
+        elif record["outcome"] == "predicted" and record.get("failure"):
+            outcome += f" {record['failure']}"
         elif record.get("note"):
             outcome += f" ({record['note']})"
         rows.append((record["check"], guards, outcome, f"{record['seconds']:.2f}s"))
