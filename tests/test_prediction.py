@@ -243,3 +243,33 @@ def test_the_main_job_lists_runners_and_models_and_refuses_a_bad_one(capsys):
     assert "--runner '8xH100' is neither a shipped runner profile" in capsys.readouterr().err
     assert main_job.run(["--model", "llama-3-70b"]) == main_job.EXIT_USAGE
     assert "add --runner" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("scenario", "failure"), [
+    ("predict_moved_after_loading", "move-offloaded"),
+    ("predict_adapter_on_offloaded", "adapter-on-offloaded"),
+    ("predict_quantized_cast", "quantized-cast"),
+])
+def test_what_a_before_loader_does_after_loading_is_predicted_on_a_runner_that_offloads(scenario, failure, tmp_path):
+    """A 70B model on a 24 GB card offloads; the before-loaders then move it, put an adapter on it, or cast it."""
+    import importlib
+
+    module = importlib.import_module(f"fixtures.loaders.before_{failure.replace('-', '_')}")
+    profile, config = profiles.load_profile("1x24GB-RTX4090"), architectures.load_config("llama-3-70b")
+    with pytest.raises(predict.PredictedFailure) as caught:
+        getattr(predict, scenario)(module.load, profile, config, "llama-3-70b", tmp_path)
+    assert caught.value.failure == failure, str(caught.value)
+
+
+def test_the_reference_loader_does_nothing_after_loading_that_the_runner_would_refuse(tmp_path):
+    profile, config = profiles.load_profile("1x24GB-RTX4090"), architectures.load_config("llama-3-70b")
+    moved = predict.predict_moved_after_loading(reference, profile, config, "llama-3-70b", tmp_path / "m")
+    assert moved.failure is None and "no move or cast" in moved.reason
+    adapter = predict.predict_adapter_on_offloaded(reference, profile, config, "llama-3-70b", tmp_path / "a")
+    assert adapter.failure is None and "refuses, naming the budget" in adapter.reason
+    # 4-bit 70B does not fit 24 GB: transformers' own check of the planned map refuses it there (not a cast).
+    with pytest.raises(predict.PredictedFailure) as caught:
+        predict.predict_quantized_cast(reference, profile, config, "llama-3-70b", tmp_path / "q")
+    assert caught.value.failure == "OOM" and "Some modules are dispatched on the CPU or the disk" in str(caught.value)
+    assert predict.predict_quantized_cast(reference, profile, architectures.load_config("llama-3-8b"), "llama-3-8b",
+                                          tmp_path / "q8").failure is None

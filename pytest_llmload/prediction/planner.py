@@ -69,5 +69,11 @@ def shares(model: Any, device_map: dict[str, str], *, dtype: Any, hf_quantizer: 
 
 
 def spreads(device_map: dict[str, str]) -> bool:
-    """More than one entry: what accelerate's ``Accelerator.verify_device_map`` refuses in a distributed mode."""
-    return len(device_map) > 1
+    """Whether accelerate refuses a model so placed in a distributed mode: its own ``Accelerator.verify_device_map``
+    (which reads only the modules' ``hf_device_map``: more than one entry), asked about a module carrying the map."""
+    import torch
+    from accelerate import Accelerator
+
+    holder = torch.nn.Module()
+    holder.hf_device_map = dict(device_map)
+    return bool(Accelerator.verify_device_map(None, holder))  # self is unused: no Accelerator (and no state) made

@@ -35,6 +35,9 @@ class PredictedFailure(AssertionError):
         super().__init__(message)
         self.failure = failure
 
+    def __reduce__(self):  # crosses a process boundary (an isolated child) as itself
+        return PredictedFailure, (self.failure, str(self))
+
 
 class DevicePrediction(NamedTuple):
     device: str
@@ -84,15 +87,28 @@ class _Intercepted(BaseException):
     """Raised in place of loading: a BaseException so that a loader's ``except Exception`` does not swallow it."""
 
 
+class _PlacementRefused(BaseException):
+    """from_pretrained's own planning refused the placement on the runner (a quantized model that does not fit the
+    GPUs, say): what the load would raise there. A BaseException, past the loader's ``except Exception``."""
+
+    def __init__(self, refusal: BaseException):
+        super().__init__(refusal)
+        self.refusal = refusal
+
+
 @contextlib.contextmanager
-def _from_pretrained_intercepted(calls: list):
-    """``from_pretrained`` records its arguments and stops the loader there: nothing is read or allocated."""
+def _from_pretrained_intercepted(calls: list, stand_in: Optional[Callable[[dict], Any]] = None):
+    """``from_pretrained`` records its arguments and stops the loader there: nothing is read or allocated. With
+    ``stand_in``, it returns ``stand_in(kwargs)`` instead (an empty model placed as planned), so that what the loader
+    does after loading can be seen."""
     from transformers import PreTrainedModel
 
     original = PreTrainedModel.__dict__["from_pretrained"]
 
     def stop(klass, *args, **kwargs):
         calls.append({"class": klass.__name__, **kwargs})
+        if stand_in is not None:
+            return stand_in(kwargs)
         raise _Intercepted()
 
     PreTrainedModel.from_pretrained = classmethod(stop)
@@ -100,6 +116,63 @@ def _from_pretrained_intercepted(calls: list):
         yield
     finally:
         PreTrainedModel.from_pretrained = original
+
+
+# What a loader may do to the model after loading, recorded on the stand-in instead of done (method: what it asks).
+_MOVES_AND_CASTS = ("to", "cuda", "cpu", "half", "float", "bfloat16")
+
+
+@contextlib.contextmanager
+def _after_loading_recorded(seen: list):
+    """Moves, casts and adapters the loader applies to the stand-in, recorded (and skipped: the stand-in is on
+    meta). peft's ``PeftModel.from_pretrained`` and ``load_adapter`` return the model as it is."""
+    import torch
+    from transformers import PreTrainedModel
+
+    saved = {name: PreTrainedModel.__dict__.get(name) for name in (*_MOVES_AND_CASTS, "load_adapter")}
+
+    def recorder(name):
+        def record(self, *args, **kwargs):
+            dtype = next((a for a in (*args, kwargs.get("dtype")) if isinstance(a, torch.dtype)), None)
+            seen.append((name, dtype, args, kwargs))
+            return self
+        return record
+
+    for name in saved:
+        setattr(PreTrainedModel, name, recorder(name))
+    from transformers.generation import GenerationMixin
+
+    generate = GenerationMixin.__dict__["generate"]
+
+    def warm_up(self, *args, **kwargs):  # a loader's test generation: recorded, as on the runner it would run
+        seen.append(("generate", None, args, kwargs))
+        return kwargs.get("input_ids", args[0] if args else None)
+
+    GenerationMixin.generate = warm_up
+    peft_saved = None
+    with contextlib.suppress(ImportError):
+        from peft import PeftModel
+
+        peft_saved = PeftModel.__dict__["from_pretrained"]
+
+        def adapter(klass, model, *args, **kwargs):
+            seen.append(("PeftModel.from_pretrained", None, args, kwargs))
+            return model
+
+        PeftModel.from_pretrained = classmethod(adapter)
+    try:
+        yield
+    finally:
+        for name, original in saved.items():
+            if original is None:
+                delattr(PreTrainedModel, name)
+            else:
+                setattr(PreTrainedModel, name, original)
+        GenerationMixin.generate = generate
+        if peft_saved is not None:
+            from peft import PeftModel
+
+            PeftModel.from_pretrained = peft_saved
 
 
 @contextlib.contextmanager
@@ -155,6 +228,19 @@ def launcher_env(rank: int, world_size: int) -> dict:
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": 29500}
 
 
+def _preload_outside_the_simulation() -> None:
+    """Import what loaders import (peft, which imports bitsandbytes) before ``torch.cuda`` is made to report the
+    runner's GPUs: bitsandbytes picks its CUDA backend at import when CUDA looks available, and that fails on a
+    machine without it. Where GPUs are visible the report is the machine's own, and nothing is imported early (an
+    import that initialises CUDA here would stop the isolated checks from forking)."""
+    from pytest_llmload import gpus
+
+    if gpus.visible_gpu_count() == 0:
+        for module in ("peft", "bitsandbytes"):
+            with contextlib.suppress(ImportError):
+                __import__(module)
+
+
 class Call(NamedTuple):
     """What the loader passed to ``from_pretrained`` (``None``: it never called it)."""
 
@@ -162,18 +248,26 @@ class Call(NamedTuple):
 
 
 def run_loader(loader: Callable, request: LoadRequest, profile: RunnerProfile, *, env: Optional[dict] = None,
-               zero3: bool = False) -> Call:
-    """Run ``loader(request)`` as on the runner, stopped at ``from_pretrained``; the loader's own error propagates
+               zero3: bool = False, stand_in: Optional[Callable[[dict], Any]] = None,
+               after: Optional[list] = None) -> Call:
+    """Run ``loader(request)`` as on the runner, stopped at ``from_pretrained`` (or, with ``stand_in``, given that
+    model and run to its end, what it does after loading recorded in ``after``); the loader's own error propagates
     as :class:`~pytest_llmload.loading.LoaderError`."""
     from pytest_llmload.loading import LoaderError
 
+    _preload_outside_the_simulation()
     calls: list = []
     context = _zero3_enabled() if zero3 else contextlib.nullcontext()
-    with _environment(env or {}), context, _cuda_reports(profile), _from_pretrained_intercepted(calls):
+    recorded = _after_loading_recorded(after) if after is not None else contextlib.nullcontext()
+    with _environment(env or {}), context, _cuda_reports(profile), _from_pretrained_intercepted(calls, stand_in), \
+            recorded:
         try:
             loader(request)
         except _Intercepted:
             pass
+        except _PlacementRefused as refused:
+            raise PredictedFailure("OOM", f"on {profile.name}, from_pretrained would refuse the placement: "
+                                   f"{type(refused.refusal).__name__}: {refused.refusal}") from None
         except LoaderError:
             raise
         except Exception as exc:
@@ -228,7 +322,11 @@ def place(config: dict, kwargs: dict, request: LoadRequest, profile: RunnerProfi
     model = _empty(config, dtype, quantizer, kwargs.get("quantization_config"), device_map)
     budget = kwargs.get("max_memory")
     max_memory = dict(budget) if budget is not None else profile.max_memory
-    return model, planner.plan(model, device_map, max_memory, dtype=dtype, hf_quantizer=quantizer), quantizer, dtype
+    try:
+        planned = planner.plan(model, device_map, max_memory, dtype=dtype, hf_quantizer=quantizer)
+    except ValueError as refusal:  # the quantizer's own check of the planned map (validate_environment)
+        raise _PlacementRefused(refusal) from None
+    return model, planned, quantizer, dtype
 
 
 def _capacity(profile: RunnerProfile, device: str) -> Optional[int]:
@@ -264,7 +362,11 @@ def predict_placement(scenario: str, loader: Callable, request: LoadRequest, pro
         from pytest_llmload.transformers_compat import zero3_device_map_refusal
 
         refusal = zero3_device_map_refusal(kwargs.get("device_map"))
-    model, device_map, quantizer, dtype = place(config, kwargs, request, profile)
+    try:
+        model, device_map, quantizer, dtype = place(config, kwargs, request, profile)
+    except _PlacementRefused as refused:
+        raise PredictedFailure("OOM", f"on {profile.name}, from_pretrained would refuse the placement: "
+                               f"{type(refused.refusal).__name__}: {refused.refusal}") from None
     shares = planner.shares(model, device_map, dtype=dtype, hf_quantizer=quantizer)
     total_weights = sum(share.bytes for share in shares.values()) or 1
     step = None
@@ -475,6 +577,93 @@ def predict_trainer(loader, profile, config, model_name, workdir, checkpoint=Non
                       time.perf_counter() - start)
 
 
+def _after_loading(scenario: str, loader, profile, config, model_name, workdir, **fields):
+    """An inference load run to its end on a stand-in placed as planned: the prediction, what the loader did to the
+    model after loading, and whether the planned map offloads."""
+    from pytest_llmload.loading import LoaderError
+    from pytest_llmload.scenarios import refusal_problem
+
+    start = time.perf_counter()
+    request = _request(model_dir(config, workdir), profile, purpose="inference", max_memory=profile.max_memory,
+                       offload_folder=Path(workdir) / "offload", **fields)
+    planned: dict = {}
+
+    def stand_in(kwargs):
+        model, device_map, quantizer, _ = place(config, kwargs, request, profile)
+        planned.update(device_map)
+        fresh = architectures.empty_model(config, _dtype_of(kwargs, request))
+        fresh.hf_device_map = dict(device_map)
+        if quantizer is not None:
+            fresh.hf_quantizer, fresh.is_loaded_in_4bit = quantizer, request.quantization == "4bit"
+        return fresh
+
+    after: list = []
+    try:
+        call = run_loader(loader, request, profile, stand_in=stand_in, after=after)
+    except LoaderError as exc:
+        if refusal_problem(exc.original) is not None:
+            raise
+        refused = Prediction(scenario, profile.name, model_name, planned, (), {}, (), None,
+                             f"the loader refuses, naming the budget: {type(exc.original).__name__}")
+        return refused, [], []
+    notes = ("the loader ran to its end on an empty stand-in placed as planned; its moves, casts and adapter loads "
+             "recorded, not done",)
+    prediction = Prediction(scenario, profile.name, model_name, planned, (), {} if call.kwargs is None else {
+        k: call.kwargs.get(k) for k in ("device_map", "max_memory", "quantization_config") if call.kwargs.get(k)},
+        notes, seconds=time.perf_counter() - start)
+    offloads = [name for name, where in planned.items() if where in (("cpu", "disk") if profile.devices else ("disk",))]
+    return prediction, after, offloads
+
+
+def predict_moved_after_loading(loader, profile, config, model_name, workdir, checkpoint=None) -> Prediction:
+    """Predicts move-offloaded: the loader moves or casts a model the runner's placement offloads."""
+    prediction, after, offloads = _after_loading("predict_moved_after_loading", loader, profile, config, model_name,
+                                                 workdir)
+    if prediction.reason:  # the loader refused the budget: no model to move
+        return prediction
+    moves = [name for name, *_ in after if name in _MOVES_AND_CASTS]
+    if moves and offloads:
+        raise PredictedFailure("move-offloaded", prediction._replace(failure="move-offloaded", reason=(
+            f"the placement offloads {len(offloads)} module(s) (e.g. {offloads[:2]}) and the loader then calls "
+            f".{moves[0]}() on the model: accelerate refuses a move while parameters are on meta")).table())
+    return prediction._replace(reason=f"{'offloads' if offloads else 'no offload'}; after loading: "
+                               f"{', '.join('.' + m + '()' for m in moves) or 'no move or cast'}")
+
+
+def predict_adapter_on_offloaded(loader, profile, config, model_name, workdir, checkpoint=None) -> Prediction:
+    """Predicts adapter-on-offloaded: the loader puts a trained adapter on a base the runner's placement offloads."""
+    adapter = Path(workdir) / "adapter"
+    adapter.mkdir(parents=True, exist_ok=True)
+    (adapter / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8, "target_modules": ["q_proj"]}')
+    prediction, after, offloads = _after_loading("predict_adapter_on_offloaded", loader, profile, config, model_name,
+                                                 workdir, adapter_path=adapter)
+    if prediction.reason:  # the loader refused the budget: no adapter met an offloaded base
+        return prediction
+    adapters = [name for name, *_ in after if name in ("PeftModel.from_pretrained", "load_adapter")]
+    if adapters and offloads:
+        raise PredictedFailure("adapter-on-offloaded", prediction._replace(failure="adapter-on-offloaded", reason=(
+            f"the placement offloads {len(offloads)} module(s) and the loader then calls {adapters[0]}: peft "
+            "re-dispatches the base without its budget, and the adapter meets weights on meta")).table())
+    return prediction._replace(reason=f"{'offloads' if offloads else 'no offload'}; adapter: "
+                               f"{adapters[0] if adapters else 'not loaded by the loader'}")
+
+
+def predict_quantized_cast(loader, profile, config, model_name, workdir, checkpoint=None) -> Prediction:
+    """Predicts quantized-cast: the loader casts a 4-bit model after loading (transformers refuses any dtype cast)."""
+    prediction, after, _ = _after_loading("predict_quantized_cast", loader, profile, config, model_name, workdir,
+                                          quantization="4bit", dtype="float16")
+    if prediction.reason:
+        return prediction
+    casts = [name for name, dtype, *_ in after if name in ("half", "float", "bfloat16") or dtype is not None]
+    quantized = "quantization_config" in prediction.asked
+    if casts and quantized:
+        raise PredictedFailure("quantized-cast", prediction._replace(failure="quantized-cast", reason=(
+            f"the loader asks for a 4-bit model, then calls .{casts[0]}() with a dtype on it: transformers refuses "
+            "any dtype cast of a bitsandbytes model")).table())
+    return prediction._replace(reason=f"{'4-bit' if quantized else 'not quantized (the request was ignored)'}; "
+                               f"casts after loading: {', '.join(casts) or 'none'}")
+
+
 def scenarios() -> tuple[Scenario, ...]:
     from pytest_llmload.failures import BY_ID
 
@@ -483,4 +672,7 @@ def scenarios() -> tuple[Scenario, ...]:
             Scenario(predict_trainer, BY_ID["dp-dtype"], needs_gpus=2),
             Scenario(predict_launcher_ddp, BY_ID["distributed-device-map"], needs_gpus=2),
             Scenario(predict_launcher_deepspeed, BY_ID["distributed-device-map"], needs_gpus=2),
-            Scenario(predict_zero3, BY_ID["zero3-device-map"], needs_gpus=1))
+            Scenario(predict_zero3, BY_ID["zero3-device-map"], needs_gpus=1),
+            Scenario(predict_moved_after_loading, BY_ID["move-offloaded"]),
+            Scenario(predict_adapter_on_offloaded, BY_ID["adapter-on-offloaded"]),
+            Scenario(predict_quantized_cast, BY_ID["quantized-cast"]))
