@@ -116,6 +116,20 @@ def mark_gpu_tests(config: pytest.Config, items: list[pytest.Item]) -> None:
                 item.add_marker(pytest.mark.gpu)
 
 
+def require_gpus(config: pytest.Config, items: list[pytest.Item], required: bool) -> None:
+    """``--llmload-require-gpus``: a run that selects GPU tests and sees no GPU is a usage error, not a green run of
+    skips (a GPU runner whose driver broke)."""
+    if not required:
+        return
+    selected = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if selected and gpus.visible_gpu_count() == 0:
+        from pytest_llmload.surface import REQUIRE_GPUS_OPTION
+
+        raise pytest.UsageError(f"{REQUIRE_GPUS_OPTION}: this run selects {len(selected)} GPU test(s) but sees no GPU "
+                                f"({gpus.visible_devices_label()}); check the driver (nvidia-smi) and "
+                                "CUDA_VISIBLE_DEVICES, or drop the option on a CPU runner.")
+
+
 def enforce_needs_gpus(item: pytest.Item) -> None:
     """At setup: an invalid marker errors the test; too few GPUs skips it with the counts."""
     fail_invalid_markers(item, check_flag_markers)
@@ -126,6 +140,9 @@ def enforce_needs_gpus(item: pytest.Item) -> None:
         fixture = gpu_fixture_used(item, gpu_fixture_names(item.config))
         reason = None if fixture is None else gpus.skip_reason(1)
         reason = reason and f"{fixture} {reason}"
+        if fixture is None and item.get_closest_marker("gpu") is not None:  # a bare @pytest.mark.gpu: one GPU
+            reason = gpus.skip_reason(1)
+            reason = reason and f"marked gpu: {reason}"
     if reason is not None:
         # Reported at the test's own location, as pytest's skipif does.
         raise pytest.skip.Exception(reason, _use_item_location=True)

@@ -57,6 +57,7 @@ _INI_KEYS = (*(value for name, value in vars(surface).items() if name.endswith("
              *(surface.declaration_names(keyword)[1] for keyword in surface.TRAINING_DECLARATIONS))
 
 switched_on_key = pytest.StashKey[bool]()
+header_shown_key = pytest.StashKey[bool]()
 strict_key = pytest.StashKey[bool]()
 
 
@@ -91,6 +92,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini(surface.NEAR_DEADLINE_INI, help=surface.NEAR_DEADLINE_HELP, default=None)
     group.addoption(surface.WAIT_OPTION, dest="llmload_wait_after_hang", action="store_true", default=False,
                     help=surface.WAIT_HELP)
+    group.addoption(surface.REQUIRE_GPUS_OPTION, dest="llmload_require_gpus", action="store_true", default=None,
+                    help=surface.REQUIRE_GPUS_HELP)
+    parser.addini(surface.REQUIRE_GPUS_INI, help=surface.REQUIRE_GPUS_HELP, type="bool", default=False)
     group.addoption(surface.GPUS_PER_WORKER_OPTION, dest="llmload_gpus_per_worker", metavar="K|off",
                     help=surface.GPUS_PER_WORKER_HELP)
     parser.addini(surface.GPUS_PER_WORKER_INI, help=surface.GPUS_PER_WORKER_HELP, default=None)
@@ -213,9 +217,30 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
+    """The header line where the run configures the plugin; a run that only uses it gets the line after collection
+    (:func:`pytest_collection_finish`), and a run that never uses it, none."""
+    if not _configured(config):
+        return []
+    config.stash[header_shown_key] = True
     from pytest_llmload.header import header_lines  # imported when the header is printed, not at plugin load
 
     return header_lines(config)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    config = session.config
+    if config.stash.get(switched_on_key, False):  # after -m/-k deselection: what the run will really run
+        from pytest_llmload import markers
+
+        markers.require_gpus(config, session.items, _require_gpus(config))
+    if config.stash.get(switched_on_key, False) and not config.stash.get(header_shown_key, False):
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None and config.get_verbosity() >= 0:
+            from pytest_llmload.header import header_lines
+
+            config.stash[header_shown_key] = True
+            for line in header_lines(config):
+                reporter.write_line(line)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -225,11 +250,34 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         switch_on(config)
     from pytest_llmload import markers
 
+    _require_the_stack(config, items)
     markers.mark_gpu_tests(config, items)
     # A configured loader (or training-args hook) is imported only if a collected test uses it, and then before
     # any test runs: a spec that does not import is one usage error, not an error repeated on every test.
     used = set().union(*(getattr(item, "fixturenames", ()) for item in items))
     _check_imports(config, used)
+
+
+def _require_gpus(config: pytest.Config) -> bool:
+    option = config.getoption("llmload_require_gpus", None)
+    try:
+        return bool(option if option is not None else config.getini(surface.REQUIRE_GPUS_INI))
+    except (ValueError, pytest.UsageError) as exc:
+        raise pytest.UsageError(f"ini '{surface.REQUIRE_GPUS_INI}': {exc}; use true or false.") from None
+
+
+def _require_the_stack(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A bare install (no extras) running tests that load models: one usage error naming the extra, not an error
+    row per test saying ``No module named 'torch'``."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is not None:
+        return
+    users = [item for item in items if set(_FIXTURE_ROOTS).intersection(getattr(item, "fixturenames", ()))
+             or getattr(getattr(item, "callspec", None), "params", {}).get("check") is not None]
+    if users:
+        raise pytest.UsageError(f"{len(users)} collected test(s) load models through pytest-llmload (e.g. "
+                                f"{users[0].nodeid}), but torch is not installed: {surface.STACK_EXTRA_HINT}.")
 
 
 def _uses_llmload(config: pytest.Config, items: list[pytest.Item]) -> bool:

@@ -130,6 +130,15 @@ NEAR_DEADLINE_HELP = (
     "test or check as close to it. Default 0.8."
 )
 
+REQUIRE_GPUS_OPTION = "--llmload-require-gpus"
+REQUIRE_GPUS_INI = "llmload_require_gpus"
+REQUIRE_GPUS_HELP = (
+    "fail the run, instead of skipping every GPU test, when it selects GPU tests and sees no GPU (a GPU runner "
+    f"whose driver or CUDA_VISIBLE_DEVICES is broken). Precedence: {REQUIRE_GPUS_OPTION}, then the ini key (true/false)."
+)
+# What a bare install lacks: the checks need the Hugging Face stack, an extra of this package.
+STACK_EXTRA_HINT = "pip install 'pytest-llmload[all]' (or [hf] without bitsandbytes and DeepSpeed)"
+
 # --- hangs (pytest_llmload.hung_loader) -------------------------------------------------------------------
 WAIT_OPTION = "--llmload-wait-after-hang"
 WAIT_HELP = (

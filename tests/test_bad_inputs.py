@@ -274,3 +274,33 @@ def test_a_bad_input_ends_in_a_sentence(pytester, monkeypatch, case):
     assert result.ret == case.exit, output
     if case.summary:
         assert re.search(case.summary, result.stdout.lines[-1]), output
+
+
+def test_a_bare_install_running_model_tests_is_one_usage_error_naming_the_extra(pytester, monkeypatch):
+    """Without the extras, a run whose tests load models stops at collection with one sentence, not an error
+    row per test saying No module named 'torch'."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
+    pytester.makepyfile("def test_a(llmload_checkpoint): pass\ndef test_b(llmload_checkpoint): pass\n")
+    result = pytester.runpytest_inprocess()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*2 collected test(s) load models through pytest-llmload (e.g. "
+                                 "test_a_bare_install*::test_a), but torch is not installed: pip install "
+                                 "'pytest-llmload[[]all]'*"])
+
+
+def test_the_fixes_a_training_script_imports_pull_in_no_test_framework():
+    """The Trainer guard, the fp16 upcast and the rank-pinning rule, imported as production code would: neither
+    pytest nor hypothesis comes with them (a real interpreter: what it imports is the subject)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from pytest_llmload.trainer_guard import prepare_training_args_for_placed_model\n"
+            "from pytest_llmload.failures.fp16_unscale import upcast_trainable_parameters\n"
+            "from pytest_llmload.failures.distributed_device_map import is_distributed\n"
+            "print(sorted(m for m in ('pytest', '_pytest', 'hypothesis') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -172,3 +172,27 @@ def test_deepspeed_is_not_imported_for_tests_that_skip_for_want_of_gpus(pytester
     """)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1, skipped=1)
+
+
+def test_a_bare_gpu_marked_test_skips_on_a_runner_without_gpus(pytester, monkeypatch):
+    """The README tells CPU runners to run plain pytest: a @pytest.mark.gpu test needs a GPU and skips, saying so."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    pytester.makepyfile("import pytest\n\n@pytest.mark.gpu\ndef test_on_gpu(): assert False\n")
+    result = pytester.runpytest("-rs")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["*marked gpu: needs 1 GPU, 0 visible (CUDA_VISIBLE_DEVICES=)*"])
+
+
+@pytest.mark.parametrize("how", ["option", "ini"])
+def test_require_gpus_fails_a_gpu_run_that_sees_none(pytester, monkeypatch, how):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    pytester.makepyfile("import pytest\n\n@pytest.mark.needs_gpus(1)\ndef test_gpu(): pass\n\ndef test_cpu(): pass\n")
+    args = ["-m", "gpu"]
+    if how == "option":
+        args.append("--llmload-require-gpus")
+    else:
+        pytester.makeini("[pytest]\nllmload_require_gpus = true\n")
+    result = pytester.runpytest(*args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--llmload-require-gpus: this run selects 1 GPU test(s) but sees no GPU*"])
+    assert pytester.runpytest("-m", "not gpu", *args[2:]).ret == pytest.ExitCode.OK  # no GPU test selected: fine
