@@ -58,8 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="after the loader hangs in one check, run every other check to its deadline too "
                         "(default: they fail at once, naming the hang)")
     parser.add_argument("--json", metavar="PATH", dest="json_path",
-                        help="also write the results to PATH: one object per check (check, outcome, failure, "
-                        "reason, seconds, detail)")
+                        help="also write the results to PATH: one document with the run (loader and its source, "
+                        "stack versions, devices, order, start, duration) and its results, one object per check "
+                        "(check, outcome, failure, cause, note, reason, seconds, detail)")
     parser.add_argument("--runner", metavar="PROFILE[,PROFILE]",
                         help="also predict each scenario on these runner profiles (shipped names, or profile .json "
                         "files): rows marked PREDICTED say what the loader would do there")
@@ -81,6 +82,13 @@ def pytest_command(loader: Optional[str], keyword: Optional[str], progress: Path
     argv = [sys.executable, "-m", "pytest_llmload.suite", "--pyargs", "pytest_llmload.suite", "-p", "no:cacheprovider",
             "-p", "no:hypothesispytest", "-o", "python_files=test_*.py", "--tb=short", "-q",
             "--llmload-progress", str(progress)]
+    # The main job decides what it runs under, not the repo's addopts: its rows in a stable order (no
+    # pytest-randomly), no coverage, no xdist, unless asked for after '--' (then the plugin is left on).
+    argv += ["-o", "addopts="]
+    asked = " ".join(extra)
+    for plugin, flags in _HOUSE_PLUGINS.items():
+        if not any(flag in asked for flag in flags):
+            argv += ["-p", f"no:{plugin}"]
     if strict:
         argv.append("--llmload-strict")
     if wait_after_hang:
@@ -94,6 +102,10 @@ def pytest_command(loader: Optional[str], keyword: Optional[str], progress: Path
     if keyword:
         argv += ["-k", keyword]
     return argv + extra
+
+
+# Plugins the main job turns off unless the arguments after '--' use them: name -> the flags that ask for it.
+_HOUSE_PLUGINS = {"randomly": ("-p randomly", "--randomly"), "pytest_cov": ("--cov",), "xdist": ("-n", "--dist", "--tx")}
 
 
 def _in_main_job_terms(text: str) -> str:
@@ -202,6 +214,8 @@ class MainJob:
         self.total = 0
         self.running: Optional[tuple[str, float]] = None  # (check, started) of the check without a result yet
         self.started = time.monotonic()
+        self.started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        self.loader: Optional[dict] = None  # the child's own choice (its "loader" event)
         self._offset = 0
 
     def start(self) -> None:
@@ -213,7 +227,8 @@ class MainJob:
         # The child ends with this process (lifeline), and removes this temp dir if this process dies first. Its
         # own temp dirs (pytest's, the isolated checks') are made in here: one removal takes them all, on every path.
         self.tmp.mkdir()
-        env = {**os.environ, "TMPDIR": str(self.tmp), PARENT_ENV: str(os.getpid()),
+        env = {**{k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"},  # (the main job decides; see above)
+               "TMPDIR": str(self.tmp), PARENT_ENV: str(os.getpid()),
                PARENT_WORKDIR_ENV: str(self.workdir)}
         with self.log_path.open("w", encoding="utf-8") as log:
             # Its own process group: a Ctrl-C in the terminal reaches this process only, which passes it on once.
@@ -250,6 +265,8 @@ class MainJob:
     def _take(self, record: dict) -> None:
         event, out = record["event"], self.out
         if event == "loader":  # the child's own choice: what this line says is the loader it runs
+            self.loader = {"spec": record["spec"], "source": _in_main_job_terms(record["source"]),
+                           "inifile": record.get("inifile")}
             source = _in_main_job_terms(record["source"])
             if record.get("inifile"):
                 source += f" in {record['inifile']}"
@@ -401,7 +418,7 @@ def _report(job: MainJob, code: int) -> tuple[int, bool]:
         names = ", ".join(r["check"] for r in fast)
         print(f"NOT RUN {names}: {_in_main_job_terms(_summary(fast[0]))}", file=out)
     if args.json_path:
-        Path(args.json_path).write_text(json.dumps(json_records(job.results), indent=1) + "\n", encoding="utf-8")
+        Path(args.json_path).write_text(json.dumps(json_document(job), indent=1) + "\n", encoding="utf-8")
     summary = ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items()))
     keep = bool(failed) or crashed or bool(args.log)
     where = f"pytest output: {job.log_path}" if keep else "nothing failed: pytest output removed (--log PATH keeps it)"
@@ -428,6 +445,24 @@ def summary_table(results: list[dict]) -> list[str]:
     lines = [f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]:>7}" for r in rows]
     lines.insert(1, "-" * len(lines[0]))
     return lines
+
+
+def json_document(job: "MainJob") -> dict:
+    """``--json``: one document: what ran (the loader and where it was chosen, the stack, the devices, the order,
+    when and how long), then one object per check (:func:`json_records`)."""
+    from pytest_llmload import gpus
+    from pytest_llmload.header import installed_versions
+
+    args = job.args
+    ordered = "random (pytest-randomly, asked after --; its seed is in the log)" if any(
+        flag in " ".join(args.pytest_args) for flag in _HOUSE_PLUGINS["randomly"]) else "collection order"
+    return {
+        "tool": "pytest-llmload", "loader": job.loader, "stack": installed_versions(),
+        "devices": {"gpus": gpus.physical_devices().count, "cuda_visible_devices": gpus.visible_devices_label()},
+        "predictions": {"runner": args.runner, "model": args.model} if args.runner else None,
+        "order": ordered, "started": job.started_at, "seconds": round(time.monotonic() - job.started, 2),
+        "pytest_args": list(args.pytest_args), "results": json_records(job.results),
+    }
 
 
 def json_records(results: list[dict]) -> list[dict]:

@@ -338,15 +338,17 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
 
         notes = item.stash.get(notes_key, None)
         if notes:
-            report.user_properties.append(("llmload_note", "; ".join(notes)))
+            _record(item, report, [("llmload_note", "; ".join(notes))])
     if check is not None and call.when == "call" and call.excinfo is not None and report.failed:
         from pytest_llmload.failures import verdict
 
         found = verdict.of_exception(call.excinfo.value, check.failure)
         if found is not None:
-            report.user_properties.extend(found.properties())
+            _record(item, report, found.properties())
             if found.cause == "check":  # the check's own crash: say so first, the traceback below
                 report.longrepr = f"{found.sentence}\n\n{report.longreprtext}"
+    if check is not None and (call.when == "call" or report.skipped):
+        _describe_row(item, check, report)
     if report.failed and call.excinfo is not None:  # any failing test, llmload's or not
         from pytest_llmload.diagnostics import known_failures
 
@@ -412,6 +414,30 @@ def _check_of(item: pytest.Item):
     """The :class:`~pytest_llmload.failures.base.Check` a test runs (its ``check`` parameter), or ``None``."""
     check = getattr(getattr(item, "callspec", None), "params", {}).get("check")
     return check if hasattr(check, "failure") and hasattr(check, "function") else None
+
+
+def _describe_row(item: pytest.Item, check, report: pytest.TestReport) -> None:
+    """What a CI dashboard groups a check's row by (JUnit XML properties, ``report.user_properties``): the loader,
+    the failure the check guards against, and the verdict kind (passed, failed, predicted, error, not exercised,
+    skipped); a failed row's own verdict was added above."""
+    from pytest_llmload.failures.base import NOT_EXERCISED
+    from pytest_llmload.failures.verdict import VERDICT_PROPERTY
+    from pytest_llmload.loading import chosen_loader
+
+    props = dict(report.user_properties)
+    pairs = [("llmload_loader", chosen_loader(item.config).spec), ("llmload_guards", check.failure.id)]
+    if VERDICT_PROPERTY not in props:
+        reason = report.longrepr[2] if report.skipped and isinstance(report.longrepr, tuple) else ""
+        pairs.append((VERDICT_PROPERTY, ("not exercised" if NOT_EXERCISED in reason else "skipped")
+                      if report.skipped else report.outcome))
+    _record(item, report, pairs)
+
+
+def _record(item: pytest.Item, report: pytest.TestReport, pairs: list) -> None:
+    """Properties of this phase's report (what the progress file reads) and of the item (what JUnit XML writes,
+    from the teardown report, which copies the item's)."""
+    report.user_properties.extend(pairs)
+    item.user_properties.extend(pairs)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:

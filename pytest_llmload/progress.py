@@ -105,7 +105,9 @@ class ProgressWriter:
         judged = verdict.of_report(report)
         failure = cause = None
         summary = summary_line(report) if report.failed else reason
-        if judged is not None:  # a check's row: its verdict was decided from the exception (failures.verdict)
+        if judged is not None and report.when == "call" and report.failed and \
+                judged["kind"] in ("failed", "predicted", "error"):
+            # a check's failing row: its verdict was decided from the exception (failures.verdict)
             outcome, failure, cause = judged["kind"], judged["failure"], judged["cause"]
             summary = judged["sentence"] or summary  # the exception's own words, also from a child or a rank
         started = self._started.get(report.nodeid, time.perf_counter())

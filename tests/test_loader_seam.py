@@ -199,3 +199,24 @@ def test_a_loader_that_sets_up_accelerate_breaks_the_contract(llmload_checkpoint
 
     message = run_isolated(load_it, (), timeout=50, label="accelerate state")  # the state dies with the child
     assert "created accelerate's process-wide state (an Accelerator() or AcceleratorState()) while loading" in message
+
+
+def test_junit_xml_carries_the_loader_the_failure_guarded_and_the_verdict_of_each_check(pytester):
+    """CI dashboards group JUnit rows by these properties (issue 27)."""
+    import xml.etree.ElementTree as ET
+
+    pytester.makepyfile("""
+        from pytest_llmload.conformance import parametrize_with_loader_checks
+        from pytest_llmload.reference_loader import load_model_and_tokenizer
+
+        @parametrize_with_loader_checks([load_model_and_tokenizer])
+        def test_loader(loader, check, llmload_checkpoint, tmp_path):
+            check(loader, llmload_checkpoint, tmp_path)
+    """)
+    result = pytester.runpytest_subprocess("-k", "pad_token and not cuda", "--junitxml=out.xml", "-p",
+                                           "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    (case,) = ET.parse(pytester.path / "out.xml").getroot().iter("testcase")
+    props = {p.get("name"): p.get("value") for p in case.iter("property")}
+    assert props["llmload_loader"] == "pytest_llmload.reference_loader:load_model_and_tokenizer"
+    assert (props["llmload_guards"], props["llmload_verdict"]) == ("offload-hang", "passed")

@@ -129,7 +129,11 @@ def test_a_loaders_own_error_is_an_error_row_not_a_known_failure_and_its_log_is_
     assert [p.name for p in kept.iterdir()] == ["pytest.log"] and f"pytest output: {kept / 'pytest.log'}" in run.stdout
     assert re.search(r"^check_train_request_trains +meta-backward \(002\) +error ", run.stdout, re.M), run.stdout
     assert "ERROR check_train_request_trains: " in run.stdout and "'load_in_4bit'" in run.stdout
-    (record,) = json.loads((odd_loaders / "out.json").read_text())
+    document = json.loads((odd_loaders / "out.json").read_text())
+    assert document["loader"] == {"spec": "odd_loaders:breaks_on_train", "source": "--loader", "inifile": None}
+    assert set(document) >= {"stack", "devices", "order", "started", "seconds", "results"}
+    assert document["order"] == "collection order" and "transformers" in document["stack"]
+    (record,) = document["results"]
     assert (record["check"], record["outcome"], record["failure"]) == ("check_train_request_trains", "error", None)
     assert set(record) == {"check", "outcome", "failure", "reason", "seconds", "detail", "cause", "note"}
 
@@ -341,3 +345,22 @@ def test_a_collection_error_is_shown_whole(tmp_path, monkeypatch):
     assert f"ValueError: {reason}" in run.stderr, run.stderr
     assert "llmload: pytest exited 2 before any check ran; pytest output removed" in run.stderr, run.stderr
     assert _left_behind(Path(os.environ["TMPDIR"])) == []
+
+
+def test_the_main_job_runs_under_its_own_options_not_the_repos_addopts(tmp_path):
+    """A repo's addopts (and PYTEST_ADDOPTS) selecting nothing, or asking for randomised order, do not reach the
+    main job's pytest: it decides what it runs under (issue 27)."""
+    (tmp_path / "pytest.ini").write_text("[pytest]\naddopts = -k no_such_check --maxfail=1\n")
+    env = {**new_tmpdir(tmp_path), "PYTEST_ADDOPTS": "-k nothing_either"}
+    run = main_job("-k", "pad_token and not cuda", cwd=tmp_path, env=env)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert re.search(r"^\[1/1\] check_pad_token_set_offline +passed", run.stdout, re.M), run.stdout
+
+
+def test_the_main_job_turns_off_the_house_plugins_unless_asked_after_the_double_dash():
+    from pytest_llmload.main_job import pytest_command
+
+    plain = pytest_command(None, None, Path("progress"), [])
+    assert {"no:randomly", "no:pytest_cov", "no:xdist"} <= set(plain) and "addopts=" in plain
+    asked = pytest_command(None, None, Path("progress"), ["-n", "2", "--cov=mypkg"])
+    assert "no:xdist" not in asked and "no:pytest_cov" not in asked and "no:randomly" in asked
