@@ -252,10 +252,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     _require_the_stack(config, items)
     markers.mark_gpu_tests(config, items)
+    _shorter_timeout_wins(config, items)
     # A configured loader (or training-args hook) is imported only if a collected test uses it, and then before
     # any test runs: a spec that does not import is one usage error, not an error repeated on every test.
     used = set().union(*(getattr(item, "fixturenames", ()) for item in items))
     _check_imports(config, used)
+
+
+def _shorter_timeout_wins(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A check carries its own deadline (``pytest.mark.timeout``), which pytest-timeout prefers to ``--timeout``; a
+    run that asks for a shorter one (``--timeout=1``, the ini key) gets it: a check never runs longer than asked."""
+    try:
+        asked = config.getoption("timeout", None)
+        if asked is None and config.getini("timeout"):
+            asked = config.getini("timeout")
+        asked = float(asked) if asked not in (None, "") else None
+    except (ValueError, TypeError):  # pytest-timeout's own reading of its value says what is wrong
+        return
+    if not asked or asked <= 0:
+        return
+    for item in items:
+        marker = item.get_closest_marker("timeout")
+        if _check_of(item) is not None and marker is not None and marker.args and marker.args[0] > asked:
+            item.add_marker(pytest.mark.timeout(asked), append=False)
 
 
 def _require_gpus(config: pytest.Config) -> bool:

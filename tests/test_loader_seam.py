@@ -220,3 +220,21 @@ def test_junit_xml_carries_the_loader_the_failure_guarded_and_the_verdict_of_eac
     props = {p.get("name"): p.get("value") for p in case.iter("property")}
     assert props["llmload_loader"] == "pytest_llmload.reference_loader:load_model_and_tokenizer"
     assert (props["llmload_guards"], props["llmload_verdict"]) == ("offload-hang", "passed")
+
+
+def test_a_shorter_timeout_than_a_checks_own_deadline_wins(pytester):
+    """A check's own timeout marker would override --timeout; the shorter one is what the run asked for."""
+    pytester.makepyfile("""
+        import time
+        from pytest_llmload.conformance import parametrize_with_loader_checks
+
+        def slow(request):
+            time.sleep(90)
+
+        @parametrize_with_loader_checks([slow])
+        def test_loader(loader, check, llmload_checkpoint, tmp_path):
+            check(loader, llmload_checkpoint, tmp_path)
+    """)
+    result = pytester.runpytest_subprocess("-k", "pad_token and not cuda", "--timeout=20", "-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    assert result.duration < 60, result.duration  # not the check's own 120 s, nor the loader's 90 s
