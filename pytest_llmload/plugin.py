@@ -61,6 +61,12 @@ header_shown_key = pytest.StashKey[bool]()
 strict_key = pytest.StashKey[bool]()
 
 
+def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
+    from pytest_llmload import hookspecs
+
+    pluginmanager.add_hookspecs(hookspecs)
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("llmload", "pytest-llmload: Hugging Face model-loading regression checks")
     group.addoption(surface.LOADER_OPTION, dest="llmload_loader", metavar="MODULE:FUNCTION",
@@ -368,6 +374,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
                 report.longrepr = f"{found.sentence}\n\n{report.longreprtext}"
     if check is not None and (call.when == "call" or report.skipped):
         _describe_row(item, check, report)
+        _announce_result(item, check, report)
     if report.failed and call.excinfo is not None:  # any failing test, llmload's or not
         from pytest_llmload.diagnostics import known_failures
 
@@ -450,6 +457,18 @@ def _describe_row(item: pytest.Item, check, report: pytest.TestReport) -> None:
         pairs.append((VERDICT_PROPERTY, ("not exercised" if NOT_EXERCISED in reason else "skipped")
                       if report.skipped else report.outcome))
     _record(item, report, pairs)
+
+
+def _announce_result(item: pytest.Item, check, report: pytest.TestReport) -> None:
+    """Call ``pytest_llmload_check_result`` (:mod:`pytest_llmload.hookspecs`) with the row's verdict."""
+    from pytest_llmload.progress import check_name
+
+    props = dict(report.user_properties)
+    result = {"check": check_name(item.nodeid), "verdict": props.get("llmload_verdict"),
+              "failure": props.get("llmload_failure") or None, "guards": props.get("llmload_guards"),
+              "cause": props.get("llmload_cause"), "loader": props.get("llmload_loader"),
+              "note": props.get("llmload_note"), "sentence": props.get("llmload_sentence", "")}
+    item.ihook.pytest_llmload_check_result(item=item, check=check, result=result)
 
 
 def _record(item: pytest.Item, report: pytest.TestReport, pairs: list) -> None:

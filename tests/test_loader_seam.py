@@ -238,3 +238,35 @@ def test_a_shorter_timeout_than_a_checks_own_deadline_wins(pytester):
     result = pytester.runpytest_subprocess("-k", "pad_token and not cuda", "--timeout=20", "-p", "no:cacheprovider")
     result.assert_outcomes(failed=1)
     assert result.duration < 60, result.duration  # not the check's own 120 s, nor the loader's 90 s
+
+
+def test_a_conftest_reads_each_checks_result_through_the_plugins_hook(pytester):
+    """pytest_llmload_check_result (pytest_llmload.hookspecs): a repo's dashboard or its own gate reads every row."""
+    pytester.makeconftest("""
+        import json
+
+        def pytest_llmload_check_result(item, check, result):
+            with open("results.jsonl", "a") as out:
+                out.write(json.dumps(result) + "\\n")
+    """)
+    pytester.makepyfile("""
+        from pytest_llmload.conformance import parametrize_with_loader_checks
+        from pytest_llmload.reference_loader import load_model_and_tokenizer
+
+        def bf16_always(request):
+            return load_model_and_tokenizer(request.replace(dtype="bfloat16"))
+
+        @parametrize_with_loader_checks([load_model_and_tokenizer, bf16_always])
+        def test_loader(loader, check, llmload_checkpoint, tmp_path):
+            check(loader, llmload_checkpoint, tmp_path)
+    """)
+    result = pytester.runpytest_subprocess("-k", "pad_token and not cuda", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1)
+    import json
+
+    rows = [json.loads(line) for line in (pytester.path / "results.jsonl").read_text().splitlines()]
+    by_loader = {row["loader"]: row for row in rows}
+    assert [row["verdict"] for row in rows] == ["passed", "error"], rows
+    assert {row["guards"] for row in rows} == {"offload-hang"} and all(row["failure"] is None for row in rows)
+    assert rows[1]["cause"] == "contract" and "bfloat16 weights for a float32 request" in rows[1]["sentence"]
+    assert by_loader  # the loader the run chose (the built-in default here)

@@ -50,13 +50,15 @@ def pytest_unconfigure(config):
 
 @pytest.mark.parametrize(("args", "header"), [(("-q",), []), ((), [])], ids=["quiet", "not quiet: no header either"])
 def test_a_run_that_never_uses_the_plugin_imports_only_its_vocabulary_and_fixtures(pytester, args, header):
-    # (keys: the stash keys the fixtures read, one floor below them; the header line is printed, and its module
+    # (keys: the stash keys the fixtures read, one floor below them; hookspecs: the hooks it declares, as
+    # pytest_addhooks must at start-up; the header line is printed, and its module
     # imported, only where a run configures or uses the plugin.) Nothing of the plugin's work is compiled or run in such a run: its sub-plugins are registered by
     # plugin.switch_on once a run configures or uses it. The header (not shown under -q) imports what it reads.
     pytester.makeconftest(PACKAGE_PROBE)
     pytester.makepyfile("def test_plain(): pass\n")
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *args)
     result.assert_outcomes(passed=1)
-    expected = sorted({"pytest_llmload", "pytest_llmload.fixtures", "pytest_llmload.keys", "pytest_llmload.plugin",
-                       "pytest_llmload.surface", *(f"pytest_llmload.{name}" for name in header)})
+    expected = sorted({"pytest_llmload", "pytest_llmload.fixtures", "pytest_llmload.hookspecs", "pytest_llmload.keys",
+                       "pytest_llmload.plugin", "pytest_llmload.surface",
+                       *(f"pytest_llmload.{name}" for name in header)})
     result.stdout.fnmatch_lines([f"PACKAGE IMPORTED: {expected}".replace("[", "[[]")])
