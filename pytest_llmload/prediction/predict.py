@@ -434,6 +434,11 @@ def _offloaded(prediction: Prediction, profile: RunnerProfile) -> list[str]:
     return [name for name, where in prediction.placement.items() if where in tiers]
 
 
+def _predicts(prediction: Prediction, failure: str, reason: str) -> None:
+    """Raise the prediction that the runner would hit ``failure``, for ``reason``."""
+    raise PredictedFailure(failure, prediction._replace(failure=failure, reason=reason).table())
+
+
 def _raise_if(prediction: Prediction) -> Prediction:
     if prediction.failure is not None:
         raise PredictedFailure(prediction.failure, prediction.table())
@@ -623,9 +628,9 @@ def predict_moved_after_loading(loader, profile, config, model_name, workdir, ch
         return prediction
     moves = [name for name, *_ in after if name in _MOVES_AND_CASTS]
     if moves and offloads:
-        raise PredictedFailure("move-offloaded", prediction._replace(failure="move-offloaded", reason=(
-            f"the placement offloads {len(offloads)} module(s) (e.g. {offloads[:2]}) and the loader then calls "
-            f".{moves[0]}() on the model: accelerate refuses a move while parameters are on meta")).table())
+        _predicts(prediction, "move-offloaded", f"the placement offloads {len(offloads)} module(s) (e.g. "
+                  f"{offloads[:2]}) and the loader then calls .{moves[0]}() on the model: accelerate refuses a move "
+                  "while parameters are on meta")
     return prediction._replace(reason=f"{'offloads' if offloads else 'no offload'}; after loading: "
                                f"{', '.join('.' + m + '()' for m in moves) or 'no move or cast'}")
 
@@ -641,9 +646,9 @@ def predict_adapter_on_offloaded(loader, profile, config, model_name, workdir, c
         return prediction
     adapters = [name for name, *_ in after if name in ("PeftModel.from_pretrained", "load_adapter")]
     if adapters and offloads:
-        raise PredictedFailure("adapter-on-offloaded", prediction._replace(failure="adapter-on-offloaded", reason=(
-            f"the placement offloads {len(offloads)} module(s) and the loader then calls {adapters[0]}: peft "
-            "re-dispatches the base without its budget, and the adapter meets weights on meta")).table())
+        _predicts(prediction, "adapter-on-offloaded", f"the placement offloads {len(offloads)} module(s) and the "
+                  f"loader then calls {adapters[0]}: peft re-dispatches the base without its budget, and the adapter "
+                  "meets weights on meta")
     return prediction._replace(reason=f"{'offloads' if offloads else 'no offload'}; adapter: "
                                f"{adapters[0] if adapters else 'not loaded by the loader'}")
 
@@ -657,9 +662,8 @@ def predict_quantized_cast(loader, profile, config, model_name, workdir, checkpo
     casts = [name for name, dtype, *_ in after if name in ("half", "float", "bfloat16") or dtype is not None]
     quantized = "quantization_config" in prediction.asked
     if casts and quantized:
-        raise PredictedFailure("quantized-cast", prediction._replace(failure="quantized-cast", reason=(
-            f"the loader asks for a 4-bit model, then calls .{casts[0]}() with a dtype on it: transformers refuses "
-            "any dtype cast of a bitsandbytes model")).table())
+        _predicts(prediction, "quantized-cast", f"the loader asks for a 4-bit model, then calls .{casts[0]}() with a "
+                  "dtype on it: transformers refuses any dtype cast of a bitsandbytes model")
     return prediction._replace(reason=f"{'4-bit' if quantized else 'not quantized (the request was ignored)'}; "
                                f"casts after loading: {', '.join(casts) or 'none'}")
 
