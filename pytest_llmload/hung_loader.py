@@ -22,8 +22,6 @@ from pytest_llmload.surface import WAIT_OPTION
 # The start of the setup failure of the tests that did not wait (the main job groups them by it).
 FAILED_FAST = "the loader under test hung in "
 
-# The loader call's frame (pytest_llmload.loading.call_loader), as Python's tracebacks and faulthandler print it.
-_LOADER_FRAME = re.compile(r'loading\.py", line \d+,? in call_loader\b')
 _PYTEST_TIMEOUT = re.compile(r"Timeout \(>(\d+(?:\.\d+)?)s\) from pytest-timeout")
 _OWN_DEADLINE = re.compile(r"deadline (?:of )?(\d+(?:\.\d+)?) s\b")
 
@@ -49,7 +47,10 @@ def hang_in_loader(exc: BaseException, test: str) -> Optional[Hang]:
     """The :class:`Hang`, when ``exc`` (``test``'s failure) is a deadline that passed while the loader was being
     called; ``None`` for any other failure."""
     text = str(exc)
-    outcomes = getattr(exc, "outcomes", None) or ([exc.outcome] if hasattr(exc, "outcome") else None)
+    from pytest_llmload.loading import LOADER_FRAME
+    from pytest_llmload.runners.isolation import child_outcomes
+
+    outcomes = child_outcomes(exc)
     if outcomes is not None:
         # Children (an isolated check, ranks): a hang only where one was still running at its deadline and none
         # raised or died first (the others then wait on it, which is no hang of the loader's).
@@ -65,7 +66,7 @@ def hang_in_loader(exc: BaseException, test: str) -> Optional[Hang]:
         if found is None:
             return None
         where = text + "".join(traceback.format_tb(exc.__traceback__))
-    if not _LOADER_FRAME.search(where):
+    if not LOADER_FRAME.search(where):
         return None
     return Hang(test, float(found.group(1)) if found else None)
 

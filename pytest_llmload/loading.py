@@ -32,6 +32,10 @@ REFERENCE_SPEC = "pytest_llmload.reference_loader:load_model_and_tokenizer"
 
 _SPEC_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
+# The loader call's frame (:func:`call_loader`), as Python's tracebacks and faulthandler print it: where a stack
+# shows that a deadline passed inside the loader.
+LOADER_FRAME = re.compile(r'loading\.py", line \d+,? in call_loader\b')
+
 
 def _rebuilt(cls: type, message: str, state: dict) -> BaseException:
     exc = cls.__new__(cls)

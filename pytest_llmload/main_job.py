@@ -153,7 +153,7 @@ def _check_prediction_args(args: argparse.Namespace) -> None:
             if not name:
                 raise UsageError(f"--runner {args.runner!r} has an empty name; give profiles as NAME[,NAME].")
             profiles.load_profile(name)
-        architectures.load_config(args.model or "llama-3-8b")
+        architectures.load_config(args.model or architectures.DEFAULT)
     except (profiles.ProfileError, architectures.ArchitectureError) as exc:
         raise UsageError(str(exc)) from None
 

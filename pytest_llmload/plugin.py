@@ -186,20 +186,9 @@ def _read_configuration(config: pytest.Config) -> None:
         except pytest.UsageError as exc:
             raise pytest.UsageError(str(exc) if str(exc).startswith(source) else f"{source}: {exc}") from None
     _read_prediction(config)
-    declared = {}
-    for keyword in surface.TRAINING_DECLARATIONS:
-        _, ini, _ = surface.declaration_names(keyword)
-        option = config.getoption(f"llmload_{keyword}")
-        try:
-            declared[keyword] = bool(option if option is not None else config.getini(ini))
-        except (ValueError, pytest.UsageError) as exc:
-            raise pytest.UsageError(f"ini '{ini}': {exc}; use true or false.") from None
-    config.stash[declared_key] = declared
-    option = config.getoption("llmload_strict")
-    try:
-        config.stash[strict_key] = bool(option if option is not None else config.getini(surface.STRICT_INI))
-    except (ValueError, pytest.UsageError) as exc:  # pytest's own words name the value, not the key
-        raise pytest.UsageError(f"ini '{surface.STRICT_INI}': {exc}; use true or false.") from None
+    config.stash[declared_key] = {keyword: _flag(config, f"llmload_{keyword}", surface.declaration_names(keyword)[1])
+                                  for keyword in surface.TRAINING_DECLARATIONS}
+    config.stash[strict_key] = _flag(config, "llmload_strict", surface.STRICT_INI)
     if config.getoption("llmload_progress") and not hasattr(config, "workerinput"):
         from pytest_llmload import progress  # only the main job asks for it
 
@@ -235,11 +224,13 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     config = session.config
-    if config.stash.get(switched_on_key, False):  # after -m/-k deselection: what the run will really run
-        from pytest_llmload import markers
+    if not config.stash.get(switched_on_key, False):
+        return
+    from pytest_llmload import markers
 
-        markers.require_gpus(config, session.items, _require_gpus(config))
-    if config.stash.get(switched_on_key, False) and not config.stash.get(header_shown_key, False):
+    # After -m/-k deselection: what the run will really run.
+    markers.require_gpus(config, session.items, _flag(config, "llmload_require_gpus", surface.REQUIRE_GPUS_INI))
+    if not config.stash.get(header_shown_key, False):
         reporter = config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None and config.get_verbosity() >= 0:
             from pytest_llmload.header import header_lines
@@ -283,12 +274,13 @@ def _shorter_timeout_wins(config: pytest.Config, items: list[pytest.Item]) -> No
             item.add_marker(pytest.mark.timeout(asked), append=False)
 
 
-def _require_gpus(config: pytest.Config) -> bool:
-    option = config.getoption("llmload_require_gpus", None)
+def _flag(config: pytest.Config, dest: str, ini: str) -> bool:
+    """A true/false setting: the option (``dest``) where given, else the ini key ``ini``."""
+    option = config.getoption(dest, None)
     try:
-        return bool(option if option is not None else config.getini(surface.REQUIRE_GPUS_INI))
-    except (ValueError, pytest.UsageError) as exc:
-        raise pytest.UsageError(f"ini '{surface.REQUIRE_GPUS_INI}': {exc}; use true or false.") from None
+        return bool(option if option is not None else config.getini(ini))
+    except (ValueError, pytest.UsageError) as exc:  # pytest's own words name the value, not the key
+        raise pytest.UsageError(f"ini '{ini}': {exc}; use true or false.") from None
 
 
 def _require_the_stack(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -416,10 +408,11 @@ def _read_prediction(config: pytest.Config) -> None:
     if not runners:
         return
     source = surface.RUNNER_OPTION if option is not None else f"ini '{surface.RUNNER_INI}'"
-    model_option, model_ini = config.getoption("llmload_model"), config.getini(surface.MODEL_INI)
-    model = model_option or model_ini or "llama-3-8b"
-    model_source = surface.MODEL_OPTION if model_option else f"ini '{surface.MODEL_INI}'"
     from pytest_llmload.prediction import architectures, profiles
+
+    model_option, model_ini = config.getoption("llmload_model"), config.getini(surface.MODEL_INI)
+    model = model_option or model_ini or architectures.DEFAULT
+    model_source = surface.MODEL_OPTION if model_option else f"ini '{surface.MODEL_INI}'"
 
     try:
         loaded = tuple(profiles.load_profile(name.strip(), source=source) for name in runners.split(",") if name.strip())
@@ -461,13 +454,13 @@ def _describe_row(item: pytest.Item, check, report: pytest.TestReport) -> None:
 
 def _announce_result(item: pytest.Item, check, report: pytest.TestReport) -> None:
     """Call ``pytest_llmload_check_result`` (:mod:`pytest_llmload.hookspecs`) with the row's verdict."""
+    from pytest_llmload.failures.verdict import of_report
     from pytest_llmload.progress import check_name
 
-    props = dict(report.user_properties)
-    result = {"check": check_name(item.nodeid), "verdict": props.get("llmload_verdict"),
-              "failure": props.get("llmload_failure") or None, "guards": props.get("llmload_guards"),
-              "cause": props.get("llmload_cause"), "loader": props.get("llmload_loader"),
-              "note": props.get("llmload_note"), "sentence": props.get("llmload_sentence", "")}
+    props, judged = dict(report.user_properties), of_report(report)
+    result = {"check": check_name(item.nodeid), "verdict": judged["kind"], "failure": judged["failure"],
+              "guards": props.get("llmload_guards"), "cause": judged["cause"], "loader": props.get("llmload_loader"),
+              "note": props.get("llmload_note"), "sentence": judged["sentence"]}
     item.ihook.pytest_llmload_check_result(item=item, check=check, result=result)
 
 

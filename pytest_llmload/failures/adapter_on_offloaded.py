@@ -409,7 +409,7 @@ def check_adapter_on_offloaded_base(loader: Loader, checkpoint, workdir, *, devi
     facts = contract.observe(model, request)
     contract.require(bool(facts.offloaded), name, f"loaded the base {facts.where} under max_memory={budget}: nothing "
                      "was offloaded", "an adapter on an offloaded base")
-    contract.for_inference(model)
+    model.eval()  # as a server puts it before generating
     lora = _lora_parameters(model)
     on_meta = [n for n, p in lora if p.device.type == "meta"]
     read_adapter = any(os.path.realpath(p).startswith(os.path.realpath(adapter) + os.sep) for p in opened)

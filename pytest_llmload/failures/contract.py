@@ -17,7 +17,7 @@ What a scenario needs and the loader simply did not do (nothing offloaded, a 4-b
 an adapter_path never read) is a ``not exercised`` skip: :func:`require`, with :func:`observe`'s facts.
 
 The train/eval mode is not a premise: a check puts the model in the mode its consumer would (Trainer calls
-``model.train()``, a server ``model.eval()``), as :func:`for_training` / :func:`for_inference` do.
+``model.train()``, a server ``model.eval()``).
 """
 
 from __future__ import annotations
@@ -154,18 +154,6 @@ def note(text: str) -> None:
     notes = check_notes.get()
     if notes is not None:
         notes.append(text)
-
-
-def for_training(model: Any) -> Any:
-    """Train mode, as Trainer and every training loop put a model before its first step."""
-    model.train()
-    return model
-
-
-def for_inference(model: Any) -> Any:
-    """Eval mode, as a server or an evaluation harness puts a model before generating."""
-    model.eval()
-    return model
 
 
 def checkpoint_logits(logits: Any, request_or_vocab: Any) -> Any:

@@ -32,13 +32,13 @@ check catches loaders that spread it anyway (a memory budget, an explicit map); 
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Callable, Optional
+from unittest import mock
 
 from pytest_llmload.failures.base import Check, KnownFailure, not_exercised
 from pytest_llmload.failures import contract
@@ -327,7 +327,6 @@ def _pins_an_accelerator(device_map: Any) -> bool:
         for v in device_map.values())
 
 
-@contextlib.contextmanager
 def _pins_on_cpu():
     """``from_pretrained`` with every accelerator entry of an explicit ``device_map`` replaced by ``"cpu"``."""
     from transformers import PreTrainedModel
@@ -339,11 +338,7 @@ def _pins_on_cpu():
             kwargs["device_map"] = {name: "cpu" for name in kwargs["device_map"]}
         return original.__func__(klass, *args, **kwargs)
 
-    PreTrainedModel.from_pretrained = classmethod(on_cpu)
-    try:
-        yield
-    finally:
-        PreTrainedModel.from_pretrained = original
+    return mock.patch.object(PreTrainedModel, "from_pretrained", classmethod(on_cpu))
 
 
 def _prepare_and_step(model, calls: list, checkpoint: str, request: LoadRequest, mode: str, backend: str,

@@ -34,6 +34,7 @@ import functools
 import logging
 import re
 import traceback
+from unittest import mock
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -168,8 +169,6 @@ def record_cast_refusals(refused: list):
     even one the loader catches: the mechanism is the cast, seen where it happens."""
     from transformers import PreTrainedModel
 
-    originals = {name: getattr(PreTrainedModel, name) for name in _CASTS if name in vars(PreTrainedModel)}
-
     def spying(original):
         @functools.wraps(original)
         def cast(self, *args, **kwargs):
@@ -181,13 +180,10 @@ def record_cast_refusals(refused: list):
                 raise
         return cast
 
-    for name, original in originals.items():
-        setattr(PreTrainedModel, name, spying(original))
-    try:
+    with contextlib.ExitStack() as patches:
+        for name in (n for n in _CASTS if n in vars(PreTrainedModel)):
+            patches.enter_context(mock.patch.object(PreTrainedModel, name, spying(getattr(PreTrainedModel, name))))
         yield
-    finally:
-        for name, original in originals.items():
-            setattr(PreTrainedModel, name, original)
 
 
 def dtype_problems(model, quantization: str, dtype: str) -> list[str]:

@@ -22,7 +22,6 @@ BUG_REPORT = "https://github.com/pytest-llmload/pytest-llmload/issues"
 VERDICT_PROPERTY, FAILURE_PROPERTY, CAUSE_PROPERTY, SENTENCE_PROPERTY = (
     "llmload_verdict", "llmload_failure", "llmload_cause", "llmload_sentence")
 
-_LOADER_FRAME = re.compile(r'loading\.py", line \d+,? in call_loader\b')
 _OWN_FRAME = re.compile(r'File "([^"]*pytest_llmload[/\\][^"]+)", line (\d+), in (\w+)')
 
 
@@ -40,11 +39,12 @@ class Verdict(NamedTuple):
 def of_exception(exc: BaseException, failure: Any) -> Optional[Verdict]:
     """The verdict of a check guarding ``failure`` (a :class:`~.base.KnownFailure`) that raised ``exc``; ``None``
     for an outcome that is not a failure (a skip)."""
-    from pytest_llmload.loading import LoaderContractError, LoaderError, LoaderModelError
+    from pytest_llmload.loading import LOADER_FRAME, LoaderContractError, LoaderError, LoaderModelError
+    from pytest_llmload.runners.isolation import child_outcomes
 
     if _is_skip(exc):
         return None
-    outcomes = getattr(exc, "outcomes", None) or ([exc.outcome] if hasattr(exc, "outcome") else None)
+    outcomes = child_outcomes(exc)
     if outcomes is not None:  # an isolated child or the ranks: judge what they raised, then how they ended
         return _of_children(exc, outcomes, failure)
     if type(exc).__name__ == "ChildError":  # raised in a child, did not pickle: its type is the message's head
@@ -60,7 +60,7 @@ def of_exception(exc: BaseException, failure: Any) -> Optional[Verdict]:
     if isinstance(exc, LoaderModelError):
         return Verdict("error", None, "model", _first_line(exc))
     if _is_timeout(exc):
-        in_loader = _LOADER_FRAME.search(str(exc) + "".join(traceback.format_tb(exc.__traceback__))) is not None
+        in_loader = LOADER_FRAME.search(str(exc) + "".join(traceback.format_tb(exc.__traceback__))) is not None
         return _hang(failure, in_loader, _first_line(exc))
     if type(exc).__name__ == "PredictedFailure":  # a prediction for a runner this machine is not: never observed
         return Verdict("predicted", getattr(exc, "failure", None), "prediction", _head(exc))
@@ -70,6 +70,8 @@ def of_exception(exc: BaseException, failure: Any) -> Optional[Verdict]:
 
 
 def _of_children(exc: BaseException, outcomes: list, failure: Any) -> Verdict:
+    from pytest_llmload.loading import LOADER_FRAME
+
     verdicts = []
     for o in outcomes:
         if o.status == "raised" and isinstance(o.exception, BaseException):
@@ -86,7 +88,7 @@ def _of_children(exc: BaseException, outcomes: list, failure: Any) -> Verdict:
         return Verdict("error", None, "check", f"{_first_line(exc)} (report it: {BUG_REPORT})")
     hung = [o for o in outcomes if o.status == "hung"]
     if hung:
-        in_loader = any(_LOADER_FRAME.search(o.stacks or "") for o in hung)
+        in_loader = any(LOADER_FRAME.search(o.stacks or "") for o in hung)
         return _hang(failure, in_loader, _first_line(exc))
     return Verdict("error", None, "died", _first_line(exc))
 

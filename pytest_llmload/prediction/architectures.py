@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 SHIPPED = Path(__file__).parent / "architectures"
+DEFAULT = "llama-3-8b"  # the predictions' architecture where --model (or the ini key) names none
 
 
 class ArchitectureError(ValueError):

@@ -16,6 +16,7 @@ import json
 import os
 import time
 import types
+from unittest import mock
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -96,14 +97,11 @@ class _PlacementRefused(BaseException):
         self.refusal = refusal
 
 
-@contextlib.contextmanager
 def _from_pretrained_intercepted(calls: list, stand_in: Optional[Callable[[dict], Any]] = None):
     """``from_pretrained`` records its arguments and stops the loader there: nothing is read or allocated. With
     ``stand_in``, it returns ``stand_in(kwargs)`` instead (an empty model placed as planned), so that what the loader
     does after loading can be seen."""
     from transformers import PreTrainedModel
-
-    original = PreTrainedModel.__dict__["from_pretrained"]
 
     def stop(klass, *args, **kwargs):
         calls.append({"class": klass.__name__, **kwargs})
@@ -111,11 +109,7 @@ def _from_pretrained_intercepted(calls: list, stand_in: Optional[Callable[[dict]
             return stand_in(kwargs)
         raise _Intercepted()
 
-    PreTrainedModel.from_pretrained = classmethod(stop)
-    try:
-        yield
-    finally:
-        PreTrainedModel.from_pretrained = original
+    return mock.patch.object(PreTrainedModel, "from_pretrained", classmethod(stop))
 
 
 # What a loader may do to the model after loading, recorded on the stand-in instead of done (method: what it asks).
@@ -124,12 +118,11 @@ _MOVES_AND_CASTS = ("to", "cuda", "cpu", "half", "float", "bfloat16")
 
 @contextlib.contextmanager
 def _after_loading_recorded(seen: list):
-    """Moves, casts and adapters the loader applies to the stand-in, recorded (and skipped: the stand-in is on
-    meta). peft's ``PeftModel.from_pretrained`` and ``load_adapter`` return the model as it is."""
+    """Moves, casts, adapters and test generations the loader applies to the stand-in, recorded (and skipped: the
+    stand-in is on meta). peft's ``PeftModel.from_pretrained`` and ``load_adapter`` return the model as it is."""
     import torch
     from transformers import PreTrainedModel
-
-    saved = {name: PreTrainedModel.__dict__.get(name) for name in (*_MOVES_AND_CASTS, "load_adapter")}
+    from transformers.generation import GenerationMixin
 
     def recorder(name):
         def record(self, *args, **kwargs):
@@ -138,76 +131,35 @@ def _after_loading_recorded(seen: list):
             return self
         return record
 
-    for name in saved:
-        setattr(PreTrainedModel, name, recorder(name))
-    from transformers.generation import GenerationMixin
-
-    generate = GenerationMixin.__dict__["generate"]
-
     def warm_up(self, *args, **kwargs):  # a loader's test generation: recorded, as on the runner it would run
         seen.append(("generate", None, args, kwargs))
         return kwargs.get("input_ids", args[0] if args else None)
 
-    GenerationMixin.generate = warm_up
-    peft_saved = None
-    with contextlib.suppress(ImportError):
-        from peft import PeftModel
+    def adapter(klass, model, *args, **kwargs):
+        seen.append(("PeftModel.from_pretrained", None, args, kwargs))
+        return model
 
-        peft_saved = PeftModel.__dict__["from_pretrained"]
-
-        def adapter(klass, model, *args, **kwargs):
-            seen.append(("PeftModel.from_pretrained", None, args, kwargs))
-            return model
-
-        PeftModel.from_pretrained = classmethod(adapter)
-    try:
-        yield
-    finally:
-        for name, original in saved.items():
-            if original is None:
-                delattr(PreTrainedModel, name)
-            else:
-                setattr(PreTrainedModel, name, original)
-        GenerationMixin.generate = generate
-        if peft_saved is not None:
+    with contextlib.ExitStack() as patches:
+        for name in (*_MOVES_AND_CASTS, "load_adapter"):
+            patches.enter_context(mock.patch.object(PreTrainedModel, name, recorder(name), create=True))
+        patches.enter_context(mock.patch.object(GenerationMixin, "generate", warm_up))
+        with contextlib.suppress(ImportError):
             from peft import PeftModel
 
-            PeftModel.from_pretrained = peft_saved
+            patches.enter_context(mock.patch.object(PeftModel, "from_pretrained", classmethod(adapter)))
+        yield
 
 
-@contextlib.contextmanager
 def _cuda_reports(profile: RunnerProfile):
     """``torch.cuda`` answers as the runner's would: its GPUs, their total memory, all of it free."""
     import torch
 
     props = types.SimpleNamespace(total_memory=profile.device_memory, name=profile.device or "GPU", major=9, minor=0,
                                   multi_processor_count=132)
-    fakes = {"is_available": lambda: profile.devices > 0, "device_count": lambda: profile.devices,
-             "mem_get_info": lambda device=None: (profile.device_memory, profile.device_memory),
-             "get_device_properties": lambda device=None: props,
-             "get_device_name": lambda device=None: props.name}
-    saved = {name: getattr(torch.cuda, name) for name in fakes}
-    for name, fake in fakes.items():
-        setattr(torch.cuda, name, fake)
-    try:
-        yield
-    finally:
-        for name, real in saved.items():
-            setattr(torch.cuda, name, real)
-
-
-@contextlib.contextmanager
-def _environment(values: dict):
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update({key: str(value) for key, value in values.items()})
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    return mock.patch.multiple(
+        torch.cuda, is_available=lambda: profile.devices > 0, device_count=lambda: profile.devices,
+        mem_get_info=lambda device=None: (profile.device_memory, profile.device_memory),
+        get_device_properties=lambda device=None: props, get_device_name=lambda device=None: props.name)
 
 
 @contextlib.contextmanager
@@ -259,7 +211,8 @@ def run_loader(loader: Callable, request: LoadRequest, profile: RunnerProfile, *
     calls: list = []
     context = _zero3_enabled() if zero3 else contextlib.nullcontext()
     recorded = _after_loading_recorded(after) if after is not None else contextlib.nullcontext()
-    with _environment(env or {}), context, _cuda_reports(profile), _from_pretrained_intercepted(calls, stand_in), \
+    environment = mock.patch.dict(os.environ, {key: str(value) for key, value in (env or {}).items()})
+    with environment, context, _cuda_reports(profile), _from_pretrained_intercepted(calls, stand_in), \
             recorded:
         try:
             loader(request)

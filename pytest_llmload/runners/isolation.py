@@ -82,6 +82,12 @@ class ChildOutcome:
         return f"<ChildOutcome {self.label} pid={self.pid} {self.status}>"
 
 
+def child_outcomes(exc: BaseException):
+    """The :class:`ChildOutcome` list behind ``exc`` when children ran it (an isolated call's
+    :class:`IsolationFailed`, the ranks' ``DistributedRunFailed``); ``None`` for an exception of this process."""
+    return getattr(exc, "outcomes", None) or ([exc.outcome] if hasattr(exc, "outcome") else None)
+
+
 def describe_exitcode(code) -> str:
     """``killed by SIGKILL (exit code -9)`` / ``exit code 3``, as multiprocessing reports a process's end."""
     if code is None:
