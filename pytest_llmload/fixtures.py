@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Callable
 import pytest
 
 from pytest_llmload.keys import declared_key, hook_choice_key
-from pytest_llmload.surface import PURPOSES_INI
 
 if TYPE_CHECKING:
     from pytest_llmload.loading import LoaderUnderTest, LoadResult
@@ -63,6 +62,7 @@ def llmload_checkpoint(llmload_checkpoint_factory) -> Path:
 def llmload_loader(request, llmload_offline) -> LoaderUnderTest:
     """The loader under test (``--llmload-loader``, ``$PYTEST_LLMLOAD_LOADER``, ini ``llmload_loader``,
     else the built-in reference loader), called as ``llmload_loader(LoadRequest) -> LoadResult``."""
+    from pytest_llmload import settings
     from pytest_llmload.loading import (
         LoaderSpecError, as_loader_under_test, chosen_loader, import_loader, parse_purposes)
 
@@ -72,10 +72,11 @@ def llmload_loader(request, llmload_offline) -> LoaderUnderTest:
     except LoaderSpecError as exc:  # normally caught at collection; here for plugins loaded by hand
         pytest.fail(str(exc), pytrace=False)
     loader = as_loader_under_test(function, name=choice.spec, source=choice.source)
-    declared = request.config.getini(PURPOSES_INI)
+    declared = settings.given(request.config, "loader_purposes")
     if declared:
         try:
-            loader = loader._replace(purposes=parse_purposes(declared, f"ini '{PURPOSES_INI}'"))
+            loader = loader._replace(purposes=parse_purposes(settings.value(request.config, "loader_purposes"),
+                                                             declared[1]))
         except LoaderSpecError as exc:
             pytest.fail(str(exc), pytrace=False)
     return loader

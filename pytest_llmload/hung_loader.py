@@ -17,6 +17,7 @@ from typing import NamedTuple, Optional
 
 import pytest
 
+from pytest_llmload import settings
 from pytest_llmload.surface import WAIT_OPTION
 
 # The start of the setup failure of the tests that did not wait (the main job groups them by it).
@@ -74,7 +75,7 @@ def hang_in_loader(exc: BaseException, test: str) -> Optional[Hang]:
 def fail_if_hung_before(item: pytest.Item) -> None:
     """At setup, after the skips (a check that would skip still skips), before the fixtures."""
     hang = item.config.stash.get(hang_key, None)
-    if hang is not None and _uses_loader(item) and not item.config.getoption("llmload_wait_after_hang", False):
+    if hang is not None and _uses_loader(item) and not settings.value(item.config, "wait_after_hang"):
         pytest.fail(hang.message(), pytrace=False)
 
 

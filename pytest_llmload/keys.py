@@ -12,6 +12,7 @@ import pytest
 loader_choice_key = pytest.StashKey["LoaderChoice"]()
 hook_choice_key = pytest.StashKey["LoaderChoice | None"]()  # the training-args hook configured, if any
 prediction_key = pytest.StashKey[tuple]()  # (runner profiles, (model name, config)) the predictions run for
+checks_key = pytest.StashKey[tuple]()  # every check of the run: built-in, installed extensions, the `checks` setting
 declared_key = pytest.StashKey[dict]()  # the training declarations the run set (surface.TRAINING_DECLARATIONS): True
 
 # The options the configuration gives the check a test runs (set by the plugin around the call of a test with a

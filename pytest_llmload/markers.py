@@ -8,7 +8,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import pytest
 
 from pytest_llmload import gpus
-from pytest_llmload.surface import DEEPSPEED_MARKER, GPU_FIXTURES_INI
+from pytest_llmload.surface import DEEPSPEED_MARKER
 
 BUILTIN_GPU_FIXTURES = ("gpu_model",)
 
@@ -99,7 +99,9 @@ def check_flag_markers(item: pytest.Item) -> None:
 
 
 def gpu_fixture_names(config: pytest.Config) -> set[str]:
-    return set(BUILTIN_GPU_FIXTURES) | set(config.getini(GPU_FIXTURES_INI))
+    from pytest_llmload import settings
+
+    return set(BUILTIN_GPU_FIXTURES) | set(settings.value(config, "gpu_fixtures"))
 
 
 def gpu_fixture_used(item: pytest.Item, gpu_fixtures: set[str]) -> Optional[str]:

@@ -36,7 +36,7 @@ from pytest_llmload.fixtures import (  # noqa: F401  (pytest discovers fixtures 
     llmload_tokenizer,
     lora_model,
 )
-from pytest_llmload.keys import declared_key, hook_choice_key, loader_choice_key, prediction_key
+from pytest_llmload.keys import checks_key, declared_key, hook_choice_key, loader_choice_key, prediction_key
 
 # The sub-plugins, by module name: their hooks only (every option, ini key and marker is declared here).
 SUB_PLUGINS = (
@@ -53,8 +53,6 @@ LAUNCHER = "pytest_llmload.runners.launcher"  # under torchrun/srun/mpirun: dist
 _FIXTURE_ROOTS = ("llmload_offline", "llmload_device", "llmload_check_options")
 _MARKERS = frozenset({"needs_gpus", "gpu", surface.DEEPSPEED_MARKER, surface.ISOLATED_MARKER,
                       surface.MEMORY_LIMIT_MARKER})
-_INI_KEYS = (*(value for name, value in vars(surface).items() if name.endswith("_INI")),  # all declared below
-             *(surface.declaration_names(keyword)[1] for keyword in surface.TRAINING_DECLARATIONS))
 
 switched_on_key = pytest.StashKey[bool]()
 header_shown_key = pytest.StashKey[bool]()
@@ -68,42 +66,9 @@ def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    group = parser.getgroup("llmload", "pytest-llmload: Hugging Face model-loading regression checks")
-    group.addoption(surface.LOADER_OPTION, dest="llmload_loader", metavar="MODULE:FUNCTION",
-                    help=surface.LOADER_HELP)
-    parser.addini(surface.LOADER_INI, help=surface.LOADER_HELP, default=None)
-    group.addoption(surface.HOOK_OPTION, dest="llmload_training_args_hook", metavar="MODULE:FUNCTION",
-                    help=surface.HOOK_HELP)
-    parser.addini(surface.HOOK_INI, help=surface.HOOK_HELP, default=None)
-    for keyword in surface.TRAINING_DECLARATIONS:
-        _, ini, option = surface.declaration_names(keyword)
-        group.addoption(option, dest=f"llmload_{keyword}", action="store_true", default=None,
-                        help=surface.declaration_help(keyword))
-        parser.addini(ini, help=surface.declaration_help(keyword), type="bool", default=False)
-    parser.addini(surface.PURPOSES_INI, help=surface.PURPOSES_HELP, type="linelist", default=[])
-    group.addoption(surface.RUNNER_OPTION, dest="llmload_runner", metavar="PROFILE[,PROFILE]",
-                    help=surface.RUNNER_HELP)
-    parser.addini(surface.RUNNER_INI, help=surface.RUNNER_HELP, default=None)
-    group.addoption(surface.MODEL_OPTION, dest="llmload_model", metavar="NAME|CONFIG", help=surface.MODEL_HELP)
-    parser.addini(surface.MODEL_INI, help=surface.MODEL_HELP, default=None)
-    parser.addini(surface.GPU_FIXTURES_INI, help=surface.GPU_FIXTURES_HELP, type="linelist", default=[])
-    parser.addini(surface.EXPECTED_FAILURES_INI, type="linelist", default=[], help=surface.EXPECTED_FAILURES_HELP)
-    group.addoption("--llmload-progress", dest="llmload_progress", metavar="PATH", help=surface.PROGRESS_FILE_HELP)
-    group.addoption("--llmload-strict", dest="llmload_strict", action="store_true", default=None,
-                    help=surface.STRICT_HELP)
-    parser.addini(surface.STRICT_INI, type="bool", default=False, help=surface.STRICT_HELP)
-    group.addoption(surface.PHASE_PROGRESS_OPTION, dest="llmload_phase_progress", metavar="SECONDS",
-                    help=surface.PHASE_PROGRESS_HELP)
-    parser.addini(surface.PHASE_PROGRESS_INI, help=surface.PHASE_PROGRESS_HELP, default=None)
-    parser.addini(surface.NEAR_DEADLINE_INI, help=surface.NEAR_DEADLINE_HELP, default=None)
-    group.addoption(surface.WAIT_OPTION, dest="llmload_wait_after_hang", action="store_true", default=False,
-                    help=surface.WAIT_HELP)
-    group.addoption(surface.REQUIRE_GPUS_OPTION, dest="llmload_require_gpus", action="store_true", default=None,
-                    help=surface.REQUIRE_GPUS_HELP)
-    parser.addini(surface.REQUIRE_GPUS_INI, help=surface.REQUIRE_GPUS_HELP, type="bool", default=False)
-    group.addoption(surface.GPUS_PER_WORKER_OPTION, dest="llmload_gpus_per_worker", metavar="K|off",
-                    help=surface.GPUS_PER_WORKER_HELP)
-    parser.addini(surface.GPUS_PER_WORKER_INI, help=surface.GPUS_PER_WORKER_HELP, default=None)
+    from pytest_llmload import settings
+
+    settings.register(parser)
 
 
 def switch_on(config: pytest.Config, *modules: str) -> None:
@@ -124,19 +89,10 @@ def _under_xdist_controller(config: pytest.Config) -> bool:
 
 
 def _configured(config: pytest.Config) -> bool:
-    """Any of the plugin's options, ini keys or ``$PYTEST_LLMLOAD_LOADER`` set in this run."""
-    if surface.LOADER_ENV in os.environ:
-        return True
-    if any(value not in (None, False) for name, value in vars(config.option).items() if name.startswith("llmload_")):
-        return True
-    return any(_ini_set(config, key) for key in _INI_KEYS)
+    """Any of the plugin's settings (an option, an ini key, ``$PYTEST_LLMLOAD_LOADER``) given in this run."""
+    from pytest_llmload import settings
 
-
-def _ini_set(config: pytest.Config, key: str) -> bool:
-    try:
-        return config.getini(key) not in (None, "", [], False)
-    except (ValueError, pytest.UsageError):  # set, to something wrong: reading it again says so
-        return True
+    return settings.any_given(config)
 
 
 @pytest.hookimpl(wrapper=True)  # before xdist's own (tryfirst) one, which asks xdist_gpus for `-n auto`'s count
@@ -165,38 +121,51 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _read_configuration(config: pytest.Config) -> None:
-    from pytest_llmload import loading
+    """Every setting read once at configure: a bad value is one usage error before any test runs."""
+    from pytest_llmload import loading, settings
 
     try:
         config.stash[loader_choice_key] = loading.choose_loader(
             config.getoption("llmload_loader"), os.environ, config.getini(surface.LOADER_INI))
         config.stash[hook_choice_key] = loading.choose_training_args_hook(
             config.getoption("llmload_training_args_hook"), config.getini(surface.HOOK_INI))
-        if config.getini(surface.PURPOSES_INI):
-            loading.parse_purposes(config.getini(surface.PURPOSES_INI), f"ini '{surface.PURPOSES_INI}'")
+        purposes = settings.given(config, "loader_purposes")
+        if purposes:
+            loading.parse_purposes(settings.value(config, "loader_purposes"), purposes[1])
     except loading.LoaderSpecError as exc:
         raise pytest.UsageError(str(exc)) from None
-    if config.getini(surface.EXPECTED_FAILURES_INI):  # a usage error here, not a collection error of the suite
+    extra = settings.given(config, "checks")
+    if extra:  # the repo's own checks, this run: a spec that gives none is a usage error now
+        from pytest_llmload.extensions import ExtensionError, every_check
+
+        try:
+            config.stash[checks_key] = every_check(settings.value(config, "checks"), extra[1])
+        except ExtensionError as exc:
+            raise pytest.UsageError(str(exc)) from None
+    expected = settings.given(config, "expected_failed_checks")
+    if expected:  # a usage error here, not a collection error of the suite
         from pytest_llmload.conformance import check_params, parse_expected_failures
 
-        source = f"ini '{surface.EXPECTED_FAILURES_INI}'"
+        source = expected[1]
         try:
-            check_params(expected_failed_checks=parse_expected_failures(
-                config.getini(surface.EXPECTED_FAILURES_INI), source))
+            check_params(checks=config.stash.get(checks_key, None), expected_failed_checks=parse_expected_failures(
+                settings.value(config, "expected_failed_checks"), source))
         except pytest.UsageError as exc:
             raise pytest.UsageError(str(exc) if str(exc).startswith(source) else f"{source}: {exc}") from None
+    for key in ("phase_progress_seconds", "near_deadline", "gpus_per_worker", "wait_after_hang", "require_gpus",
+                "html"):
+        settings.value(config, key)  # parsed now, read where used
     _read_prediction(config)
-    config.stash[declared_key] = {keyword: _flag(config, f"llmload_{keyword}", surface.declaration_names(keyword)[1])
-                                  for keyword in surface.TRAINING_DECLARATIONS}
-    config.stash[strict_key] = _flag(config, "llmload_strict", surface.STRICT_INI)
-    if config.getoption("llmload_progress") and not hasattr(config, "workerinput"):
+    config.stash[declared_key] = {keyword: settings.value(config, keyword) for keyword in surface.TRAINING_DECLARATIONS}
+    config.stash[strict_key] = settings.value(config, "strict")
+    path = settings.value(config, "progress")
+    if path and not hasattr(config, "workerinput"):
         from pytest_llmload import progress  # only the main job asks for it
 
-        path = config.getoption("llmload_progress")
         try:
             writer = progress.ProgressWriter(path)
         except OSError as exc:
-            raise pytest.UsageError(f"--llmload-progress {path!r} cannot be opened for appending "
+            raise pytest.UsageError(f"{settings.given(config, 'progress')[1]} {path!r} cannot be opened for appending "
                                     f"({type(exc).__name__}: {exc.strerror}); name a file in a directory that "
                                     "exists.") from None
         config.stash[progress.progress_key] = writer
@@ -226,10 +195,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     config = session.config
     if not config.stash.get(switched_on_key, False):
         return
-    from pytest_llmload import markers
+    from pytest_llmload import markers, settings
 
     # After -m/-k deselection: what the run will really run.
-    markers.require_gpus(config, session.items, _flag(config, "llmload_require_gpus", surface.REQUIRE_GPUS_INI))
+    markers.require_gpus(config, session.items, settings.value(config, "require_gpus"))
     if not config.stash.get(header_shown_key, False):
         reporter = config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None and config.get_verbosity() >= 0:
@@ -274,15 +243,6 @@ def _shorter_timeout_wins(config: pytest.Config, items: list[pytest.Item]) -> No
             item.add_marker(pytest.mark.timeout(asked), append=False)
 
 
-def _flag(config: pytest.Config, dest: str, ini: str) -> bool:
-    """A true/false setting: the option (``dest``) where given, else the ini key ``ini``."""
-    option = config.getoption(dest, None)
-    try:
-        return bool(option if option is not None else config.getini(ini))
-    except (ValueError, pytest.UsageError) as exc:  # pytest's own words name the value, not the key
-        raise pytest.UsageError(f"ini '{ini}': {exc}; use true or false.") from None
-
-
 def _require_the_stack(config: pytest.Config, items: list[pytest.Item]) -> None:
     """A bare install (no extras) running tests that load models: one usage error naming the extra, not an error
     row per test saying ``No module named 'torch'``."""
@@ -298,7 +258,9 @@ def _require_the_stack(config: pytest.Config, items: list[pytest.Item]) -> None:
 
 
 def _uses_llmload(config: pytest.Config, items: list[pytest.Item]) -> bool:
-    roots = {*_FIXTURE_ROOTS, *config.getini(surface.GPU_FIXTURES_INI)}
+    from pytest_llmload import settings
+
+    roots = {*_FIXTURE_ROOTS, *settings.value(config, "gpu_fixtures")}
     if any(roots.intersection(getattr(item, "fixturenames", ()))
            or any(mark.name in _MARKERS for mark in item.iter_markers()) for item in items):
         return True
@@ -403,16 +365,15 @@ def pytest_runtest_call(item: pytest.Item):
 def _read_prediction(config: pytest.Config) -> None:
     """The runner profiles and the architecture of ``--llmload-runner``/``--llmload-model`` (or their ini keys),
     read at configure: a bad name or file is one usage error."""
-    option, ini = config.getoption("llmload_runner"), config.getini(surface.RUNNER_INI)
-    runners = option if option is not None else ini
+    from pytest_llmload import settings
+
+    runners = settings.given(config, "runner")
     if not runners:
         return
-    source = surface.RUNNER_OPTION if option is not None else f"ini '{surface.RUNNER_INI}'"
     from pytest_llmload.prediction import architectures, profiles
 
-    model_option, model_ini = config.getoption("llmload_model"), config.getini(surface.MODEL_INI)
-    model = model_option or model_ini or architectures.DEFAULT
-    model_source = surface.MODEL_OPTION if model_option else f"ini '{surface.MODEL_INI}'"
+    runners, source = runners
+    model, model_source = settings.given(config, "model") or (architectures.DEFAULT, "the default")
 
     try:
         loaded = tuple(profiles.load_profile(name.strip(), source=source) for name in runners.split(",") if name.strip())

@@ -11,27 +11,41 @@ One naming rule: every option, ini key, marker and fixture starts with ``llmload
 pytest-memray's ``limit_memory``.
 """
 
-# --- the loader under test (pytest_llmload.loading) ------------------------------------------------------
+from typing import NamedTuple
+
+
+class Setting(NamedTuple):
+    """One setting, declared once: the option ``--llmload-<key with dashes>`` and the ini key ``llmload_<key>``
+    (pytest-timeout's pairing), the same help, one type. The option wins over the ini key; :mod:`pytest_llmload.settings`
+    registers and reads every one."""
+
+    key: str
+    kind: str  # text | path | bool | lines | seconds | fraction | gpus: how the value is parsed (settings.PARSERS)
+    help: str
+    metavar: str = ""
+    default: object = None
+    aliases: tuple = ()  # older spellings of the option, still accepted
+    env: str = ""  # an environment variable read between the option and the ini key
+
+    @property
+    def option(self) -> str:
+        return "--llmload-" + self.key.replace("_", "-")
+
+    @property
+    def ini(self) -> str:
+        return "llmload_" + self.key
+
+    @property
+    def dest(self) -> str:
+        return "llmload_" + self.key
+
+
 LOADER_ENV = "PYTEST_LLMLOAD_LOADER"
-LOADER_INI = "llmload_loader"
-LOADER_OPTION = "--llmload-loader"
-LOADER_HELP = (
-    "the loader under test, as 'module:function' (a callable taking a pytest_llmload.LoadRequest and "
-    f"returning a model or (model, tokenizer)). Precedence: {LOADER_OPTION}, ${LOADER_ENV}, ini '{LOADER_INI}'. "
-    "Default: the built-in reference loader."
-)
 HOOK_ATTRIBUTE = "llmload_training_args_hook"
-HOOK_INI = "llmload_training_args_hook"
-HOOK_OPTION = "--llmload-training-args-hook"
-HOOK_HELP = (
-    "your training script's hook, as 'module:function', called as hook(training_args, model) between "
-    "TrainingArguments and Trainer(...) (pytest_llmload.trainer_guard:prepare_training_args_for_placed_model is one). "
-    f"The Trainer check runs Trainer as transformers ships it, with this hook. Precedence: {HOOK_OPTION}, ini "
-    f"'{HOOK_INI}', the loader function's attribute {HOOK_ATTRIBUTE}; default: none (stock Trainer)."
-)
-# How the repo trains, declared once each by a loader attribute, an ini key and an option of the same name (the
-# option as --llmload-trains-...): what a training check's keyword is called, and the help. A check that takes the
-# keyword skips "not exercised" when its scenario is not how the repo trains.
+PURPOSES_ATTRIBUTE = "llmload_purposes"
+# How the repo trains, declared by a loader attribute, an ini key and an option of the same name (the option as
+# --llmload-trains-...): what a training check's keyword is called, and the help. A check that takes the keyword
+# skips "not exercised" when its scenario is not how the repo trains.
 TRAINING_DECLARATIONS = {
     "trains_without_trainer": (
         "this repo's training never hands the model to transformers.Trainer (a custom loop, accelerate, FSDP or "
@@ -49,47 +63,90 @@ def declaration_names(keyword: str) -> tuple[str, str, str]:
     return f"llmload_{keyword}", f"llmload_{keyword}", "--llmload-" + keyword.replace("_", "-")
 
 
-def declaration_help(keyword: str) -> str:
-    attribute, ini, option = declaration_names(keyword)
-    return (f"declare that {TRAINING_DECLARATIONS[keyword]} Precedence: {option}, ini '{ini}' (true/false), the loader "
-            f"function's attribute {attribute} = True.")
+SETTINGS = (
+    # --- the loader under test (pytest_llmload.loading)
+    Setting("loader", "text", metavar="MODULE:FUNCTION", env=LOADER_ENV, help=(
+        "the loader under test, as 'module:function' (a callable taking a pytest_llmload.LoadRequest and "
+        f"returning a model or (model, tokenizer)); between the option and the ini key, ${LOADER_ENV}. "
+        "Default: the built-in reference loader.")),
+    Setting("training_args_hook", "text", metavar="MODULE:FUNCTION", help=(
+        "your training script's hook, as 'module:function', called as hook(training_args, model) between "
+        "TrainingArguments and Trainer(...) (pytest_llmload.trainer_guard:prepare_training_args_for_placed_model is one). "
+        f"The Trainer check runs Trainer as transformers ships it, with this hook. After the ini key, the loader "
+        f"function's attribute {HOOK_ATTRIBUTE}; default: none (stock Trainer).")),
+    *(Setting(keyword, "bool", help=(f"declare that {text} After the ini key, the loader function's attribute "
+                                      f"llmload_{keyword} = True."))
+      for keyword, text in TRAINING_DECLARATIONS.items()),
+    Setting("loader_purposes", "lines", metavar="PURPOSE", help=(
+        "what the loader under test is for: inference and/or train (default: both; the option may be repeated, "
+        "the ini key takes one a line). Checks of the other purpose skip, saying so. After the ini key, the loader "
+        f"function's attribute: load.{PURPOSES_ATTRIBUTE} = ('inference',).")),
+    # --- verdicts (pytest_llmload.plugin, pytest_llmload.conformance)
+    Setting("strict", "bool", help=(
+        "count a check that could not judge the loader (skipped 'not exercised: ...', e.g. nothing was offloaded, "
+        "the 4-bit request was ignored) as a failure.")),
+    Setting("expected_failed_checks", "lines", metavar="'CHECK: REASON'", help=(
+        "known gaps of the configured loader, one 'check_name: reason' each (the option may be repeated, the ini "
+        "key takes one a line): the shipped suite (pytest --pyargs pytest_llmload.suite) runs them as strict "
+        "xfails.")),
+    Setting("checks", "lines", metavar="MODULE:ATTRIBUTE", help=(
+        "more checks to run beside the built-in ones: 'module:attribute' naming a pytest_llmload.Check or a list "
+        "of them (the option may be repeated, the ini key takes one a line). Packages can also publish checks "
+        "through the entry-point group 'pytest_llmload.checks'.")),
+    Setting("progress", "path", metavar="PATH",
+            help="append one JSON line per test outcome to PATH (used by 'python -m pytest_llmload')."),
+    # --- predictions for runners this machine is not (pytest_llmload.prediction)
+    Setting("runner", "text", metavar="PROFILE[,PROFILE]", help=(
+        "predict the checks' scenarios on these runner profiles (comma-separated: shipped names like 8xH100-80GB, "
+        "or paths to profile .json files): the rows say what the loader would do there, marked PREDICTED.")),
+    Setting("model", "text", metavar="NAME|CONFIG", help=(
+        "the architecture the predictions load, at full size without weights: a shipped name (llama-3-70b, ...) "
+        "or a local config.json. Default llama-3-8b.")),
+    # --- GPUs (pytest_llmload.markers, pytest_llmload.runners.xdist_gpus)
+    Setting("gpu_fixtures", "lines", metavar="FIXTURE", help=(
+        "extra fixture names that need a GPU: tests using them are marked 'gpu' (default: gpu_model; the option may "
+        "be repeated, the ini key takes one a line).")),
+    Setting("require_gpus", "bool", help=(
+        "fail the run, instead of skipping every GPU test, when it selects GPU tests and sees no GPU (a GPU runner "
+        "whose driver or CUDA_VISIBLE_DEVICES is broken).")),
+    Setting("gpus_per_worker", "gpus", metavar="K|off", help=(
+        "under pytest -n N on a machine with GPUs: how many GPUs each xdist worker holds (its own "
+        "CUDA_VISIBLE_DEVICES; default: the visible GPUs divided by N), or 'off' to let every worker see every "
+        "GPU.")),
+    # --- diagnostics (pytest_llmload.diagnostics.report)
+    Setting("phase_progress_seconds", "seconds", metavar="SECONDS", default=30.0,
+            aliases=("--llmload-phase-progress",), help=(
+                "seconds between progress lines (to stderr) while one phase of a test (load, generate, ...) runs "
+                "long; 0 turns them off. Default 30.")),
+    Setting("near_deadline", "fraction", metavar="FRACTION", default=0.8, help=(
+        "the fraction of its deadline (pytest-timeout, or a check's own) above which the session summary lists a "
+        "test or check as close to it. Default 0.8.")),
+    Setting("html", "path", metavar="PATH", help=(
+        "write a self-contained HTML report to PATH: each check's verdict, and for each check that placed a model, "
+        "its device map and its memory per phase, drawn (needs matplotlib: pip install 'pytest-llmload[report]'). "
+        "With pytest-html installed, the same pictures go into its report as extras.")),
+    # --- hangs (pytest_llmload.hung_loader)
+    Setting("wait_after_hang", "bool", help=(
+        "after the loader under test hangs (a deadline passes inside its call), run every later test that uses it "
+        "to its own deadline too; by default they fail at once, naming the hang.")),
+)
+SETTING = {setting.key: setting for setting in SETTINGS}
 
-
-PURPOSES_ATTRIBUTE = "llmload_purposes"
-PURPOSES_INI = "llmload_loader_purposes"
-PURPOSES_HELP = (
-    "what the loader under test is for, one per line: inference and/or train (default: both). Checks of the "
-    "other purpose skip, saying so. A loader function can say the same with an attribute: "
-    "load.llmload_purposes = ('inference',)."
-)
-
-# --- verdicts (pytest_llmload.plugin, pytest_llmload.conformance) -----------------------------------------
-STRICT_INI = "llmload_strict"
-STRICT_HELP = (
-    "count a check that could not judge the loader (skipped 'not exercised: ...', e.g. nothing was offloaded, "
-    "the 4-bit request was ignored) as a failure. Precedence: --llmload-strict, then the ini key."
-)
-EXPECTED_FAILURES_INI = "llmload_expected_failed_checks"
-EXPECTED_FAILURES_HELP = (
-    "known gaps of the configured loader, one 'check_name: reason' a line: the shipped suite "
-    "(pytest --pyargs pytest_llmload.suite) runs them as strict xfails."
-)
-PROGRESS_FILE_HELP = "append one JSON line per test outcome to PATH (used by 'python -m pytest_llmload')."
-
-# --- predictions for runners this machine is not (pytest_llmload.prediction) ------------------------------
-RUNNER_OPTION = "--llmload-runner"
-RUNNER_INI = "llmload_runner"
-RUNNER_HELP = (
-    "predict the checks' scenarios on these runner profiles (comma-separated: shipped names like 8xH100-80GB, or "
-    "paths to profile .json files): the rows say what the loader would do there, marked PREDICTED. "
-    f"Precedence: {RUNNER_OPTION}, then the ini key."
-)
-MODEL_OPTION = "--llmload-model"
-MODEL_INI = "llmload_model"
-MODEL_HELP = (
-    "the architecture the predictions load, at full size without weights: a shipped name (llama-3-70b, ...) or a "
-    f"local config.json. Default llama-3-8b. Precedence: {MODEL_OPTION}, then the ini key."
-)
+# The names other modules read (derived from the table: one definition each).
+LOADER_OPTION, LOADER_INI = SETTING["loader"].option, SETTING["loader"].ini
+HOOK_OPTION, HOOK_INI = SETTING["training_args_hook"].option, SETTING["training_args_hook"].ini
+PURPOSES_INI = SETTING["loader_purposes"].ini
+STRICT_INI = SETTING["strict"].ini
+EXPECTED_FAILURES_INI = SETTING["expected_failed_checks"].ini
+RUNNER_OPTION, RUNNER_INI = SETTING["runner"].option, SETTING["runner"].ini
+MODEL_OPTION, MODEL_INI = SETTING["model"].option, SETTING["model"].ini
+GPU_FIXTURES_INI = SETTING["gpu_fixtures"].ini
+REQUIRE_GPUS_OPTION = SETTING["require_gpus"].option
+GPUS_PER_WORKER_OPTION = SETTING["gpus_per_worker"].option
+WAIT_OPTION = SETTING["wait_after_hang"].option
+CHECKS_OPTION = SETTING["checks"].option
+# What a bare install lacks: the checks need the Hugging Face stack, an extra of this package.
+STACK_EXTRA_HINT = "pip install 'pytest-llmload[all]' (or [hf] without bitsandbytes and DeepSpeed)"
 
 # --- markers (pytest_llmload.markers, runners.isolated_marker, diagnostics.memory_limit) -------------------
 NEEDS_GPUS_HELP = (
@@ -115,44 +172,6 @@ MEMORY_LIMIT_HELP = (
     "call passes limit ('24 MB' = 24*10**6 bytes, '1.5 GiB', or an int of bytes): per GPU where CUDA is "
     "visible (device='cuda'), else torch's CPU allocator (device='cpu', profiler memory events). Skips, "
     "saying why, where it cannot measure."
-)
-
-# --- diagnostics (pytest_llmload.diagnostics.report) ------------------------------------------------------
-PHASE_PROGRESS_INI = "llmload_phase_progress_seconds"
-PHASE_PROGRESS_OPTION = "--llmload-phase-progress"
-PHASE_PROGRESS_HELP = (
-    "seconds between progress lines (to stderr) while one phase of a test (load, generate, ...) runs long; "
-    "0 turns them off. Default 30. Precedence: --llmload-phase-progress, then the ini key."
-)
-NEAR_DEADLINE_INI = "llmload_near_deadline"
-NEAR_DEADLINE_HELP = (
-    "the fraction of its deadline (pytest-timeout, or a check's own) above which the session summary lists a "
-    "test or check as close to it. Default 0.8."
-)
-
-REQUIRE_GPUS_OPTION = "--llmload-require-gpus"
-REQUIRE_GPUS_INI = "llmload_require_gpus"
-REQUIRE_GPUS_HELP = (
-    "fail the run, instead of skipping every GPU test, when it selects GPU tests and sees no GPU (a GPU runner "
-    f"whose driver or CUDA_VISIBLE_DEVICES is broken). Precedence: {REQUIRE_GPUS_OPTION}, then the ini key (true/false)."
-)
-# What a bare install lacks: the checks need the Hugging Face stack, an extra of this package.
-STACK_EXTRA_HINT = "pip install 'pytest-llmload[all]' (or [hf] without bitsandbytes and DeepSpeed)"
-
-# --- hangs (pytest_llmload.hung_loader) -------------------------------------------------------------------
-WAIT_OPTION = "--llmload-wait-after-hang"
-WAIT_HELP = (
-    "after the loader under test hangs (a deadline passes inside its call), run every later test that uses it "
-    "to its own deadline too; by default they fail at once, naming the hang."
-)
-
-# --- GPUs per xdist worker (pytest_llmload.runners.xdist_gpus) --------------------------------------------
-GPUS_PER_WORKER_OPTION = "--llmload-gpus-per-worker"
-GPUS_PER_WORKER_INI = "llmload_gpus_per_worker"
-GPUS_PER_WORKER_HELP = (
-    "under pytest -n N on a machine with GPUs: how many GPUs each xdist worker holds (its own "
-    "CUDA_VISIBLE_DEVICES; default: the visible GPUs divided by N), or 'off' to let every worker see every GPU. "
-    "Precedence: the option, then the ini key."
 )
 
 # --- set by the main job for its pytest child (pytest_llmload.runners.lifeline) ---------------------------

@@ -19,7 +19,6 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
-import math
 import os
 import statistics
 import sys
@@ -30,12 +29,10 @@ import pytest
 
 from pytest_llmload.diagnostics.device_map_summary import placement_lines
 from pytest_llmload.sizes import format_bytes
-from pytest_llmload.surface import NEAR_DEADLINE_INI
-from pytest_llmload.surface import PHASE_PROGRESS_INI as PROGRESS_INI, PHASE_PROGRESS_OPTION as PROGRESS_OPTION
+from pytest_llmload.surface import SETTING
 from pytest_llmload.diagnostics.phases import PhaseRecorder, heartbeat, recording
 
-DEFAULT_PROGRESS_SECONDS = 30.0
-DEFAULT_NEAR_DEADLINE = 0.8
+DEFAULT_NEAR_DEADLINE = SETTING["near_deadline"].default
 # Under pytest-timeout's thread method the table is printed this long before the kill: 5% of the deadline, but
 # at least 0.5 s (a busy 2-core runner can take 0.1 s to wake the printing thread) and at most half of it.
 THREAD_METHOD_LEAD = (0.05, 0.5)
@@ -68,17 +65,6 @@ def thread_method_warning_after(timeout: float) -> float:
     """Seconds into a pytest-timeout deadline at which the phase table is printed under the thread method."""
     fraction, floor = THREAD_METHOD_LEAD
     return timeout - min(max(fraction * timeout, floor), timeout / 2)
-
-
-def _float_setting(value, name: str, where: str, *, low: float, high: float = float("inf")) -> float:
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        number = float("nan")
-    if not (low <= number <= high and math.isfinite(number)):
-        bound = f"between {low:g} and {high:g}" if high != float("inf") else f"a finite number >= {low:g}"
-        raise pytest.UsageError(f"{name} {value!r} from {where} is not {bound}; fix it there.")
-    return number
 
 
 class TerminalLines:
@@ -114,16 +100,9 @@ class TerminalLines:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    option, ini = config.getoption("llmload_phase_progress"), config.getini(PROGRESS_INI)
-    if option is not None:
-        every = _float_setting(option, "phase progress interval", PROGRESS_OPTION, low=0)
-    elif ini not in (None, ""):
-        every = _float_setting(ini, "phase progress interval", f"ini '{PROGRESS_INI}'", low=0)
-    else:
-        every = DEFAULT_PROGRESS_SECONDS
-    near = config.getini(NEAR_DEADLINE_INI)
-    near = DEFAULT_NEAR_DEADLINE if near in (None, "") else _float_setting(
-        near, "near-deadline fraction", f"ini '{NEAR_DEADLINE_INI}'", low=0, high=1)
+    from pytest_llmload import settings
+
+    every, near = settings.value(config, "phase_progress_seconds"), settings.value(config, "near_deadline")
     config.stash[settings_key] = Settings(every or None, near, TerminalLines())
     session = config.stash[session_key] = SessionDiagnostics(near)
     config.pluginmanager.register(session, "llmload-diagnostics-session")

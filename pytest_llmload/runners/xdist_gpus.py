@@ -27,9 +27,9 @@ import pytest
 
 from pytest_llmload import gpus
 from pytest_llmload.gpus import TOTAL_ENV, WORKER_GPUS_ENV, physical_devices, visible_devices  # one floor down
-from pytest_llmload.surface import GPUS_PER_WORKER_INI as INI, GPUS_PER_WORKER_OPTION as OPTION
+from pytest_llmload.settings import GPUS_OFF as OFF
+from pytest_llmload.surface import GPUS_PER_WORKER_OPTION as OPTION
 
-OFF = "off"
 
 _plan_key = pytest.StashKey["Plan"]()
 _devices_key = pytest.StashKey[list]()
@@ -70,28 +70,13 @@ def auto_workers(total: int, per_worker: Optional[int], cpu_workers: int) -> int
     return max(1, min(cpu_workers, total // (per_worker or 1)))
 
 
-def parse_per_worker(value: Optional[str], where: str) -> "int | str | None":
-    """The option's value: a positive int, ``'off'``, or ``None`` (not given); ``where`` names its source."""
-    if value is None or value == "":
-        return None
-    if value.strip().lower() == OFF:
-        return OFF
-    if value.strip().isdigit() and int(value) > 0:
-        return int(value)
-    raise pytest.UsageError(
-        f"{where}={value!r} is neither a positive number of GPUs nor '{OFF}'; pass e.g. {OPTION} 2 "
-        f"(each xdist worker holds 2 GPUs) or {OPTION} {OFF}."
-    )
-
-
 # --- hooks (this module is a sub-plugin of pytest_llmload.plugin; its option is declared there) -------------
 
 
 def _per_worker(config: pytest.Config) -> "int | str | None":
-    option = config.getoption("llmload_gpus_per_worker", None)
-    if option is not None:
-        return parse_per_worker(option, OPTION)
-    return parse_per_worker(config.getini(INI), f"ini {INI}")
+    from pytest_llmload import settings
+
+    return settings.value(config, "gpus_per_worker")
 
 
 def _local(spec) -> bool:

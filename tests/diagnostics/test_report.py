@@ -95,11 +95,14 @@ def test_the_option_wins_over_the_ini_key_and_zero_turns_progress_off(pytester):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("args", "message"), [
     (["-o", "llmload_phase_progress_seconds=soon"],
-     "ERROR: phase progress interval 'soon' from ini 'llmload_phase_progress_seconds' is not a finite number >= 0; fix it there."),
+     "ERROR: ini 'llmload_phase_progress_seconds'='soon' is not a number of seconds (0 or more); give e.g. "
+     "--llmload-phase-progress-seconds 30.0."),
     (["--llmload-phase-progress", "-1"],
-     "ERROR: phase progress interval '-1' from --llmload-phase-progress is not a finite number >= 0; fix it there."),
+     "ERROR: --llmload-phase-progress-seconds='-1' is not a number of seconds (0 or more); give e.g. "
+     "--llmload-phase-progress-seconds 30.0."),
     (["-o", "llmload_near_deadline=80%"],
-     "ERROR: near-deadline fraction '80%' from ini 'llmload_near_deadline' is not between 0 and 1; fix it there."),
+     "ERROR: ini 'llmload_near_deadline'='80%' is not a fraction between 0 and 1; give e.g. "
+     "--llmload-near-deadline 0.8."),
 ])
 def test_bad_settings_are_usage_errors_naming_the_value_and_where_it_came_from(pytester, args, message):
     pytester.makepyfile("def test_one(): pass\n")

@@ -87,13 +87,20 @@ def test_auto_caps_xdists_cpu_count_to_the_workers_the_gpus_serve():
 @pytest.mark.parametrize("value", ["0", "two", "-1", "1.5"])
 def test_a_bad_per_worker_value_is_a_usage_error(value):
     with pytest.raises(pytest.UsageError, match=rf"--llmload-gpus-per-worker={value!r} is neither a positive"):
-        xdist_gpus.parse_per_worker(value, "--llmload-gpus-per-worker")
+        _per_worker(value, "--llmload-gpus-per-worker")
+
+
+def _per_worker(value, where):
+    from pytest_llmload.settings import PARSERS
+    from pytest_llmload.surface import SETTING
+
+    return PARSERS["gpus"](value, where, SETTING["gpus_per_worker"])
 
 
 def test_per_worker_values():
-    assert xdist_gpus.parse_per_worker("2", "x") == 2
-    assert xdist_gpus.parse_per_worker("OFF", "x") == "off"
-    assert xdist_gpus.parse_per_worker(None, "x") is None  # not given: the default
+    assert _per_worker("2", "x") == 2
+    assert _per_worker("OFF", "x") == "off"
+    assert _per_worker("", "x") is None  # not given: the default
 
 
 def test_worker_hint_names_the_worker_its_share_and_the_command():
