@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pytest_llmload.failures.distributed_device_map import is_distributed, local_rank
+from pytest_llmload.fixes import is_distributed, local_rank
 from pytest_llmload.request import LoadRequest
 from pytest_llmload.transformers_compat import dtype_kwarg, enable_gradient_checkpointing
 
@@ -143,7 +143,7 @@ def load_model_and_tokenizer(request: LoadRequest):
         model = _apply_lora(model, request)
     if request.purpose == "train":
         # fp16-unscale: under fp16 mixed precision the trainable weights must be float32 master weights
-        from pytest_llmload.failures.fp16_unscale import upcast_trainable_parameters
+        from pytest_llmload.fixes import upcast_trainable_parameters
 
         upcast_trainable_parameters(model)
     model.train(request.purpose == "train")

@@ -1,7 +1,7 @@
 """distributed-device-map (write-up 004): ``device_map`` spread on every rank of a DeepSpeed/DDP job.
 
-Here: the write-up's fix rule (:func:`is_distributed`, which the reference loader uses) and the check that a
-model loaded by one rank of a distributed job is trainable by it.
+Here: the check that a model loaded by one rank of a distributed job is trainable by it. The write-up's fix rule
+(:func:`is_distributed`, :func:`device_map_for_rank`) lives in :mod:`pytest_llmload.fixes`, for training scripts.
 
 The write-up's loader always passed ``device_map="auto"``; under DeepSpeed, ``accelerator.prepare()`` then
 raised ``You can't train a model that has been loaded with `device_map='auto'` in any distributed mode``.
@@ -34,14 +34,14 @@ from __future__ import annotations
 
 import math
 import os
-import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Callable, Optional
 from unittest import mock
 
 from pytest_llmload.failures.base import Check, KnownFailure, not_exercised
 from pytest_llmload.failures import contract
+from pytest_llmload.fixes import DISTRIBUTED_ENV_VARS, is_distributed, local_rank  # noqa: F401  (re-exported)
 from pytest_llmload.loading import LoaderModelError
 from pytest_llmload.probes import spy_classmethod
 from pytest_llmload.request import LoadRequest
@@ -65,7 +65,8 @@ FAILURE = KnownFailure(
     ),
     fix=(
         "When WORLD_SIZE/RANK/LOCAL_RANK (or a DeepSpeed flag) say the process is one rank of a job, load "
-        "without device_map, or pin the whole model to the rank's device (device_map={'': local_rank})."
+        "without device_map, or pin the whole model to the rank's device (device_map={'': local_rank}; "
+        "pytest_llmload.fixes.device_map_for_rank gives it)."
     ),
     occurs="accelerate >= 0.20 with DistributedType DEEPSPEED, MULTI_GPU or MULTI_CPU; CPU (gloo) and GPU.",
 )
@@ -75,61 +76,7 @@ FAILURE = KnownFailure(
 # Is this process one rank of a distributed job? (write-up 004)
 # ---------------------------------------------------------------------------------------------------------
 
-DISTRIBUTED_ENV_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK")
-_INT_RE = re.compile(r"-?[0-9]+")
-
-
-def _env_int(environ: Mapping[str, str], name: str, *, minimum: int) -> Optional[int]:
-    """``environ[name]`` as an int, ``None`` when unset; a ValueError naming the variable otherwise."""
-    raw = environ.get(name)
-    if raw is None:
-        return None
-    if not isinstance(raw, str) or not _INT_RE.fullmatch(raw.strip()):
-        raise ValueError(
-            f"environment variable {name}={raw!r} is not an integer; a launcher sets it to a number "
-            f"(torchrun, deepspeed and accelerate all do). Unset it or give it a number."
-        )
-    value = int(raw.strip())
-    if value < minimum:
-        raise ValueError(f"environment variable {name}={raw!r} is out of range: it must be at least {minimum}.")
-    return value
-
-
-def is_distributed(environ: Mapping[str, str], deepspeed: bool = False) -> bool:
-    """Whether a process with this environment is one rank of a distributed job (the rule of write-up 004).
-
-    True when ``deepspeed`` is set, when ``WORLD_SIZE`` is not 1, or when ``RANK`` or ``LOCAL_RANK`` is set
-    (so ``WORLD_SIZE=1 RANK=0``, what ``torchrun --nproc-per-node 1`` gives, is distributed: accelerate
-    treats it as such too). ``LOCAL_RANK=-1`` and ``RANK=-1`` mean "not distributed", the convention of
-    ``TrainingArguments.local_rank`` and of accelerate's own check. A value that is empty or not a number
-    raises ``ValueError`` naming the variable and the value, rather than a crash deep inside torch::
-
-        >>> is_distributed({"WORLD_SIZE": "2"})
-        True
-        >>> is_distributed({"LOCAL_RANK": "-1"})
-        False
-        >>> is_distributed({"RANK": ""})
-        Traceback (most recent call last):
-        ...
-        ValueError: environment variable RANK='' is not an integer; ...
-    """
-    if not isinstance(deepspeed, bool):
-        raise TypeError(f"is_distributed(deepspeed={deepspeed!r}): expected True or False.")
-    # Parse every variable first, so an odd value is reported even when another variable decides.
-    world_size = _env_int(environ, "WORLD_SIZE", minimum=1)
-    rank = _env_int(environ, "RANK", minimum=-1)
-    local_rank = _env_int(environ, "LOCAL_RANK", minimum=-1)
-    if deepspeed:
-        return True
-    if world_size is not None and world_size != 1:
-        return True
-    return any(value is not None and value != -1 for value in (rank, local_rank))
-
-
-def local_rank(environ: Mapping[str, str]) -> int:
-    """This rank's index on its machine (``LOCAL_RANK``, else 0): which GPU a rank pins its model to."""
-    value = _env_int(environ, "LOCAL_RANK", minimum=-1)
-    return 0 if value is None or value < 0 else value
+# (the rule itself lives in pytest_llmload.fixes, which a training script can import without pytest)
 
 
 # "ddp-budget": DDP again, with a max_memory in the request that cannot hold the model (a loader that honours it

@@ -43,7 +43,7 @@ FAILURE = KnownFailure(
     ),
     fix=(
         "Do not let Trainer data-parallelise a placed model: set training_args._n_gpu = 1 when hf_device_map "
-        "spreads the model (pytest_llmload.trainer_guard does this), or launch one process per GPU instead; name "
+        "spreads the model (pytest_llmload.fixes.prepare_training_args_for_placed_model does this), or launch one process per GPU instead; name "
         "that hook to the check (--llmload-training-args-hook), or declare llmload_trains_without_trainer where "
         "the repo never trains with transformers.Trainer."
     ),

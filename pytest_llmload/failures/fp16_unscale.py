@@ -36,6 +36,7 @@ from typing import Any
 
 from pytest_llmload.failures.base import Check, KnownFailure, not_exercised
 from pytest_llmload.failures import contract
+from pytest_llmload.fixes import upcast_trainable_parameters  # noqa: F401  (re-exported)
 from pytest_llmload.request import LoadRequest
 
 Loader = Callable[[LoadRequest], Any]
@@ -56,8 +57,8 @@ FAILURE = KnownFailure(
     ),
     fix=(
         "Keep the trainable parameters in float32: load in float32 and let autocast compute in float16, or "
-        "upcast the trainable parameters after loading (pytest_llmload.failures.fp16_unscale."
-        "upcast_trainable_parameters; for LoRA, keep peft's default autocast_adapter_dtype=True). Or train "
+        "upcast the trainable parameters after loading (pytest_llmload.fixes.upcast_trainable_parameters;"
+        " for LoRA, keep peft's default autocast_adapter_dtype=True). Or train "
         "in bf16 (bf16=True), which needs no GradScaler."
     ),
     occurs=(
@@ -68,30 +69,6 @@ FAILURE = KnownFailure(
 )
 
 LORA_VARIANTS = (False, True)
-
-
-def upcast_trainable_parameters(model, dtype=None) -> list[str]:
-    """Cast every trainable float16 parameter of ``model`` to float32 in place; returns their names.
-
-    The fix for a float16 load that will be trained under fp16 mixed precision: the trainable parameters
-    become float32 master weights and the frozen ones stay float16. Parameters keep their identity (only
-    ``.data`` changes), so tied weights stay tied and an optimizer built before still holds them. ``dtype``:
-    the dtypes to upcast (default: float16 only; bfloat16 training needs no GradScaler). Example::
-
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float16)
-        model = get_peft_model(model, config, autocast_adapter_dtype=False)  # or a full fine-tune
-        upcast_trainable_parameters(model)
-    """
-    import torch
-
-    dtypes = (torch.float16,) if dtype is None else tuple(dtype)
-    upcast, seen = [], set()
-    for name, param in model.named_parameters():
-        if param.requires_grad and param.dtype in dtypes and id(param) not in seen:
-            seen.add(id(param))
-            param.data = param.data.to(torch.float32)
-            upcast.append(name)
-    return upcast
 
 
 def _numel(params: Iterable) -> int:
@@ -181,7 +158,7 @@ def check_fp16_train_request_keeps_fp32_master_weights(loader: Loader, checkpoin
         raise AssertionError(
             f"{len(failures)} of {len(failures) + len(passed) + len(untrainable)} float16 train requests cannot "
             "take an fp16 mixed-precision step (fp16-unscale: GradScaler needs float32 trainable weights; "
-            "keep them float32, e.g. pytest_llmload.failures.fp16_unscale.upcast_trainable_parameters):\n  "
+            "keep them float32, e.g. pytest_llmload.fixes.upcast_trainable_parameters):\n  "
             + "\n  ".join(failures))
     if untrainable:
         ran = f" (passed: {'; '.join(passed)})" if passed else ""
