@@ -17,6 +17,12 @@ _PUBLIC = {
     "LoaderContractError": "pytest_llmload.loading",
     "LoaderSpecError": "pytest_llmload.loading",
     "call_loader": "pytest_llmload.loading",
+    # Writing a repo's own check (docs: the extension API): its records, the premise layer, the skip for a check
+    # whose scenario did not happen.
+    "Check": "pytest_llmload.failures.base",
+    "KnownFailure": "pytest_llmload.failures.base",
+    "not_exercised": "pytest_llmload.failures.base",
+    "contract": "pytest_llmload.failures",
 }
 __all__ = [*_PUBLIC, "__version__"]
 

@@ -27,10 +27,11 @@ from pytest_llmload.loading import LoaderChoice, LoaderUnderTest, as_loader_unde
 
 
 def all_checks() -> Iterator[Check]:
-    """Every shipped check, in a stable order (the registry lives in ``pytest_llmload.failures``)."""
-    from pytest_llmload.failures import REGISTRY
+    """Every shipped check in a stable order (the registry lives in ``pytest_llmload.failures``), then the checks of
+    installed packages' ``pytest_llmload.checks`` entry points (:mod:`pytest_llmload.extensions`)."""
+    from pytest_llmload.extensions import every_check
 
-    yield from REGISTRY
+    yield from every_check()
 
 
 def _loader_id(loader: LoaderUnderTest) -> str:
@@ -115,12 +116,12 @@ def parse_expected_failures(lines: Iterable[str], source: str) -> dict[str, str]
     return expected
 
 
-def describe_checks() -> list[dict[str, Any]]:
+def describe_checks(checks: Optional[Iterable[Check]] = None) -> list[dict[str, Any]]:
     """One record per check: name, known failure, needs, summary (for docs and the main job's table)."""
     return [
         {"check": c.name, "failure": c.failure.id, "title": c.failure.title,
          "needs_gpus": c.needs_gpus, "world_size": c.world_size, "transformers": c.transformers or "any",
          "summary": c.summary}
-        for c in all_checks()
+        for c in (all_checks() if checks is None else checks)
     ]
 

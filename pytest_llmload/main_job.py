@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "files): rows marked PREDICTED say what the loader would do there")
     parser.add_argument("--model", metavar="NAME|CONFIG",
                         help="the architecture the predictions load at full size, without weights (default llama-3-8b)")
+    parser.add_argument("--checks", metavar="MODULE:ATTRIBUTE", action="append", default=[],
+                        help="also run these checks (a pytest_llmload.Check, a list of them, or a module with CHECKS); "
+                        "repeatable. Installed packages' 'pytest_llmload.checks' entry points run too.")
     parser.add_argument("--list-runners", action="store_true", help="list the shipped runner profiles, then exit")
     parser.add_argument("--list-models", action="store_true", help="list the shipped architectures, then exit")
     parser.add_argument("pytest_args", nargs="*", help=argparse.SUPPRESS)
@@ -74,8 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def pytest_command(loader: Optional[str], keyword: Optional[str], progress: Path, extra: list[str],
                    strict: bool = False, wait_after_hang: bool = False, runner: Optional[str] = None,
-                   model: Optional[str] = None) -> list[str]:
-    from pytest_llmload.surface import MODEL_OPTION, RUNNER_OPTION, WAIT_OPTION
+                   model: Optional[str] = None, checks: tuple = ()) -> list[str]:
+    from pytest_llmload.surface import CHECKS_OPTION, MODEL_OPTION, RUNNER_OPTION, WAIT_OPTION
 
     # (no:hypothesispytest: its plugin imports all of hypothesis at the end of a run, a second for nothing here)
     # (pytest_llmload.suite's __main__: pytest, without the interpreter's 2 s teardown of the stack)
@@ -99,6 +102,8 @@ def pytest_command(loader: Optional[str], keyword: Optional[str], progress: Path
         argv += [RUNNER_OPTION, runner]
     if model:
         argv += [MODEL_OPTION, model]
+    for spec in checks:
+        argv += [CHECKS_OPTION, spec]
     if keyword:
         argv += ["-k", keyword]
     return argv + extra
@@ -203,8 +208,9 @@ def _signals_interrupt():
 class MainJob:
     """One run: the pytest child, and what its progress file said so far."""
 
-    def __init__(self, args: argparse.Namespace, workdir: Path, out) -> None:
+    def __init__(self, args: argparse.Namespace, workdir: Path, out, checks: tuple = ()) -> None:
         self.args, self.workdir, self.out = args, workdir, out
+        self.checks = checks  # every check the run has (built-in and extensions): what each row guards against
         self.progress = workdir / "progress.jsonl"
         self.tmp = workdir / "tmp"
         self.log_path = Path(args.log) if args.log else workdir / "pytest.log"
@@ -221,7 +227,8 @@ class MainJob:
     def start(self) -> None:
         args = self.args
         command = pytest_command(args.loader, args.keyword, self.progress, args.pytest_args, strict=args.strict,
-                                 wait_after_hang=args.wait_after_hang, runner=args.runner, model=args.model)
+                                 wait_after_hang=args.wait_after_hang, runner=args.runner, model=args.model,
+                                 checks=tuple(args.checks))
         from pytest_llmload.runners.lifeline import PARENT_ENV, PARENT_WORKDIR_ENV
 
         # The child ends with this process (lifeline), and removes this temp dir if this process dies first. Its
@@ -325,10 +332,18 @@ def run(argv: Optional[list[str]] = None, out=None) -> int:
             for name in architectures.shipped_names():
                 print(architectures.describe(architectures.load_config(name), name), file=out)
         return EXIT_OK
+    try:
+        # Every check this run has, the extensions' included: a spec that does not give checks is a usage error.
+        from pytest_llmload.extensions import ExtensionError, every_check
+
+        checks = every_check(args.checks, "--checks")
+    except ExtensionError as exc:
+        print(f"llmload: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     if args.list:
         from pytest_llmload.conformance import describe_checks
 
-        for record in describe_checks():
+        for record in describe_checks(checks):
             print(f"{record['check']:<48} {record['failure']:<24} {record['summary']}", file=out)
         return EXIT_OK
     try:
@@ -344,7 +359,7 @@ def run(argv: Optional[list[str]] = None, out=None) -> int:
         return EXIT_USAGE
 
     workdir = Path(tempfile.mkdtemp(prefix="llmload-main-"))
-    job, keep_log = MainJob(args, workdir, out), False
+    job, keep_log = MainJob(args, workdir, out, checks), False
     try:
         with _signals_interrupt():
             try:
@@ -398,7 +413,7 @@ def _report(job: MainJob, code: int) -> tuple[int, bool]:
         return (EXIT_FAILED if crashed else EXIT_USAGE), keep
 
     print("", file=out)
-    for line in summary_table(job.results):
+    for line in summary_table(job.results, job.checks):
         print(line, file=out)
     failed = [r for r in job.results if r["outcome"] in FAILED_OUTCOMES]
     counts: dict[str, int] = {}
@@ -411,7 +426,7 @@ def _report(job: MainJob, code: int) -> tuple[int, bool]:
             label = {"error": "ERROR", "predicted": "PREDICTED"}.get(record["outcome"], "FAILED")
             text = _in_main_job_terms(_summary(record)).replace("\n", "\n    ")
             print(f"{label} {record['check']}: {text}", file=out)
-            failure = _failure_of(record["check"]) if record["outcome"] in ("failed", "predicted") else None
+            failure = _failure_of(record["check"], job.checks) if record["outcome"] in ("failed", "predicted") else None
             if failure is not None and record.get("failure") == failure.id:  # what to do, where the mechanism shows
                 print(f"    fix ({failure.id}): {_in_main_job_terms(failure.fix)}", file=out)
     if fast:
@@ -426,10 +441,10 @@ def _report(job: MainJob, code: int) -> tuple[int, bool]:
     return (EXIT_FAILED if failed or code not in (0, 5) else EXIT_OK), keep
 
 
-def summary_table(results: list[dict]) -> list[str]:
+def summary_table(results: list[dict], checks: tuple = ()) -> list[str]:
     rows = [("check", "guards against", "result", "time")]
     for record in results:
-        failure = _failure_of(record["check"])
+        failure = _failure_of(record["check"], checks)
         guards = "" if failure is None else f"{failure.id} ({_source_tag(failure)})"
         outcome = _shown(record["outcome"])
         if record["outcome"] in ("skipped", "xfailed") and record["reason"]:
@@ -481,15 +496,21 @@ def json_records(results: list[dict]) -> list[dict]:
 
 
 def _source_tag(failure) -> str:
-    """``002`` for a write-up in shared/seeds, ``field`` for a failure taken from upstream issue trackers."""
+    """``002`` for a write-up in shared/seeds, ``field`` for a failure taken from upstream issue trackers,
+    ``extension`` for a repo's own."""
+    from pytest_llmload.failures import BY_ID
+
+    if BY_ID.get(failure.id) is not failure:
+        return "extension"  # a repo's own known failure (pytest_llmload.extensions)
     return failure.write_up.split("/")[-1][:3] if failure.write_up.startswith("seeds/") else "field"
 
 
-def _failure_of(check: str):
-    """The known failure a check guards against, ``None`` for a name that is not a shipped check."""
+def _failure_of(check: str, checks: tuple = ()):
+    """The known failure a check guards against (``checks``: the run's, else the shipped ones), ``None`` for a name
+    that is no check."""
     from pytest_llmload.failures import REGISTRY
 
-    found = next((c.failure for c in REGISTRY if c.name == check), None)
+    found = next((c.failure for c in checks or REGISTRY if c.name == check), None)
     if found is None and check.startswith("predict_"):  # a prediction row: predict_<scenario>@<runner>
         from pytest_llmload.prediction.predict import scenarios
 

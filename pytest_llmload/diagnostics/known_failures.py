@@ -30,13 +30,23 @@ def annotate(item: pytest.Item, call: pytest.CallInfo, report: pytest.TestReport
     from pytest_llmload import failures as catalog  # only a failing test needs it: plugin load stays cheap
 
     # A check's row names the failure it observed, and only that; any other failing test, what its text matches.
-    found = [catalog.BY_ID[judged["failure"]]] if judged is not None and judged["failure"] in catalog.BY_ID \
-        else catalog.match(text)
+    found = [_observed(item, judged["failure"])] if judged is not None and judged["failure"] else catalog.match(text)
+    found = [failure for failure in found if failure is not None]
     if not found:
         return
     report.sections.append((SECTION, "\n\n".join(failure.explain(text) for failure in found)))
     counter = item.config.stash.setdefault(matches_key, Counter())
     counter.update(failure.id for failure in found)
+
+
+def _observed(item: pytest.Item, failure_id: str):
+    """The failure a check's row names: a shipped one, or a repo's own (the check's record carries it)."""
+    check = getattr(getattr(item, "callspec", None), "params", {}).get("check")
+    if check is not None and getattr(check, "failure", None) is not None and check.failure.id == failure_id:
+        return check.failure
+    from pytest_llmload import failures as catalog
+
+    return catalog.BY_ID.get(failure_id)
 
 
 def summary_lines(config: pytest.Config) -> list[str]:
