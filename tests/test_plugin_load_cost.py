@@ -10,6 +10,9 @@ HEAVY = ("torch", "transformers", "accelerate", "peft", "bitsandbytes", "deepspe
 DEFERRED = ("pytest_llmload.runners.isolation", "pytest_llmload.failures", "pytest_llmload.offline", "pytest_llmload.progress",
             "pickle")
 
+# pytest-html imports pickle itself: what the probe sees must be this plugin's doing.
+OTHER_PLUGINS_OFF = ("-p", "no:html")
+
 PROBE = f"""
 import sys
 
@@ -22,7 +25,7 @@ def pytest_unconfigure(config):
 def test_plain_run_with_plugin_imports_nothing_heavy(pytester):
     pytester.makeconftest(PROBE)
     pytester.makepyfile("import pytest\n\n@pytest.mark.needs_gpus(1)\ndef test_gpu(): pass\n\ndef test_plain(): pass\n")
-    result = pytester.runpytest_subprocess("-p", "llmload")
+    result = pytester.runpytest_subprocess("-p", "llmload", *OTHER_PLUGINS_OFF)
     result.assert_outcomes(passed=1, skipped=1)
     result.stdout.fnmatch_lines(["llmload: loader *", "HEAVY IMPORTED: []", "DEFERRED IMPORTED: []"])
     # Another project's run gets no warning from the plugin: five PytestAssertRewriteWarnings on every run (the
@@ -51,14 +54,15 @@ def pytest_unconfigure(config):
 @pytest.mark.parametrize(("args", "header"), [(("-q",), []), ((), [])], ids=["quiet", "not quiet: no header either"])
 def test_a_run_that_never_uses_the_plugin_imports_only_its_vocabulary_and_fixtures(pytester, args, header):
     # (keys: the stash keys the fixtures read, one floor below them; hookspecs: the hooks it declares, as
-    # pytest_addhooks must at start-up; the header line is printed, and its module
+    # pytest_addhooks must at start-up; settings: the one reader of the settings, which every run asks whether the
+    # plugin is configured; the header line is printed, and its module
     # imported, only where a run configures or uses the plugin.) Nothing of the plugin's work is compiled or run in such a run: its sub-plugins are registered by
     # plugin.switch_on once a run configures or uses it. The header (not shown under -q) imports what it reads.
     pytester.makeconftest(PACKAGE_PROBE)
     pytester.makepyfile("def test_plain(): pass\n")
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *args)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *OTHER_PLUGINS_OFF, *args)
     result.assert_outcomes(passed=1)
     expected = sorted({"pytest_llmload", "pytest_llmload.fixtures", "pytest_llmload.hookspecs", "pytest_llmload.keys",
-                       "pytest_llmload.plugin", "pytest_llmload.surface",
+                       "pytest_llmload.plugin", "pytest_llmload.settings", "pytest_llmload.surface",
                        *(f"pytest_llmload.{name}" for name in header)})
     result.stdout.fnmatch_lines([f"PACKAGE IMPORTED: {expected}".replace("[", "[[]")])

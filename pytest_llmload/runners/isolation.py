@@ -16,7 +16,8 @@ child's stdout and stderr are written to this process's streams, and its log rec
 process's loggers (so pytest's "Captured log" and ``caplog`` see them), when it ends. Whatever
 the call changes process-wide (environment variables, patched upstream functions, audit hooks, socket
 guards, a process group, threads it leaves blocked) dies with the child. The same machinery starts the
-ranks of :mod:`pytest_llmload.runners.ranks` (``run_children``).
+ranks of :mod:`pytest_llmload.runners.ranks` (``run_children``). Where coverage is measuring (pytest-cov), each
+child measures too and leaves its data for the run's combine (:mod:`pytest_llmload.runners.child_coverage`).
 
 A process that has initialised CUDA is never forked: its child would inherit a CUDA context it cannot use
 (and hang or fail on its first CUDA call). There the child starts from a forkserver, a clean process that
@@ -39,6 +40,8 @@ import sys
 import tempfile
 import time
 import traceback
+
+from pytest_llmload.runners import child_coverage
 
 _STACK_WAIT_S = 2.0
 _JOIN_S = 2.0
@@ -179,6 +182,7 @@ def run_children(specs, timeout: float, *, method: str = "fork", tmp_root=None, 
         # Imported once by the server (none of them initialises CUDA), not by every child of every run.
         ctx.set_forkserver_preload(list(forkserver_preload))
     workdir = tempfile.mkdtemp(prefix=prefix, dir=None if tmp_root is None else os.fspath(tmp_root))
+    coverage = child_coverage.parent_settings()  # None unless coverage is measuring here
     outcomes = [ChildOutcome(i, spec.label) for i, spec in enumerate(specs)]
     procs, conns = [], []
     try:
@@ -187,7 +191,7 @@ def run_children(specs, timeout: float, *, method: str = "fork", tmp_root=None, 
             proc = ctx.Process(
                 target=_child_main, name=f"llmload-{spec.label.replace(' ', '')}",
                 args=(index, spec, sender, workdir, os.getpid() if method == "fork" else None,
-                      logging.getLogger().level),
+                      logging.getLogger().level, coverage),
                 # Not daemonic: a daemonic process may not start children, and an isolated test may start ranks,
                 # a rank DataLoader workers. The children are reaped here, whatever happens (finally, below).
                 daemon=False,
@@ -357,7 +361,7 @@ def _trim_stacks(text: str) -> str:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _child_main(index, spec, conn, workdir, parent_pid, log_level):
+def _child_main(index, spec, conn, workdir, parent_pid, log_level, coverage_settings):
     # Own process group: the parent kills the child together with anything it started, and a Ctrl-C in the
     # terminal reaches only the parent, which then kills the children (no traceback per child).
     os.setpgid(0, 0)
@@ -368,6 +372,8 @@ def _child_main(index, spec, conn, workdir, parent_pid, log_level):
     stacks = open(os.path.join(workdir, f"child{index}.stacks"), "w")  # noqa: SIM115 - lives as long as the child
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     faulthandler.enable(file=sys.stderr, all_threads=True)  # a segfault leaves its stack in the child's output
+    # After the redirection: coverage's own warnings and errors go to the child's output.
+    cov = child_coverage.start(coverage_settings)
     succeeded = False
     try:
         torch = sys.modules.get("torch")
@@ -386,6 +392,7 @@ def _child_main(index, spec, conn, workdir, parent_pid, log_level):
         succeeded = True
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent, KeyboardInterrupt too
         payload = _error_payload(exc, spec.render)
+    child_coverage.save(cov)  # os._exit skips coverage's own save; before the answer, after which the parent may kill
     with contextlib.suppress(Exception):
         sys.stdout.flush()
         sys.stderr.flush()
