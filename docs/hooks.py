@@ -1,0 +1,418 @@
+"""MkDocs hooks (``hooks:`` in mkdocs.yml): the pages generated from code at build time, so the docs cannot drift from it.
+
+- ``failures/index.md`` and one ``failures/<id>.md`` per known failure, from :data:`pytest_llmload.failures.CATALOG`,
+  :data:`~pytest_llmload.failures.MODULES` and :data:`~pytest_llmload.failures.REGISTRY`, with the docstrings of
+  each failure's before-loader (``fixtures/loaders/before_<id>.py``) and regression tests
+  (``tests/failures/test_<id>.py``);
+- ``reference/settings.md``: every setting of :data:`pytest_llmload.surface.SETTINGS`, the markers' help texts and
+  the fixtures' docstrings (read from ``pytest_llmload/fixtures.py`` without importing it);
+- the ``LoadRequest`` field table, put where a page says ``<!-- llmload:load-request-fields -->``.
+
+The functions that make the pages (:func:`generated_pages`, :func:`failure_page`, :func:`settings_page`,
+:func:`load_request_fields`) import nothing of MkDocs, so a test can call them without it (tests/test_docs.py).
+Importing the catalog needs neither torch nor the Hugging Face stack.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib.util
+import re
+import typing
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FIELDS_MARK = "<!-- llmload:load-request-fields -->"
+RECORDS_MARK = "<!-- llmload:record-fields -->"
+FAILURES_INDEX = "failures/index.md"
+SETTINGS_PAGE = "reference/settings.md"
+
+# What each LoadRequest field asks, and what a loader that honours it returns (the contract the checks verify
+# before judging). The names and defaults come from the dataclass; a field without a line here fails the build.
+FIELD_DOCS = {
+    "model_path": ("the local checkpoint to load (`local_files_only`; nothing is downloaded)",
+                   "be that checkpoint; a vocabulary at least as large as its `vocab_size` (chat tokens may add rows)"),
+    "purpose": ('`"inference"` or `"train"`',
+                "load for that use (the checks set train/eval mode themselves, as Trainer and servers do)"),
+    "dtype": ('`"float32"`, `"float16"`, `"bfloat16"` (`request.torch_dtype` is the `torch.dtype`)',
+              "hold most weights in it; a train request may also get float32 master weights; a 4-bit request may "
+              "honour it as `bnb_4bit_compute_dtype`"),
+    "device": ('`"cpu"` or `"cuda:N"`', "put the weights there (or, under a budget, there and on cpu/disk)"),
+    "max_memory": ("a budget in `from_pretrained`'s format, `None` for none",
+                   "respect it (offload what does not fit, or refuse clearly)"),
+    "offload_folder": ("where disk offload may write", "write nowhere else"),
+    "quantization": ('`None`, `"4bit"`, `"8bit"`', "be quantized only when asked"),
+    "lora": ("put a trainable LoRA adapter on the model", "-"),
+    "adapter_path": ("a trained PEFT adapter to serve", "serve it (or refuse clearly)"),
+    "gradient_checkpointing": ("enable it", "-"),
+    "deepspeed": ("the run is a DeepSpeed job", "-"),
+    "zero_stage": ("its ZeRO stage (with `deepspeed=True`; `None` when unknown)", "-"),
+    "gpu_count": ("how many GPUs the run assumes (read it instead of `torch.cuda.device_count()`)", "-"),
+}
+
+# The fields of the two records a check is made of (pytest_llmload.failures.base); a field without a line fails the build.
+RECORD_DOCS = {
+    "KnownFailure": {
+        "id": "the failure's name, lowercase with dashes (`meta-backward`); shown in every row and report section",
+        "title": "one line: what goes wrong",
+        "write_up": "where it was reported (a write-up, issue numbers)",
+        "signatures": "regular expressions searched in a failing test's message and traceback: a match adds the "
+                      "report section naming this failure",
+        "root_cause": "why it happens",
+        "fix": "what the loader or the training script should do instead",
+        "occurs": "versions and hardware where it has been seen or reproduced",
+        "context": "extra patterns that must also appear for a signature to count (e.g. the frame a deadline "
+                   "stopped in)",
+        "tell": "a pattern that makes the match certain (e.g. a DataParallel frame)",
+        "without_tell": "what the report section says when the tell is absent",
+        "hang_is_mechanism": "a deadline passed inside the loader call is this failure itself (offload-hang); "
+                             "otherwise a hung loader is an `error` row",
+    },
+    "Check": {
+        "function": "`function(loader, checkpoint, workdir)`, raising `AssertionError` on a faulty loader; it gets the "
+                    "options it takes as keywords (`prepare_args`, the training declarations)",
+        "failure": "the `KnownFailure` it guards against",
+        "needs_gpus": "GPUs the check needs; with fewer visible it skips with the counts (and carries the `gpu` "
+                      "marker)",
+        "world_size": "ranks of a process group the check starts itself",
+        "transformers": "a PEP 440 range where the failure exists (`\"<=4.56\"`); elsewhere the check skips, saying so",
+        "timeout": "seconds; a hang fails the check with every thread's stack",
+        "label": "the check's name where `function` is a partial (a GPU variant, say); else the function's name",
+        "purpose": "what the check asks the loader for (`inference` or `train`); a loader declared for the other "
+                   "one skips it",
+        "isolated": "run in a child forked from the test process: for checks that can hang, crash or change "
+                    "process-wide state",
+        "uses_adapters": "works with peft adapters whatever its purpose (peft is preloaded for it)",
+    },
+}
+
+# How a setting's value is parsed (Setting.kind, pytest_llmload.settings.PARSERS). A kind without a line fails the build.
+KINDS = {
+    "text": "a string",
+    "path": "a file path",
+    "bool": "true or false (the option takes no value; the ini key `true`/`false`, `1`/`0`, `yes`/`no`, `on`/`off`)",
+    "lines": "a list: the option may be repeated, the ini key takes one a line",
+    "seconds": "a number of seconds, 0 or more",
+    "fraction": "a number between 0 and 1",
+    "gpus": "a positive number of GPUs, or `off`",
+}
+
+
+# --- Markdown helpers ---------------------------------------------------------------------------------------------
+
+def code(text: str) -> str:
+    """``text`` as a Markdown code span, whatever backticks it holds."""
+    text = str(text)
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    fence = "`" * (longest + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
+_CODE_SPAN = re.compile(r"(`+).+?(?<!`)\1(?!`)")
+
+
+def cell(text: str) -> str:
+    """Text for a table cell: one line, pipes escaped outside code spans (the table reads those right)."""
+    text, out, at = " ".join(str(text).split()), [], 0
+    for span in _CODE_SPAN.finditer(text):
+        out += [text[at:span.start()].replace("|", "\\|"), span.group()]
+        at = span.end()
+    return "".join(out + [text[at:].replace("|", "\\|")])
+
+
+def plain(text: str) -> str:
+    """Catalog text (written for a terminal) as Markdown that shows it as written: no emphasis, links or HTML tags."""
+    return re.sub(r"([\\`*_\[\]])", r"\\\1", str(text)).replace("<", "&lt;")
+
+
+_ROLE = re.compile(r":(?:mod|class|func|data|attr|meth|exc|obj):`(~?)([^`]+)`")
+
+
+def from_rest(doc: str) -> str:
+    """A docstring (reST-ish) as Markdown: roles become code spans, ``x::`` introduces an indented code block."""
+
+    def role(match: re.Match) -> str:
+        target = match.group(2)
+        return code(target.rsplit(".", 1)[-1] if match.group(1) else target)
+
+    text = _ROLE.sub(role, doc)
+    return re.sub(r"(\S)::\n", r"\1:\n", text)
+
+
+def module_docstring(path: Path) -> str:
+    return ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+
+
+def slug(failure_id: str) -> str:
+    return failure_id.replace("-", "_")
+
+
+# --- the known failures -------------------------------------------------------------------------------------------
+
+def _homes(failure) -> dict[str, str]:
+    return {"catalog entry and checks": f"pytest_llmload/failures/{slug(failure.id)}.py",
+            "before-loader": f"fixtures/loaders/before_{slug(failure.id)}.py",
+            "regression tests": f"tests/failures/test_{slug(failure.id)}.py"}
+
+
+def _checks_of(failure) -> list:
+    from pytest_llmload.failures import REGISTRY
+
+    return [check for check in REGISTRY if check.failure.id == failure.id]
+
+
+def failure_page(failure) -> str:
+    """The reference page of one known failure."""
+    homes = _homes(failure)
+    lines = [f"# {failure.id}: {plain(failure.title)}", "",
+             "*Generated from the catalog (`pytest_llmload.failures`) when the docs are built.*", "",
+             "| | |", "|---|---|",
+             f"| id | {code(failure.id)} |",
+             f"| write-up or field reports | {cell(plain(failure.write_up))} |",
+             f"| where it occurs | {cell(plain(failure.occurs))} |"]
+    lines += [f"| {what} | {code(path)} |" for what, path in homes.items()]
+    lines += ["", "## Root cause", "", plain(failure.root_cause), "", "## Fix", "", plain(failure.fix), "",
+              "## Signatures", "",
+              "A failing test whose message or traceback matches one of these regular expressions gets a report "
+              "section `llmload: known failure` naming this failure:", ""]
+    lines += [f"- {code(pattern)}" for pattern in failure.signatures] or ["- none: this failure is named by its "
+                                                                         "checks only"]
+    if failure.context:
+        lines += ["", "and only when each of these also appears:", ""]
+        lines += [f"- {code(pattern)}" for pattern in failure.context]
+    if failure.tell is not None:
+        lines += ["", f"The match is certain when the traceback passes through {code(failure.tell)}; without it, "
+                      f"the section says: {plain(failure.without_tell)}"]
+    if failure.hang_is_mechanism:
+        lines += ["", "A deadline passed inside the loader call is this failure's own mechanism: the check's row "
+                      "is `FAILED` naming it (for every other failure a hung loader is an `error` row)."]
+    lines += ["", "The section, as the report prints it:", "", "```", failure.explain(), "```", "", "## Checks", ""]
+    checks = _checks_of(failure)
+    if not checks:
+        lines += ["None: there is no loader bug to check. The regression tests below show the failure and how the "
+                  "plugin names it."]
+    for check in checks:
+        runs = ("isolated, in a child forked from the test process" if check.isolated else "in the test process")
+        lines += [f"### {check.name}", "", plain(check.summary) or "(no docstring)", "",
+                  f"- needs GPUs: {check.needs_gpus or 'none (runs on CPU)'}",
+                  f"- transformers: {code(check.transformers) if check.transformers else 'any version'}",
+                  f"- asks the loader for: a {check.purpose} load",
+                  f"- ranks: {check.world_size}",
+                  f"- deadline: {check.timeout:g} s, {runs}", ""]
+    for title, what in (("The loader before its fix", "before-loader"), ("How it is reproduced here",
+                                                                         "regression tests")):
+        path = ROOT / homes[what]
+        lines += [f"## {title}", "", f"From the docstring of {code(homes[what])}:", "",
+                  from_rest(module_docstring(path)) if path.exists() else f"({homes[what]} is missing)", ""]
+    return "\n".join(lines)
+
+
+def failures_index() -> str:
+    from pytest_llmload.failures import CATALOG
+
+    lines = ["# Known failures", "",
+             "*Generated from the catalog (`pytest_llmload.failures.CATALOG`) when the docs are built.*", "",
+             "Each known failure has one home named by its id: `pytest_llmload/failures/<id>.py` (its catalog "
+             "entry: signatures, root cause and fix; and its checks), `fixtures/loaders/before_<id>.py` (the "
+             "write-up's loader before its fix) and `tests/failures/test_<id>.py` (its regression tests), with "
+             "the id's dashes as underscores. The write-ups `seeds/000_...` to `seeds/004_...` are this "
+             "project's source notes; the other failures come from public issue trackers.", "",
+             "| id | failure | write-up or field reports | where it occurs | checks |", "|---|---|---|---|---|"]
+    for failure in CATALOG:
+        checks = ", ".join(code(check.name) for check in _checks_of(failure)) or "none"
+        lines.append(f"| [{failure.id}]({failure.id}.md) | {cell(plain(failure.title))} | "
+                     f"{cell(plain(failure.write_up))} | {cell(plain(failure.occurs))} | {checks} |")
+    lines += ["", "How each is reproduced here: [the home page's table](../index.md#the-known-failures); version by version: "
+                  "[Version matrix](../version_matrix.md#failures-x-versions-x-hardware)."]
+    return "\n".join(lines) + "\n"
+
+
+# --- settings, markers, fixtures ----------------------------------------------------------------------------------
+
+def _fixtures() -> list[tuple[str, str, str]]:
+    """``(name, scope, docstring)`` of each fixture in pytest_llmload/fixtures.py, in file order (read, not imported)."""
+    path = Path(importlib.util.find_spec("pytest_llmload.fixtures").origin)
+    found = []
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if not isinstance(node, ast.FunctionDef):
+            continue
+        for decorator in node.decorator_list:
+            target = decorator.func if isinstance(decorator, ast.Call) else decorator
+            if ast.unparse(target) != "pytest.fixture":
+                continue
+            keywords = {k.arg: k.value for k in decorator.keywords} if isinstance(decorator, ast.Call) else {}
+            scope = ast.literal_eval(keywords["scope"]) if "scope" in keywords else "function"
+            found.append((node.name, scope, ast.get_docstring(node) or ""))
+    return found
+
+
+def _markers() -> list[tuple[str, str]]:
+    """``(name, help)`` of each marker the plugin registers: the ``*_HELP`` texts of surface that start with a name."""
+    from pytest_llmload import surface
+
+    helps = [value for name, value in vars(surface).items()
+             if name.endswith("_HELP") and name != "GPU_FIXTURES_HELP" and isinstance(value, str)]
+    return [(text.split(":", 1)[0], text.split(":", 1)[1].strip()) for text in helps]
+
+
+def _main_job_options() -> list[tuple[str, str]]:
+    """``(option, help)`` of each option of the main job's parser (``pytest_llmload.main_job.build_parser``)."""
+    import argparse
+
+    from pytest_llmload.main_job import build_parser
+
+    found = []
+    for action in build_parser()._actions:
+        if not action.option_strings or action.help == argparse.SUPPRESS:
+            continue
+        takes_value = action.nargs != 0
+        metavar = action.metavar or (action.dest.upper() if takes_value else "")
+        option = ", ".join(code(name) for name in action.option_strings)
+        found.append((option + (f" {code(metavar)}" if metavar else ""), action.help or ""))
+    return found
+
+
+def settings_page() -> str:
+    from pytest_llmload.surface import SETTINGS
+
+    lines = ["# Settings, markers and fixtures", "",
+             "*Generated from `pytest_llmload.surface` and `pytest_llmload/fixtures.py` when the docs are built.*",
+             "", "## Settings", "",
+             "Every setting is an option and an ini key of the same name (`--llmload-x-y` and `llmload_x_y`, in "
+             "`pytest.ini`, `tox.ini`'s `[pytest]` or `pyproject.toml`'s `[tool.pytest.ini_options]`), with one help "
+             "text and one type; the option wins over the ini key. A bad value is a usage error naming the value, "
+             "where it came from and what to give instead. `pytest --help` prints the same help.", "",
+             "| option | ini key | type | default | help |", "|---|---|---|---|---|"]
+    for setting in SETTINGS:
+        option = code(setting.option) + (f" {code(setting.metavar)}" if setting.metavar else "")
+        extra = ""
+        if setting.aliases:
+            extra += " Older spelling, still accepted: " + ", ".join(code(a) for a in setting.aliases) + "."
+        if setting.env:
+            extra += f" Environment variable: {code('$' + setting.env)}."
+        default = (code(setting.default) if setting.default is not None
+                   else {"bool": code("false"), "lines": "none"}.get(setting.kind, "none"))
+        lines.append(f"| {option} | {code(setting.ini)} | {code(setting.kind)} | {default} | "
+                     f"{cell(plain(setting.help) + extra)} |")
+    lines += ["", "The types:", "", "| type | value |", "|---|---|"]
+    for kind in sorted({setting.kind for setting in SETTINGS}):
+        if kind not in KINDS:
+            raise ValueError(f"docs/hooks.py: setting kind {kind!r} has no description in KINDS; add one")
+        lines.append(f"| {code(kind)} | {cell(KINDS[kind])} |")
+    lines += ["", "## The main job's options", "",
+              "`python -m pytest_llmload` (or `llmload`) has options of its own (`--help` prints them); the "
+              "arguments after `--` go to pytest.", "", "| option | help |", "|---|---|"]
+    for option, help_text in _main_job_options():
+        lines.append(f"| {option} | {cell(plain(help_text))} |")
+    lines += ["", "## Markers", "",
+              "Registered by the plugin (so `--strict-markers` runs accept them):", ""]
+    for name, text in _markers():
+        lines += [f"- {code(name)}: {plain(text)}"]
+    lines += ["", "## Fixtures", "",
+              "Each fixture is an override point: define a fixture of the same name and scope in a conftest.py, and "
+              "the fixtures built on it follow. `pytest --fixtures` prints the same docstrings.", "",
+              "| fixture | scope | what |", "|---|---|---|"]
+    fixtures = _fixtures()
+    for name, scope, doc in fixtures:
+        first = " ".join(doc.split("\n\n")[0].split())
+        lines.append(f"| [{code(name)}](#{name}) | {scope} | {cell(from_rest(first))} |")
+    for name, scope, doc in fixtures:
+        lines += ["", f"### {name}", "", f"Scope: {scope}.", "", from_rest(doc)]
+    return "\n".join(lines) + "\n"
+
+
+# --- the loader contract ------------------------------------------------------------------------------------------
+
+def _type_name(hint) -> str:
+    """A type hint as a reader writes it: ``Optional[int]``, ``Literal['4bit', '8bit']``, ``str | PathLike``."""
+    name = hint.__name__ if isinstance(hint, type) else str(hint)
+    return re.sub(r"\b(typing|os|collections\.abc)\.", "", name)
+
+
+def load_request_fields() -> str:
+    """The table of every LoadRequest field: name and default from the dataclass, what it asks and what the returned
+    model must from :data:`FIELD_DOCS`."""
+    from pytest_llmload.request import LoadRequest
+
+    fields = dataclasses.fields(LoadRequest)
+    hints = typing.get_type_hints(LoadRequest)
+    names = [field.name for field in fields]
+    missing, stale = set(names) - set(FIELD_DOCS), set(FIELD_DOCS) - set(names)
+    if missing or stale:
+        raise ValueError(f"docs/hooks.py FIELD_DOCS is out of date with LoadRequest: fields without a line "
+                         f"{sorted(missing)}, lines for no field {sorted(stale)}")
+    lines = ["| field | type | default | what it asks | the returned model must |", "|---|---|---|---|---|"]
+    for field in fields:
+        default = "required" if field.default is dataclasses.MISSING else code(repr(field.default))
+        asks, must = FIELD_DOCS[field.name]
+        lines.append(f"| {code(field.name)} | {code(_type_name(hints[field.name]))} | {default} | {asks} | {must} |")
+    return "\n".join(lines)
+
+
+def record_fields() -> str:
+    """The fields of ``KnownFailure`` and ``Check``: names and defaults from the records, meanings from RECORD_DOCS."""
+    from pytest_llmload.failures.base import Check, KnownFailure
+
+    out = []
+    for record in (KnownFailure, Check):
+        docs = RECORD_DOCS[record.__name__]
+        missing, stale = set(record._fields) - set(docs), set(docs) - set(record._fields)
+        if missing or stale:
+            raise ValueError(f"docs/hooks.py RECORD_DOCS[{record.__name__!r}] is out of date: fields without a "
+                             f"line {sorted(missing)}, lines for no field {sorted(stale)}")
+        out += [f"`{record.__name__}`:", "", "| field | default | what |", "|---|---|---|"]
+        for name in record._fields:
+            default = code(repr(record._field_defaults[name])) if name in record._field_defaults else "required"
+            out.append(f"| {code(name)} | {default} | {docs[name]} |")
+        out.append("")
+    return "\n".join(out)
+
+
+# --- everything, and the MkDocs events ----------------------------------------------------------------------------
+
+def generated_pages() -> dict[str, str]:
+    """Every generated page: its path under docs/ and its Markdown."""
+    from pytest_llmload.failures import CATALOG
+
+    pages = {FAILURES_INDEX: failures_index(), SETTINGS_PAGE: settings_page()}
+    pages.update({f"failures/{failure.id}.md": failure_page(failure) for failure in CATALOG})
+    return pages
+
+
+def _failure_nav() -> list:
+    from pytest_llmload.failures import CATALOG
+
+    return [FAILURES_INDEX, *({failure.id: f"failures/{failure.id}.md"} for failure in CATALOG)]
+
+
+def _expand(nav):
+    """The nav with the entry of the failures index replaced by the index and one entry per failure."""
+    if isinstance(nav, list):
+        return [_expand(item) for item in nav]
+    if isinstance(nav, dict):
+        return {title: (_failure_nav() if target == FAILURES_INDEX else _expand(target)) for title, target in nav.items()}
+    return nav
+
+
+def on_config(config, **kwargs):
+    if config.nav is not None:
+        config.nav = _expand(config.nav)
+    return config
+
+
+def on_files(files, config, **kwargs):
+    from mkdocs.structure.files import File
+
+    for src_uri, content in generated_pages().items():
+        files.append(File.generated(config, src_uri, content=content))
+    return files
+
+
+def on_page_markdown(markdown, page, config, files, **kwargs):
+    if FIELDS_MARK in markdown:
+        markdown = markdown.replace(FIELDS_MARK, load_request_fields())
+    if RECORDS_MARK in markdown:
+        markdown = markdown.replace(RECORDS_MARK, record_fields())
+    return markdown
