@@ -152,7 +152,10 @@ def _check_prediction_args(args: argparse.Namespace) -> None:
     if not args.runner:
         return
     from pytest_llmload.prediction import architectures, profiles
+    from pytest_llmload.prediction.planner import unsupported_reason
 
+    if unsupported_reason() is not None:
+        raise UsageError(f"--runner {args.runner!r}: {unsupported_reason()}.")
     try:
         for name in (n.strip() for n in args.runner.split(",")):
             if not name:

@@ -45,6 +45,7 @@ SUB_PLUGINS = (
     "pytest_llmload.diagnostics.memory_limit",  # limit_torch_memory
     "pytest_llmload.hung_loader",  # after the loader hangs once, the rest fail at once instead of waiting
     "pytest_llmload.per_test",  # markers enforced; offline mode and DeepSpeed only while the tests that need them run
+    "pytest_llmload.diagnostics.html_report",  # --llmload-html, pytest-html extras: device maps, memory per phase
 )
 XDIST_GPUS = "pytest_llmload.runners.xdist_gpus"  # under pytest -n: each xdist worker its own GPUs
 LAUNCHER = "pytest_llmload.runners.launcher"  # under torchrun/srun/mpirun: distributed_env tests on every rank
@@ -373,6 +374,11 @@ def _read_prediction(config: pytest.Config) -> None:
     from pytest_llmload.prediction import architectures, profiles
 
     runners, source = runners
+    from pytest_llmload.prediction.planner import unsupported_reason
+
+    reason = unsupported_reason()
+    if reason is not None:
+        raise pytest.UsageError(f"{source} {runners!r}: {reason}.")
     model, model_source = settings.given(config, "model") or (architectures.DEFAULT, "the default")
 
     try:

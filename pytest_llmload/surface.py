@@ -6,7 +6,7 @@ imports only this module and its fixtures at start-up (plain strings, no imports
 name imports it from here: one definition each, and nothing else compiled or executed until a run needs it.
 
 One naming rule: every option, ini key, marker and fixture starts with ``llmload`` (``--llmload-...``,
-``llmload_...``), except the names the README promises as this plugin's vocabulary (the fixtures ``gpu_model``,
+``llmload_...``), except the names the docs promise as this plugin's vocabulary (the fixtures ``gpu_model``,
 ``lora_model``, ``distributed_env``; the markers ``needs_gpus`` and ``gpu``) and ``limit_torch_memory``, named after
 pytest-memray's ``limit_memory``.
 """

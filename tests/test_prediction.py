@@ -273,3 +273,16 @@ def test_the_reference_loader_does_nothing_after_loading_that_the_runner_would_r
     assert caught.value.failure == "OOM" and "Some modules are dispatched on the CPU or the disk" in str(caught.value)
     assert predict.predict_quantized_cast(reference, profile, architectures.load_config("llama-3-8b"), "llama-3-8b",
                                           tmp_path / "q8").failure is None
+
+
+def test_a_transformers_too_old_for_the_planner_is_one_usage_error(pytester, monkeypatch):
+    # The lowest declared stack (transformers 4.46) lacks the placement helper the predictions run.
+    from importlib import metadata
+
+    real = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda name: "4.46.3" if name == "transformers" else real(name))
+    pytester.makepyfile("def test_one(): pass\n")
+    result = pytester.runpytest("--llmload-runner", "8xH100-80GB")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--llmload-runner '8xH100-80GB': the predictions need transformers >= 4.56*"
+                                 "this environment has 4.46.3*"])

@@ -119,7 +119,9 @@ def check_zero3_load(
     ranks.preload(ranks.DEEPSPEED_PRELOAD + ranks.model_module(checkpoint))
     # GPU ranks start from a clean forkserver and import DeepSpeed themselves: they must pick its CUDA
     # accelerator even when the test process was told DS_ACCELERATOR=cpu.
-    env = {"DS_ACCELERATOR": "cuda"} if backend == "nccl" else None
+    # CPU ranks get LOCAL_SIZE, as DeepSpeed's own launcher sets it: ZeRO-3 asks the CPU accelerator for its device
+    # count, which DeepSpeed < 0.16 otherwise reads from `numactl --hardware` (FileNotFoundError where it is absent).
+    env = {"DS_ACCELERATOR": "cuda"} if backend == "nccl" else {"LOCAL_SIZE": str(world_size)}
     # A rank that raised, hung or died: failures.verdict judges what it raised (the refusal is a result, not a raise).
     results = ranks.run_ranks(
         _load_under_zero3, world_size, args=(loader, os.fspath(checkpoint), os.fspath(workdir), device, backend),

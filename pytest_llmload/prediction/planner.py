@@ -12,6 +12,22 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Optional
 
 STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+# The oldest transformers the predictions run on: its placement helper (_get_device_map) and from_config(dtype=)
+# came with 4.56 (the version matrix: 4.56 and newer green; 4.46 has neither).
+OLDEST_TRANSFORMERS = "4.56"
+
+
+def unsupported_reason() -> Optional[str]:
+    """Why the installed transformers cannot run the predictions, or ``None`` where it can."""
+    from importlib import metadata
+
+    from packaging.version import Version
+
+    installed = metadata.version("transformers")
+    if Version(installed) >= Version(OLDEST_TRANSFORMERS):
+        return None
+    return (f"the predictions need transformers >= {OLDEST_TRANSFORMERS} (its own placement planner, which they run); "
+            f"this environment has {installed}: upgrade transformers, or leave the runner out")
 
 
 class Share(NamedTuple):
