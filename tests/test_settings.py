@@ -16,7 +16,7 @@ SAMPLE_BY_KEY = {  # settings whose values are checked at configure
     "loader": ("os:getcwd", "os:getcwd"), "training_args_hook": ("os:getcwd", "os:getcwd"),
     "runner": ("cpu-only", "cpu-only"), "model": ("llama-3-8b", "llama-3-8b"), "progress": ("p.jsonl", "p.jsonl"),
     "expected_failed_checks": ("check_zero3_load: tracked", ["check_zero3_load: tracked"]),
-    "checks": ("pytest_llmload.failures:CHECKS", ["pytest_llmload.failures:CHECKS"]),
+    "checks": ("pytest_llmload.failures.offload_hang:CHECKS", ["pytest_llmload.failures.offload_hang:CHECKS"]),
     "gpu_fixtures": ("my_gpu", ["my_gpu"]),
 }
 BAD = {"bool": "maybe", "seconds": "soon", "fraction": "2", "gpus": "two"}
