@@ -75,7 +75,79 @@ STARTS_INTERPRETERS_FIRST = (
 )
 
 
+# The contributor's inner loop is `pytest -m "not slow" -n 2` (docs/performance.md): the tests below take a second or
+# more each (a real interpreter, xdist or torchrun run, a deadline waited on purpose, ranks or a Trainer), measured
+# from a full run's JUnit durations. CI runs them all. Whole files where nearly every test is slow; else by name.
+SLOW_FILES = (
+    "tests/test_main_job.py", "tests/test_corpus.py", "tests/test_sample_loaders.py", "tests/runners/test_launcher.py",
+    "tests/runners/test_xdist_gpus.py", "tests/test_plugin_load_cost.py", "tests/runners/test_child_coverage.py",
+    "tests/test_extension_checks.py", "tests/test_downstream_repo.py", "tests/test_readme_adapter.py",
+    "tests/test_hung_loader.py",
+)
+SLOW_TESTS = {
+    "tests/failures/test_adapter_on_offloaded.py": ("test_check_passes_on_the_fixed_loader",),
+    "tests/failures/test_distributed_device_map.py": (
+        "test_check_passes_on_the_reference_loader", "test_every_mode_is_judged_even_when_the_first_cannot_run_here"),
+    "tests/failures/test_dp_dtype.py": (
+        "test_check_fails_on_the_write_up_setup", "test_check_passes_with_the_fix",
+        "test_check_reports_a_first_step_dtype_error",
+        "test_the_declaration_by_ini_key_or_option_reaches_a_repos_own_parametrized_test",
+        "test_what_a_stock_trainer_does_with_the_write_up_model"),
+    "tests/failures/test_inference_stall.py": ("test_a_deadline_hit_inside_generate_names_inference_stall",),
+    "tests/failures/test_move_offloaded.py": (
+        "test_check_fails_when_deepspeed_initialize_moves_the_offloaded_model",
+        "test_check_passes_on_loaders_that_do_not_move_an_offloaded_model"),
+    "tests/failures/test_offload_hang.py": ("test_a_hung_load_fails_within_its_deadline_naming_the_blocked_frame",),
+    "tests/failures/test_zero3_device_map.py": (
+        "test_check_passes_on_a_loader_that_asks_transformers", "test_check_passes_on_the_reference_loader",
+        "test_the_before_loader_is_write_up_004s_correct_fix"),
+    "tests/runners/test_isolation.py": (
+        "test_a_hang_fails_at_the_deadline_with_the_childs_stacks", "test_a_hung_child_still_hands_back_what_it_logged",
+        "test_an_isolated_check_that_hangs_fails_at_its_timeout_with_the_stacks",
+        "test_ctrl_c_kills_the_children_and_removes_the_temp_dir",
+        "test_isolated_tests_pass_fail_hang_and_die_on_their_own", "test_isolated_tests_under_xdist",
+        "test_known_failures_raised_in_a_child_are_named", "test_the_childs_log_records_reach_this_processs_handlers"),
+    "tests/runners/test_ranks.py": (
+        "test_a_hanging_rank_fails_the_test_within_its_deadline_with_the_stacks",
+        "test_a_hanging_rank_is_killed_at_its_deadline_with_every_ranks_stack"),
+    "tests/test_bad_inputs.py": ("test_a_bad_input_ends_in_a_sentence",),
+    "tests/diagnostics/test_known_failures.py": ("test_deadline_hit_inside_from_pretrained_names_offload_hang",),
+    "tests/diagnostics/test_memory_limit.py": ("test_a_gpu_limit_skips_without_a_gpu_saying_so",),
+    "tests/diagnostics/test_report.py": (
+        "test_a_deadline_hit_shows_the_phase_table_and_the_phase_that_was_running",
+        "test_the_session_summary_under_xdist_lists_loads_peaks_and_checks_near_their_deadline",
+        "test_under_the_thread_method_the_table_is_printed_before_the_process_ends"),
+    "tests/diagnostics/test_html_report.py": (
+        "test_the_report_has_a_row_per_test_and_pictures_of_the_offloaded_model",
+        "test_under_xdist_the_workers_records_reach_the_controllers_report",
+        "test_a_run_without_the_report_draws_nothing_and_imports_no_matplotlib"),
+    "tests/test_docs.py": ("test_the_site_builds_with_warnings_as_errors",),
+    "tests/test_loader_seam.py": (
+        "test_a_conftest_reads_each_checks_result_through_the_plugins_hook",
+        "test_a_shorter_timeout_than_a_checks_own_deadline_wins",
+        "test_junit_xml_carries_the_loader_the_failure_guarded_and_the_verdict_of_each_check"),
+    "tests/test_offline.py": ("test_offline_only_while_llmload_tests_run_under_xdist",),
+    "tests/test_prediction.py": (
+        "test_a_runner_that_is_not_a_profile_is_a_usage_error", "test_predictions_run_only_for_a_named_runner_and_are_marked",
+        "test_the_prediction_through_the_loader_equals_the_planner_given_the_profiles_memory",
+        "test_the_reference_loader_does_nothing_after_loading_that_the_runner_would_refuse",
+        "test_what_a_before_loader_does_after_loading_is_predicted_on_a_runner_that_offloads"),
+    "tests/test_markers.py": (
+        "test_deepspeed_is_imported_after_collection_only_when_a_test_needs_it",
+        "test_deepspeed_is_not_imported_for_tests_that_skip_for_want_of_gpus"),
+}
+
+
+def _mark_slow(items) -> None:
+    for item in items:
+        path = item.nodeid.partition("::")[0]
+        if path in SLOW_FILES or getattr(item, "originalname", item.name) in SLOW_TESTS.get(path, ()):
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_collection_modifyitems(items):
+    _mark_slow(items)
+
     def rank(item):
         path = item.nodeid.partition("::")[0]
         return STARTS_INTERPRETERS_FIRST.index(path) if path in STARTS_INTERPRETERS_FIRST else len(
