@@ -14,6 +14,11 @@ from pytest_llmload.plugin import SUB_PLUGINS
 # value wins.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# The tests that start forkserver children test isolation, not the server's warmth: a cold server (torch alone) starts
+# in ~1 s, a warm one imports the whole stack (~12 s) in every xdist worker. tests/runners/test_warm_server.py
+# tests the warm one.
+os.environ.setdefault("PYTEST_LLMLOAD_COLD_FORKSERVER", "1")
+
 pytest_plugins = ["pytester"]
 
 # In-process pytester runs restore sys.modules afterwards, and torch cannot be imported twice in one
@@ -82,7 +87,7 @@ SLOW_FILES = (
     "tests/test_main_job.py", "tests/test_corpus.py", "tests/test_sample_loaders.py", "tests/runners/test_launcher.py",
     "tests/runners/test_xdist_gpus.py", "tests/test_plugin_load_cost.py", "tests/runners/test_child_coverage.py",
     "tests/test_extension_checks.py", "tests/test_downstream_repo.py", "tests/test_readme_adapter.py",
-    "tests/test_hung_loader.py",
+    "tests/test_hung_loader.py", "tests/runners/test_warm_server.py",
 )
 SLOW_TESTS = {
     "tests/failures/test_adapter_on_offloaded.py": ("test_check_passes_on_the_fixed_loader",),

@@ -41,7 +41,7 @@ import tempfile
 import time
 import traceback
 
-from pytest_llmload.runners import child_coverage
+from pytest_llmload.runners import child_coverage, warm_server
 
 _STACK_WAIT_S = 2.0
 _JOIN_S = 2.0
@@ -166,7 +166,7 @@ class ChildSpec:
 
 
 def run_children(specs, timeout: float, *, method: str = "fork", tmp_root=None, prefix: str = "llmload-child-",
-                 forkserver_preload=(), on_failure=None):
+                 accelerator=None, on_failure=None):
     """Start one child per :class:`ChildSpec`, collect them until all answered, died, or ``timeout`` passed,
     take the stacks of those still running, kill them, and return one :class:`ChildOutcome` per child.
 
@@ -175,12 +175,12 @@ def run_children(specs, timeout: float, *, method: str = "fork", tmp_root=None, 
     temporary directory outlives the call, also when it is interrupted (Ctrl-C).
     """
     import multiprocessing as mp
-    import warnings
 
     ctx = mp.get_context(method)
-    if method == "forkserver" and forkserver_preload:
-        # Imported once by the server (none of them initialises CUDA), not by every child of every run.
-        ctx.set_forkserver_preload(list(forkserver_preload))
+    if method == "forkserver":
+        # The stack imported once by the server (which never initialises CUDA), not by every child of every run;
+        # ``accelerator``: DeepSpeed's, for the children (GPU ranks: cuda).
+        warm_server.ensure(accelerator=accelerator)
     workdir = tempfile.mkdtemp(prefix=prefix, dir=None if tmp_root is None else os.fspath(tmp_root))
     coverage = child_coverage.parent_settings()  # None unless coverage is measuring here
     outcomes = [ChildOutcome(i, spec.label) for i, spec in enumerate(specs)]
@@ -196,13 +196,7 @@ def run_children(specs, timeout: float, *, method: str = "fork", tmp_root=None, 
                 # a rank DataLoader workers. The children are reaped here, whatever happens (finally, below).
                 daemon=False,
             )
-            with warnings.catch_warnings():
-                # Python 3.12+ warns on every fork from a process with threads (torch starts one at
-                # import). The hazards that are real here (OpenMP, inherited singletons) are handled in the
-                # child; a warning per child would only break runs with -W error.
-                warnings.filterwarnings(
-                    "ignore", message=r".*fork\(\) may lead to deadlocks", category=DeprecationWarning
-                )
+            with forking_quietly():
                 proc.start()
             sender.close()
             procs.append(proc)
@@ -361,26 +355,52 @@ def _trim_stacks(text: str) -> str:
 # ---------------------------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def forking_quietly():
+    """Around a fork (``os.fork``, a fork-context ``Process.start``) from this process."""
+    import warnings
+
+    with warnings.catch_warnings():
+        # Python 3.12+ warns on every fork from a process with threads (torch starts one at import). The
+        # hazards that are real here (OpenMP, inherited singletons) are handled in the child
+        # (:func:`start_child`); a warning per child would only break runs with -W error.
+        warnings.filterwarnings("ignore", message=r".*fork\(\) may lead to deadlocks", category=DeprecationWarning)
+        yield
+
+
+def start_child(parent_pid, stdout_fd: int, stderr_fd: int, coverage_settings):
+    """The start of every child of a test process, forked or from the forkserver (isolated calls and checks,
+    ranks, :mod:`.warm` runs), once it leads its own process group: it dies with the parent, writes its
+    stdout/stderr to ``stdout_fd``/``stderr_fd`` (fds 1 and 2, and ``sys.stdout``/``sys.stderr``), where
+    faulthandler writes a crash's stacks too; it measures coverage where the parent does, and runs one OpenMP
+    thread. Returns the coverage measurement, for :func:`.child_coverage.save` before ``os._exit``."""
+    _die_with_parent(parent_pid)
+    redirect_output(stdout_fd, stderr_fd)
+    faulthandler.enable(file=sys.stderr, all_threads=True)  # a segfault leaves its stack in the child's output
+    # After the redirection: coverage's own warnings and errors go to the child's output.
+    cov = child_coverage.start(coverage_settings)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        # GNU OpenMP is not fork-safe: a forked child whose parent has run a parallel region hangs in its
+        # first parallel region with more than one thread. One thread per child avoids it.
+        torch.set_num_threads(1)
+    return cov
+
+
 def _child_main(index, spec, conn, workdir, parent_pid, log_level, coverage_settings):
     # Own process group: the parent kills the child together with anything it started, and a Ctrl-C in the
     # terminal reaches only the parent, which then kills the children (no traceback per child).
     os.setpgid(0, 0)
-    _die_with_parent(parent_pid)
-    out = _output_path(workdir, index, "out")
-    _redirect_output(out, out if spec.merge_output else _output_path(workdir, index, "err"))
+    out = _open_output(_output_path(workdir, index, "out"))
+    err = out if spec.merge_output else _open_output(_output_path(workdir, index, "err"))
+    cov = start_child(parent_pid, out, err, coverage_settings)
+    for fd in {out, err}:
+        os.close(fd)
     _forward_log_records(_output_path(workdir, index, "logs"), spec.label, log_level)
     stacks = open(os.path.join(workdir, f"child{index}.stacks"), "w")  # noqa: SIM115 - lives as long as the child
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
-    faulthandler.enable(file=sys.stderr, all_threads=True)  # a segfault leaves its stack in the child's output
-    # After the redirection: coverage's own warnings and errors go to the child's output.
-    cov = child_coverage.start(coverage_settings)
     succeeded = False
     try:
-        torch = sys.modules.get("torch")
-        if torch is not None:
-            # GNU OpenMP is not fork-safe: a forked child whose parent has run a parallel region hangs in its
-            # first parallel region with more than one thread. One thread per child avoids it.
-            torch.set_num_threads(1)
         if spec.prepare is not None:
             spec.prepare()
         value = spec.fn(*spec.args, **spec.kwargs)
@@ -468,9 +488,13 @@ def _die_with_parent(parent_pid) -> None:
         os._exit(1)  # the parent died before the tie took effect
 
 
-def _redirect_output(stdout_path: str, stderr_path: str) -> None:
-    """Send the child's stdout/stderr (fds and sys.stdout/err) to its own files (log records go to the parent:
-    :func:`_forward_log_records`).
+def _open_output(path: str) -> int:
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+
+
+def redirect_output(stdout_fd: int, stderr_fd: int) -> None:
+    """Send a child's stdout/stderr (fds 1 and 2, and new ``sys.stdout``/``sys.stderr`` on them) to its own files
+    (an isolated child's log records go to the parent: :func:`_forward_log_records`).
 
     Under pytest, sys.stdout is pytest's capture object, whose file the parent is still writing: a child
     writing there would interleave with the test's own output; the parent replays the files instead.
@@ -478,15 +502,8 @@ def _redirect_output(stdout_path: str, stderr_path: str) -> None:
     with contextlib.suppress(Exception):
         sys.stdout.flush()
         sys.stderr.flush()
-    fd = os.open(stdout_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.dup2(fd, 1)
-    os.close(fd)
-    if stderr_path == stdout_path:
-        os.dup2(1, 2)
-    else:
-        fd = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.dup2(fd, 2)
-        os.close(fd)
+    os.dup2(stdout_fd, 1)
+    os.dup2(1 if stderr_fd == stdout_fd else stderr_fd, 2)
     sys.stdout = open(1, "w", buffering=1, closefd=False, errors="replace")  # noqa: SIM115
     sys.stderr = open(2, "w", buffering=1, closefd=False, errors="replace")  # noqa: SIM115
 
@@ -588,9 +605,9 @@ def run_isolated(fn, args=(), kwargs=None, *, timeout=None, label: str = "isolat
     timeout = effective_timeout(timeout)
     method = start_method(start)
     spec = ChildSpec(label, fn, args, kwargs, render=render)
-    preload = ("torch",) if "torch" in sys.modules else ()
+    # From a forkserver because CUDA is initialised here: the children are a GPU process's, DeepSpeed's cuda too.
     (outcome,) = run_children([spec], timeout, method=method, tmp_root=tmp_root, prefix="llmload-isolated-",
-                              forkserver_preload=preload + (__name__,))
+                              accelerator="cuda" if cuda_initialised() else None)
     _replay(outcome)
     if outcome.status == "ok":
         return outcome.value

@@ -100,7 +100,7 @@ def _run_here(launch: Launch, fn, args, kwargs, backend, timeout, env, init_proc
     spec = isolation.ChildSpec(f"rank {launch.rank}", fn, args, kwargs, merge_output=True, prepare=prepare)
     (outcome,) = isolation.run_children(
         [spec], timeout, method=ranks.start_method(backend), prefix="llmload-rank-",
-        forkserver_preload=("torch", "torch.distributed", ranks.__name__),
+        accelerator="cuda" if backend == "nccl" else None,
     )
     return outcome
 

@@ -53,27 +53,8 @@ _LAUNCHER_VARS = frozenset(
 )
 _LAUNCHER_PREFIXES = ("ACCELERATE_", "FSDP_", "TORCHELASTIC_", "OMPI_COMM_WORLD_", "PMI_", "MV2_")
 
-# Modules a rank would otherwise import lazily, paying for them in every rank of every run (what a forked
-# child imports dies with it). DeepSpeed's engine imports its Muon optimizer, which calls torch.compile at
-# import time and pulls in torch._inductor: about 3 s per rank on 2 cores.
-HF_PRELOAD = (
-    "torch.distributed",
-    "transformers.modeling_utils",
-    "transformers.models.auto.modeling_auto",
-    "transformers.loss.loss_utils",
-    "accelerate",
-    "accelerate.utils",
-)
-DEEPSPEED_PRELOAD = HF_PRELOAD + (
-    "deepspeed",
-    "deepspeed.runtime.engine",
-    "deepspeed.runtime.zero.stage_1_and_2",
-    "deepspeed.runtime.zero.muon.muon_optimizer",
-    "torch._inductor.compile_fx",
-    "accelerate.utils.deepspeed",
-    "transformers.integrations.deepspeed",
-    "deepspeed.comm.torch",
-)
+# What a rank would otherwise import itself: preloaded here before forking, or by the warm forkserver (one floor down).
+from pytest_llmload.runners.warm_server import DEEPSPEED_PRELOAD, HF_PRELOAD  # noqa: E402,F401  (part of this API)
 
 _GRACE_AFTER_FAILURE_S = 5.0
 _LOG_TAIL_LINES = 40
@@ -217,7 +198,7 @@ def run_ranks(
         ]
         outcomes = isolation.run_children(
             specs, timeout, method=method, tmp_root=tmp_root, prefix="llmload-ranks-",
-            forkserver_preload=("torch", "torch.distributed", __name__),
+            accelerator="cuda" if backend == "nccl" else None,
             # The others are most likely blocked in a collective with the failed rank: a short grace lets
             # them report the lost peer, then they count as hung and their stacks are taken.
             on_failure=lambda _: time.monotonic() + _GRACE_AFTER_FAILURE_S,

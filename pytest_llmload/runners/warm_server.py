@@ -1,0 +1,109 @@
+"""The forkserver that starts every child this process must not fork itself (GPU ranks; isolated checks once CUDA
+is initialised here), warmed with the whole stack so that a child costs its work, not the imports.
+
+A child forked from a process that has initialised CUDA cannot use it, so such children start from
+multiprocessing's forkserver: a clean process that forks them. Preloaded with torch alone, each GPU rank then
+imported transformers, accelerate and DeepSpeed itself and initialised DeepSpeed's accelerator: 33 s for a 1-rank
+nccl check on the H100 (docs/gpu.md), against 0.4 s with gloo ranks forked from the warm test process. Here the
+server imports the stack once (:data:`WARM_PRELOAD`), and every child of every later check forks from it.
+
+What keeps the server clean: torch answers ``is_available()``/``device_count()`` from NVML when
+``PYTORCH_NVML_BASED_CUDA_CHECK=1`` (set in the server only), so importing the stack never initialises CUDA there;
+each child initialises its own device. DeepSpeed fixes its accelerator at import, so the server imports it with
+the accelerator its children need (``DS_ACCELERATOR``: ``cuda`` for GPU children); a request for another one
+restarts the server. ``PYTEST_LLMLOAD_COLD_FORKSERVER=1`` turns the warm preload off (torch only, as before).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Mapping
+from typing import Optional
+
+COLD_ENV = "PYTEST_LLMLOAD_COLD_FORKSERVER"
+# Set in the server only: CUDA availability from NVML, no CUDA context (torch's documented switch for forkservers).
+SERVER_ENV = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+
+_started: Optional[tuple] = None  # (preload, DS_ACCELERATOR) of the server this process started
+
+
+# Modules a child would otherwise import lazily, paying for them in every child of every run (what a child imports
+# dies with it). DeepSpeed's engine imports its Muon optimizer, which calls torch.compile at import time and pulls in
+# torch._inductor: about 3 s per rank on 2 cores. Forked ranks get them from the test process (ranks.preload), the
+# forkserver's children from the server. peft is not here: it imports bitsandbytes, which reads the GPUs' compute
+# capability at import and so initialises CUDA.
+HF_PRELOAD = (
+    "torch.distributed",
+    "transformers.modeling_utils",
+    "transformers.models.auto.modeling_auto",
+    "transformers.loss.loss_utils",
+    "accelerate",
+    "accelerate.utils",
+)
+DEEPSPEED_PRELOAD = HF_PRELOAD + (
+    "deepspeed",
+    "deepspeed.runtime.engine",
+    "deepspeed.runtime.zero.stage_1_and_2",
+    "deepspeed.runtime.zero.muon.muon_optimizer",
+    "torch._inductor.compile_fx",
+    "accelerate.utils.deepspeed",
+    "transformers.integrations.deepspeed",
+    "deepspeed.comm.torch",
+)
+# The runners' own modules: the children's entry points (a module that is not installed is skipped by the server).
+RUNNERS = ("pytest_llmload.runners.isolation", "pytest_llmload.runners.ranks")
+
+
+def ensure(*, accelerator: Optional[str]) -> None:
+    """A forkserver runs whose children start with the runners and the stack imported (torch alone where
+    ``$PYTEST_LLMLOAD_COLD_FORKSERVER`` is set) and DeepSpeed's ``accelerator`` (``None``: this process's
+    ``DS_ACCELERATOR``). Started once, restarted only for another accelerator. Call it between runs, with no child
+    of it alive."""
+    global _started
+    from multiprocessing import forkserver
+
+    modules = ("torch", *RUNNERS, *(() if os.environ.get(COLD_ENV) else DEEPSPEED_PRELOAD))
+    accelerator = accelerator if accelerator is not None else os.environ.get("DS_ACCELERATOR")
+    key = (modules, accelerator)
+    server = forkserver._forkserver  # multiprocessing's one server for this process
+    if _started == key and _alive(server):
+        return
+    if server._forkserver_pid is not None:  # another preload or accelerator, or one it started elsewhere
+        server._stop()
+    server.set_forkserver_preload(list(modules))
+    with _environment({**SERVER_ENV, **({"DS_ACCELERATOR": accelerator} if accelerator else {})}):
+        server.ensure_running()
+    _started = key
+
+
+def forkserver_pid() -> Optional[int]:
+    """The pid of the server running for this process, if one runs."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    return server._forkserver_pid if _alive(server) else None
+
+
+def _alive(server) -> bool:
+    pid = server._forkserver_pid
+    if pid is None:
+        return False
+    with contextlib.suppress(ChildProcessError):
+        return os.waitpid(pid, os.WNOHANG)[0] == 0
+    return False
+
+
+@contextlib.contextmanager
+def _environment(values: Mapping[str, str]) -> Iterator[None]:
+    """``values`` in os.environ while the server is spawned (it inherits the environment then), restored after."""
+    before = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
