@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Mapping
 from typing import Optional
+from unittest import mock
 
 COLD_ENV = "PYTEST_LLMLOAD_COLD_FORKSERVER"
 # Set in the server only: CUDA availability from NVML, no CUDA context (torch's documented switch for forkservers).
@@ -72,7 +72,8 @@ def ensure(*, accelerator: Optional[str]) -> None:
     if server._forkserver_pid is not None:  # another preload or accelerator, or one it started elsewhere
         server._stop()
     server.set_forkserver_preload(list(modules))
-    with _environment({**SERVER_ENV, **({"DS_ACCELERATOR": accelerator} if accelerator else {})}):
+    # The server inherits this process's environment when it is spawned: the server's settings, there only.
+    with mock.patch.dict(os.environ, {**SERVER_ENV, **({"DS_ACCELERATOR": accelerator} if accelerator else {})}):
         server.ensure_running()
     _started = key
 
@@ -92,18 +93,3 @@ def _alive(server) -> bool:
     with contextlib.suppress(ChildProcessError):
         return os.waitpid(pid, os.WNOHANG)[0] == 0
     return False
-
-
-@contextlib.contextmanager
-def _environment(values: Mapping[str, str]) -> Iterator[None]:
-    """``values`` in os.environ while the server is spawned (it inherits the environment then), restored after."""
-    before = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
