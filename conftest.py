@@ -95,9 +95,7 @@ SLOW_TESTS = {
         "test_check_passes_on_the_reference_loader", "test_every_mode_is_judged_even_when_the_first_cannot_run_here"),
     "tests/failures/test_dp_dtype.py": (
         "test_check_fails_on_the_write_up_setup", "test_check_passes_with_the_fix",
-        "test_check_reports_a_first_step_dtype_error",
-        "test_the_declaration_by_ini_key_or_option_reaches_a_repos_own_parametrized_test",
-        "test_what_a_stock_trainer_does_with_the_write_up_model"),
+        "test_check_reports_a_first_step_dtype_error", "test_what_a_stock_trainer_does_with_the_write_up_model"),
     "tests/failures/test_inference_stall.py": ("test_a_deadline_hit_inside_generate_names_inference_stall",),
     "tests/failures/test_move_offloaded.py": (
         "test_check_fails_when_deepspeed_initialize_moves_the_offloaded_model",
@@ -127,13 +125,10 @@ SLOW_TESTS = {
         "test_under_xdist_the_workers_records_reach_the_controllers_report",
         "test_a_run_without_the_report_draws_nothing_and_imports_no_matplotlib"),
     "tests/test_docs.py": ("test_the_site_builds_with_warnings_as_errors",),
-    "tests/test_loader_seam.py": (
-        "test_a_conftest_reads_each_checks_result_through_the_plugins_hook",
-        "test_a_shorter_timeout_than_a_checks_own_deadline_wins",
-        "test_junit_xml_carries_the_loader_the_failure_guarded_and_the_verdict_of_each_check"),
+    "tests/test_loader_seam.py": ("test_a_shorter_timeout_than_a_checks_own_deadline_wins",),
     "tests/test_offline.py": ("test_offline_only_while_llmload_tests_run_under_xdist",),
     "tests/test_prediction.py": (
-        "test_a_runner_that_is_not_a_profile_is_a_usage_error", "test_predictions_run_only_for_a_named_runner_and_are_marked",
+        "test_a_runner_that_is_not_a_profile_is_a_usage_error",
         "test_the_prediction_through_the_loader_equals_the_planner_given_the_profiles_memory",
         "test_the_reference_loader_does_nothing_after_loading_that_the_runner_would_refuse",
         "test_what_a_before_loader_does_after_loading_is_predicted_on_a_runner_that_offloads"),

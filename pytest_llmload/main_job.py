@@ -209,10 +209,15 @@ def _signals_interrupt():
 
 
 class MainJob:
-    """One run: the pytest child, and what its progress file said so far."""
+    """One run: the pytest child, and what its progress file said so far.
 
-    def __init__(self, args: argparse.Namespace, workdir: Path, out, checks: tuple = ()) -> None:
+    ``popen`` starts the child: :class:`subprocess.Popen` (a new interpreter), or what takes its arguments and
+    returns a handle like it; this repo's tests pass :func:`pytest_llmload.runners.warm.popen_forked`, which forks
+    the child from the test process, where the stack is imported already."""
+
+    def __init__(self, args: argparse.Namespace, workdir: Path, out, checks: tuple = (), popen=None) -> None:
         self.args, self.workdir, self.out = args, workdir, out
+        self.popen = popen or subprocess.Popen
         self.checks = checks  # every check the run has (built-in and extensions): what each row guards against
         self.progress = workdir / "progress.jsonl"
         self.tmp = workdir / "tmp"
@@ -242,8 +247,8 @@ class MainJob:
                PARENT_WORKDIR_ENV: str(self.workdir)}
         with self.log_path.open("w", encoding="utf-8") as log:
             # Its own process group: a Ctrl-C in the terminal reaches this process only, which passes it on once.
-            self.child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          env=env, process_group=0)
+            self.child = self.popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                    process_group=0)
 
     def follow(self) -> int:
         """Print a row per result as the child writes them, a heartbeat while one check runs long; the exit code."""
@@ -322,7 +327,8 @@ class MainJob:
                 "seconds": round(time.monotonic() - self.running[1], 3)}
 
 
-def run(argv: Optional[list[str]] = None, out=None) -> int:
+def run(argv: Optional[list[str]] = None, out=None, popen=None) -> int:
+    """The main job: its exit code. ``popen`` starts its pytest child (:class:`MainJob`)."""
     out = out or sys.stdout
     args = build_parser().parse_args(argv)
     if args.list_runners or args.list_models:
@@ -362,7 +368,7 @@ def run(argv: Optional[list[str]] = None, out=None) -> int:
         return EXIT_USAGE
 
     workdir = Path(tempfile.mkdtemp(prefix="llmload-main-"))
-    job, keep_log = MainJob(args, workdir, out, checks), False
+    job, keep_log = MainJob(args, workdir, out, checks, popen), False
     try:
         with _signals_interrupt():
             try:

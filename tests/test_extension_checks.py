@@ -2,11 +2,12 @@
 ``checks`` setting or an installed package's entry point, run by the shipped suite and the main job beside the
 built-in checks, judged through the same contract layer, reported with the same verdicts and hook."""
 
-import subprocess
-import sys
+import os
 import textwrap
 
 import pytest
+
+from fixtures import warm_runs
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -105,14 +106,13 @@ def test_a_spec_that_gives_no_checks_is_one_usage_error(repo, spec, says):
 
 
 def test_the_main_job_runs_and_names_the_repos_failure(repo):
-    # The main job is its own process (it starts pytest as a child): run as a user would.
-    out = subprocess.run([sys.executable, "-m", "pytest_llmload", "--loader", "myrepo_loading:bad", "--checks",
-                          "myrepo_checks:CHECKS", "-k", "kv_cache"], cwd=repo.path, capture_output=True, text=True,
-                         env={**__import__("os").environ, "PYTHONPATH": str(repo.path)}, timeout=240)
+    # The main job's command line, as a user would give it: its pytest forked from this process (fixtures/warm_runs.py)
+    # rather than a new interpreter, since the subject is what it prints (tests/test_main_job.py tests the process).
+    env = {**os.environ, "PYTHONPATH": str(repo.path)}
+    out = warm_runs.main_job("--loader", "myrepo_loading:bad", "--checks", "myrepo_checks:CHECKS", "-k", "kv_cache",
+                             cwd=repo.path, env=env)
     assert out.returncode == 1, out.stdout + out.stderr
     assert "use-cache-off (extension)" in out.stdout
     assert "fix (use-cache-off): set model.config.use_cache = False only for train requests" in out.stdout
-    listed = subprocess.run([sys.executable, "-m", "pytest_llmload", "--list", "--checks", "myrepo_checks:CHECKS"],
-                            cwd=repo.path, capture_output=True, text=True, timeout=120,
-                            env={**__import__("os").environ, "PYTHONPATH": str(repo.path)})
+    listed = warm_runs.main_job("--list", "--checks", "myrepo_checks:CHECKS", cwd=repo.path, env=env)
     assert textwrap.dedent("check_inference_keeps_the_kv_cache") in listed.stdout

@@ -2,6 +2,7 @@
 
 import pytest
 
+from fixtures import warm_runs
 from pytest_llmload import LoadRequest, call_loader
 from pytest_llmload.loading import REFERENCE_SPEC, LoaderContractError, LoaderSpecError
 
@@ -213,8 +214,8 @@ def test_junit_xml_carries_the_loader_the_failure_guarded_and_the_verdict_of_eac
         def test_loader(loader, check, llmload_checkpoint, tmp_path):
             check(loader, llmload_checkpoint, tmp_path)
     """)
-    result = pytester.runpytest_subprocess("-k", "pad_token and not cuda", "--junitxml=out.xml", "-p",
-                                           "no:cacheprovider")
+    result = warm_runs.runpytest(pytester, "-k", "pad_token and not cuda", "--junitxml=out.xml", "-p",
+                                 "no:cacheprovider")
     result.assert_outcomes(passed=1)
     (case,) = ET.parse(pytester.path / "out.xml").getroot().iter("testcase")
     props = {p.get("name"): p.get("value") for p in case.iter("property")}
@@ -235,9 +236,11 @@ def test_a_shorter_timeout_than_a_checks_own_deadline_wins(pytester):
         def test_loader(loader, check, llmload_checkpoint, tmp_path):
             check(loader, llmload_checkpoint, tmp_path)
     """)
-    result = pytester.runpytest_subprocess("-k", "pad_token and not cuda", "--timeout=20", "-p", "no:cacheprovider")
+    # Forked from this process (fixtures/warm_runs.py): the run's own pytest-timeout alarm, not this test's.
+    result = warm_runs.runpytest(pytester, "-k", "pad_token and not cuda", "--timeout=10", "-p", "no:cacheprovider")
     result.assert_outcomes(failed=1)
     assert result.duration < 60, result.duration  # not the check's own 120 s, nor the loader's 90 s
+    result.stdout.fnmatch_lines(["*did not return: deadline of * s exceeded*"])  # the check's deadline, shortened
 
 
 def test_a_conftest_reads_each_checks_result_through_the_plugins_hook(pytester):
@@ -260,7 +263,7 @@ def test_a_conftest_reads_each_checks_result_through_the_plugins_hook(pytester):
         def test_loader(loader, check, llmload_checkpoint, tmp_path):
             check(loader, llmload_checkpoint, tmp_path)
     """)
-    result = pytester.runpytest_subprocess("-k", "pad_token and not cuda", "-p", "no:cacheprovider")
+    result = warm_runs.runpytest(pytester, "-k", "pad_token and not cuda", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1, failed=1)
     import json
 

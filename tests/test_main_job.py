@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from fixtures import warm_runs
+
 pytestmark = pytest.mark.timeout(300)
 REPO = Path(__file__).resolve().parents[1]
 
@@ -23,8 +25,15 @@ def _temp_dirs_in_tmp_path(tmp_path, monkeypatch):
 
 
 def main_job(*args, cwd=REPO, env=None):
+    """The real command: for the tests whose subject is the process (exit codes end to end, signals, the process
+    tree, temp dirs left behind, pytest dying, a hang's deadline)."""
     return subprocess.run([sys.executable, "-m", "pytest_llmload", *args], cwd=cwd, capture_output=True,
                           text=True, timeout=280, env=env)
+
+
+# The main job in this process, its pytest forked from it (fixtures/warm_runs.py): the same command line without
+# a new interpreter's ~8 s of imports, for the tests whose subject is what the main job prints or decides.
+warm_main_job = warm_runs.main_job
 
 
 def new_tmpdir(tmp_path) -> dict:
@@ -37,8 +46,9 @@ def left_in(env: dict) -> list[Path]:
     return [p for p in Path(env["TMPDIR"]).iterdir() if p.name.startswith("llmload-main-")]
 
 
-# (Each main job imports the stack, ~8 s: a run serves every assertion about it.)
+# (Each real main job imports the stack, ~8 s: a run serves every assertion about it.)
 def test_reference_loader_passes_with_a_row_per_check_and_leaves_nothing_behind(tmp_path):
+    """The real command end to end: exit 0, the default loader as a new interpreter finds it, no temp dir left."""
     env = new_tmpdir(tmp_path)
     run = main_job("-k", "pad_token or offload_inference", env=env)
     assert run.returncode == 0, run.stdout + run.stderr
@@ -57,7 +67,8 @@ def test_reference_loader_passes_with_a_row_per_check_and_leaves_nothing_behind(
 
 
 def test_a_before_loader_fails_with_exit_1_naming_the_check():
-    run = main_job("--loader", "fixtures.loaders.before_meta_backward:load", "-k", "train_request_trains and not cuda")
+    run = warm_main_job("--loader", "fixtures.loaders.before_meta_backward:load", "-k",
+                        "train_request_trains and not cuda")
     assert run.returncode == 1, run.stdout + run.stderr
     assert re.search(r"^check_train_request_trains +meta-backward \(002\) +FAILED", run.stdout, re.M), run.stdout
     # The finding in the check's own words, with the lines that say what failed, then what to do about it.
@@ -75,13 +86,13 @@ def test_a_before_loader_fails_with_exit_1_naming_the_check():
     ],
 )
 def test_a_bad_loader_is_a_usage_error_exit_2(spec, message):
-    run = main_job("--loader", spec)
+    run = main_job("--loader", spec)  # the real command: exit 2 end to end (no pytest starts: no stack imported)
     assert run.returncode == 2, run.stdout + run.stderr
     assert message in run.stderr, run.stderr
 
 
 def test_list_names_every_check_and_its_failure():
-    run = main_job("--list")
+    run = warm_main_job("--list")
     assert run.returncode == 0
     for line in ("check_train_request_trains", "meta-backward", "check_distributed_train_step",
                  "distributed-device-map", "check_trainer_does_not_wrap_placed_model", "dp-dtype"):
@@ -122,7 +133,7 @@ def test_a_loaders_own_error_is_an_error_row_not_a_known_failure_and_its_log_is_
     import json
 
     env = new_tmpdir(odd_loaders)
-    run = main_job("--loader", "odd_loaders:breaks_on_train", "-k", "train_request_trains and not cuda",
+    run = warm_main_job("--loader", "odd_loaders:breaks_on_train", "-k", "train_request_trains and not cuda",
                    "--json", str(odd_loaders / "out.json"), cwd=odd_loaders, env=env)
     assert run.returncode == 1, run.stdout + run.stderr
     (kept,) = left_in(env)
@@ -139,19 +150,19 @@ def test_a_loaders_own_error_is_an_error_row_not_a_known_failure_and_its_log_is_
 
 
 def test_a_check_that_exercised_nothing_skips_and_strict_fails_it(odd_loaders):
-    run = main_job("--loader", "odd_loaders:never_offloads", "-k", "check_offload_inference and not cuda",
-                   cwd=odd_loaders)
+    run = warm_main_job("--loader", "odd_loaders:never_offloads", "-k", "check_offload_inference and not cuda",
+                        cwd=odd_loaders)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "skipped (not exercised: check_offload_inference: the loader loaded the model whole on cpu" in run.stdout
-    strict = main_job("--loader", "odd_loaders:never_offloads", "-k", "check_offload_inference and not cuda",
-                      "--strict", cwd=odd_loaders)
+    strict = warm_main_job("--loader", "odd_loaders:never_offloads", "-k", "check_offload_inference and not cuda",
+                           "--strict", cwd=odd_loaders)
     assert strict.returncode == 1, strict.stdout + strict.stderr
     assert "FAILED check_offload_inference: llmload strict: a check that exercised nothing is a failure" in strict.stdout
 
 
 def test_an_inference_only_loader_skips_the_training_checks(odd_loaders):
-    run = main_job("--loader", "odd_loaders:for_evaluation", "-k", "train_request_trains and not cuda",
-                   cwd=odd_loaders)
+    run = warm_main_job("--loader", "odd_loaders:for_evaluation", "-k", "train_request_trains and not cuda",
+                        cwd=odd_loaders)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "skipped (check_train_request_trains: loader odd_loaders:for_evaluation is declared for inference only" \
         in run.stdout
@@ -270,6 +281,7 @@ def test_a_signal_to_the_main_job_ends_its_whole_tree(misbehaving, signum):
 
 def test_a_hung_loader_costs_one_deadline_not_one_per_check(misbehaving):
     checks = "(pad_token or load_writes) and not cuda"
+    # The real command: a hang's deadline, end to end.
     run = main_job("--loader", "misbehaving:hangs", "-k", checks, "--", "-p", "short_deadlines", cwd=misbehaving)
     assert run.returncode == 1, run.stdout + run.stderr
     out = run.stdout
@@ -281,8 +293,9 @@ def test_a_hung_loader_costs_one_deadline_not_one_per_check(misbehaving):
                      r"check_load_writes_only_offload_folder \(deadline [\d.]+ s\); skipping the wait: "
                      r"--wait-after-hang runs every check to its deadline$", out, re.M), out
 
-    waits = main_job("--loader", "misbehaving:hangs", "-k", checks, "--wait-after-hang", "--", "-p",
-                     "short_deadlines", cwd=misbehaving)
+    # What --wait-after-hang decides: the main job's option, read by its pytest.
+    waits = warm_main_job("--loader", "misbehaving:hangs", "-k", checks, "--wait-after-hang", "--", "-p",
+                          "short_deadlines", cwd=misbehaving)
     assert waits.returncode == 1, waits.stdout + waits.stderr
     assert re.search(r"^FAILED check_pad_token_set_offline: check_pad_token_set_offline did not return: deadline",
                      waits.stdout, re.M), waits.stdout
@@ -329,7 +342,7 @@ def test_pytest_dying_under_the_main_job_is_a_row_and_keeps_the_log(misbehaving)
     ids=["log-missing-directory", "log-a-directory", "empty-loader-variable"],
 )
 def test_a_bad_command_line_is_a_sentence_and_exit_2(tmp_path, args, env, message):
-    run = main_job(*args, cwd=tmp_path, env={**os.environ, **env})
+    run = warm_main_job(*args, cwd=tmp_path, env={**os.environ, **env})
     assert (run.returncode, run.stdout) == (2, ""), run.stdout + run.stderr
     assert run.stderr.startswith(message) and len(run.stderr.splitlines()) == 1, run.stderr
     assert _left_behind(Path(os.environ["TMPDIR"])) == []
@@ -340,7 +353,7 @@ def test_a_collection_error_is_shown_whole(tmp_path, monkeypatch):
     (tmp_path / "breaks_collection.py").write_text(
         f"def pytest_generate_tests(metafunc):\n    raise ValueError({reason!r})\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    run = main_job("-k", "pad_token", "--", "-p", "breaks_collection", cwd=tmp_path)
+    run = warm_main_job("-k", "pad_token", "--", "-p", "breaks_collection", cwd=tmp_path)
     assert run.returncode == 2, run.stdout + run.stderr
     assert f"ValueError: {reason}" in run.stderr, run.stderr
     assert "llmload: pytest exited 2 before any check ran; pytest output removed" in run.stderr, run.stderr
@@ -352,7 +365,7 @@ def test_the_main_job_runs_under_its_own_options_not_the_repos_addopts(tmp_path)
     main job's pytest: it decides what it runs under (issue 27)."""
     (tmp_path / "pytest.ini").write_text("[pytest]\naddopts = -k no_such_check --maxfail=1\n")
     env = {**new_tmpdir(tmp_path), "PYTEST_ADDOPTS": "-k nothing_either"}
-    run = main_job("-k", "pad_token and not cuda", cwd=tmp_path, env=env)
+    run = warm_main_job("-k", "pad_token and not cuda", cwd=tmp_path, env=env)
     assert run.returncode == 0, run.stdout + run.stderr
     assert re.search(r"^\[1/1\] check_pad_token_set_offline +passed", run.stdout, re.M), run.stdout
 
@@ -364,3 +377,72 @@ def test_the_main_job_turns_off_the_house_plugins_unless_asked_after_the_double_
     assert {"no:randomly", "no:pytest_cov", "no:xdist"} <= set(plain) and "addopts=" in plain
     asked = pytest_command(None, None, Path("progress"), ["-n", "2", "--cov=mypkg"])
     assert "no:xdist" not in asked and "no:pytest_cov" not in asked and "no:randomly" in asked
+
+
+# --- the warm start the tests above use (pytest_llmload.runners.warm) ---------------------------------------------
+
+PROBE = '''
+import json, os, signal, sys, tempfile
+
+how = sys.argv[1]
+print(json.dumps({
+    "argv": sys.argv[1:], "cwd": os.getcwd(), "path": sys.path, "marker": os.environ.get("WARM_PROBE"),
+    "tempdir": tempfile.gettempdir(), "own_group": os.getpgid(0) == os.getpid(), "stdin": sys.stdin.read(),
+    "handlers": [str(signal.getsignal(s)) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM, signal.SIGPIPE)],
+}))
+print("on stderr", file=sys.stderr)
+if how == "raises":
+    raise ValueError("the module's own error")
+if how == "interrupted":
+    raise KeyboardInterrupt
+sys.exit(3)
+'''
+
+
+@pytest.mark.parametrize("how", ["exits", "raises", "interrupted"])
+def test_a_warm_start_is_what_a_new_interpreter_sees_and_never_returns_here(tmp_path, how):
+    """The same ``python -m`` command, started as a new interpreter and forked from this test process (with a
+    Python handler of its own for SIGTERM, as the main job has): the same view of itself, output and exit code."""
+    from pytest_llmload.runners.warm import popen_forked
+
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "warm_probe.py").write_text(PROBE)
+    env = {**os.environ, "PYTHONPATH": "lib", "WARM_PROBE": "1", "TMPDIR": str(tmp_path)}
+    seen = {}
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        for name, popen in (("new", subprocess.Popen), ("warm", popen_forked)):
+            with (tmp_path / name).open("w") as log:
+                child = popen([sys.executable, "-m", "warm_probe", how], stdout=log, stderr=subprocess.STDOUT,
+                              stdin=subprocess.DEVNULL, env=env, cwd=tmp_path, process_group=0)
+            seen[name] = child.wait(60), (tmp_path / name).read_text()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    # The same code, view and output; a traceback's frames differ below the module's (runpy's, warm's).
+    assert {name: (code, out.splitlines()[:2], out.splitlines()[-1]) for name, (code, out) in seen.items()} == {
+        name: (seen["new"][0], seen["new"][1].splitlines()[:2], seen["new"][1].splitlines()[-1]) for name in seen}, seen
+    code, output = seen["warm"]
+    assert code == {"exits": 3, "raises": 1, "interrupted": -signal.SIGINT}[how], output
+    assert ('"marker": "1"' in output and f'"cwd": "{tmp_path}"' in output and "on stderr" in output
+            and str(tmp_path / "lib") in output), output
+    if how == "raises":
+        assert "ValueError: the module's own error" in output, output
+
+
+def test_a_warm_start_starts_its_own_forkserver_not_this_processs(tmp_path):
+    """A forkserver this process runs is not the child's (a new interpreter has none): its isolated calls that need
+    one start their own, and this process's goes on serving it."""
+    from pytest_llmload.runners import warm_server
+    from pytest_llmload.runners.isolation import run_isolated
+    from pytest_llmload.runners.warm import popen_forked
+
+    (tmp_path / "forkserver_probe.py").write_text(
+        "import os\nfrom pytest_llmload.runners.isolation import run_isolated\n"
+        "if __name__ == '__main__':\n    print('parent of the call', run_isolated(os.getppid, start='forkserver'))\n")
+    ours = run_isolated(os.getppid, start="forkserver", timeout=60)
+    with (tmp_path / "out").open("w") as log:
+        child = popen_forked([sys.executable, "-m", "forkserver_probe"], stdout=log, stderr=subprocess.STDOUT,
+                             cwd=tmp_path, process_group=0)
+    assert child.wait(120) == 0, (tmp_path / "out").read_text()
+    theirs = int((tmp_path / "out").read_text().split("parent of the call")[1])
+    assert theirs != ours and ours == warm_server.forkserver_pid() == run_isolated(os.getppid, start="forkserver")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from fixtures import warm_runs
 from fixtures.loaders import before_dp_dtype, before_meta_backward
 from pytest_llmload.prediction import architectures, planner, predict, profiles
 from pytest_llmload.reference_loader import load_model_and_tokenizer as reference
@@ -217,12 +218,13 @@ def test_a_70b_on_eight_gpus_with_the_reference_loader(tmp_path):
 
 def test_predictions_run_only_for_a_named_runner_and_are_marked(pytester):
     pytester.makeini("[pytest]\nllmload_runner = 1x24GB-RTX4090\nllmload_model = phi-3-mini\n")
-    result = pytester.runpytest_subprocess("--pyargs", "pytest_llmload.suite", "-k", "predict_inference_load",
-                                           "-p", "no:cacheprovider", "-rA")
+    # Each run in its own process, forked from this one (fixtures/warm_runs.py): no new interpreter's imports.
+    result = warm_runs.runpytest(pytester, "--pyargs", "pytest_llmload.suite", "-k", "predict_inference_load",
+                                 "-p", "no:cacheprovider", "-rA")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*test_prediction?predict_inference_load@1x24GB-RTX4090?*"])
-    plain = pytester.runpytest_subprocess("--pyargs", "pytest_llmload.suite", "-k", "predict", "-p",
-                                          "no:cacheprovider", "-o", "llmload_runner=")
+    plain = warm_runs.runpytest(pytester, "--pyargs", "pytest_llmload.suite", "-k", "predict", "-p",
+                                "no:cacheprovider", "-o", "llmload_runner=")
     plain.assert_outcomes()  # not collected at all without a runner
 
 

@@ -46,6 +46,7 @@ import logging
 
 import pytest
 
+from fixtures import warm_runs
 from fixtures.loaders import before_dp_dtype
 from pytest_llmload import LoadRequest
 from pytest_llmload.failures.dp_dtype import (
@@ -311,7 +312,7 @@ def test_the_declaration_by_ini_key_or_option_reaches_a_repos_own_parametrized_t
         pytester.makeini("[pytest]\nllmload_trains_without_trainer = true\n")
     else:
         args.append("--llmload-trains-without-trainer")
-    result = pytester.runpytest_subprocess(*args)
+    result = warm_runs.runpytest(pytester, *args)  # its own process, forked from this one (fixtures/warm_runs.py)
     result.assert_outcomes(skipped=1)
     result.stdout.fnmatch_lines(["*not exercised: check_trainer_does_not_wrap_placed_model: the loader is declared to "
                                  "train without transformers.Trainer*"])
