@@ -8,7 +8,8 @@ nccl check on the H100 (docs/gpu.md), against 0.4 s with gloo ranks forked from 
 server imports the stack once (:data:`WARM_PRELOAD`), and every child of every later check forks from it.
 
 What keeps the server clean: torch answers ``is_available()``/``device_count()`` from NVML when
-``PYTORCH_NVML_BASED_CUDA_CHECK=1`` (set in the server only), so importing the stack never initialises CUDA there;
+``PYTORCH_NVML_BASED_CUDA_CHECK=1`` (set in the server; DeepSpeed 0.19 sets it itself at import, for the same
+reason), so importing the stack never initialises CUDA there;
 each child initialises its own device. DeepSpeed fixes its accelerator at import, so the server imports it with
 the accelerator its children need (``DS_ACCELERATOR``: ``cuda`` for GPU children); a request for another one
 restarts the server. ``PYTEST_LLMLOAD_COLD_FORKSERVER=1`` turns the warm preload off (torch only, as before).

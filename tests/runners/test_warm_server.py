@@ -23,6 +23,7 @@ def what_the_child_finds():
 
 def test_a_forkserver_child_finds_the_stack_imported_and_no_cuda_initialised(monkeypatch):
     monkeypatch.delenv(warm_server.COLD_ENV, raising=False)  # (the suite's conftest runs cold: see there)
+    monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)  # (DeepSpeed's import sets it here too)
     found = isolation.run_isolated(what_the_child_finds, start="forkserver", timeout=200)
     assert found == {"deepspeed engine": True, "transformers": True, "cuda initialised": False, "nvml check": "1",
                      "ds accelerator": os.environ.get("DS_ACCELERATOR")}
