@@ -14,6 +14,8 @@ from typing import NamedTuple, Optional
 
 import pytest
 
+from fixtures import warm_runs
+
 pytestmark = pytest.mark.timeout(240)
 
 USAGE, TEST = int(pytest.ExitCode.USAGE_ERROR), int(pytest.ExitCode.TESTS_FAILED)
@@ -65,6 +67,12 @@ class Case(NamedTuple):
         # xdist starts processes anyway; DeepSpeed reads DS_ACCELERATOR once, at its import, which an earlier
         # test of the same process may have done.
         return "-n" in self.args or "DS_ACCELERATOR" in (self.env or {})
+
+    @property
+    def new_interpreter(self) -> bool:
+        # DeepSpeed imported by this process (an earlier test) would be a forked run's too: a new interpreter reads
+        # DS_ACCELERATOR at its own import. An xdist controller can be forked: its workers are new interpreters.
+        return "DS_ACCELERATOR" in (self.env or {})
 
 
 CASES = [
@@ -264,10 +272,14 @@ def test_a_bad_input_ends_in_a_sentence(pytester, monkeypatch, case):
     monkeypatch.delenv("PYTEST_LLMLOAD_LOADER", raising=False)
     for key, value in (case.env or {}).items():
         monkeypatch.setenv(key, value)
-    # In-process where it can be (a fresh interpreter costs ~1 s a case): xdist runs, and loader modules that
-    # exit or fail at import, get a process of their own.
-    run = pytester.runpytest_subprocess if case.own_process else pytester.runpytest
-    result = run("-p", "no:cacheprovider", *case.args)
+    # In-process where it can be (a fresh interpreter costs ~1 s a case): xdist runs get a process of their own,
+    # forked from this one (fixtures/warm_runs.py), DS_ACCELERATOR a new interpreter.
+    if case.new_interpreter:
+        result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *case.args)
+    elif case.own_process:
+        result = warm_runs.runpytest(pytester, "-p", "no:cacheprovider", *case.args)
+    else:
+        result = pytester.runpytest("-p", "no:cacheprovider", *case.args)
     output = result.stdout.str() + "\n" + result.stderr.str()
     assert "INTERNALERROR" not in output and "Traceback" not in output, output
     assert re.search(case.sentence, output, re.DOTALL), output

@@ -9,6 +9,7 @@ from importlib import metadata
 from packaging.specifiers import SpecifierSet
 
 from fixtures.corpus.expected import BY_VERSION, EXPECTED, TOOL_WRONG
+from fixtures.warm_runs import warm_forks  # noqa: F401  (a fixture: the checks' children start warm)
 from pytest_llmload.conformance import all_checks
 from pytest_llmload.failures import verdict
 
@@ -32,7 +33,9 @@ CELLS = [pytest.param(spec, name, *_expected(spec, name, judged, why), marks=_ma
                       id=f"{spec.split('.')[2].split(':')[0]}-{name}")
          for spec, row in EXPECTED.items() for name, (judged, why) in row.items()]
 
-pytestmark = [pytest.mark.llmload_deepspeed, pytest.mark.timeout(240)]
+# Every cell's check runs in children forked from this process: warm_forks does once, here, what each of them would
+# redo (fixtures/warm_runs.py); the cells and their verdicts are the same.
+pytestmark = [pytest.mark.llmload_deepspeed, pytest.mark.timeout(240), pytest.mark.usefixtures("warm_forks")]
 
 
 def _verdict(check, loader, checkpoint, workdir) -> tuple[str, str]:

@@ -113,7 +113,8 @@ def test_bad_spec_is_not_imported_when_no_test_uses_a_loader(loaders, monkeypatc
 
 
 def test_bad_spec_under_xdist_is_a_usage_error_not_a_crash(loaders):
-    result = loaders.runpytest_subprocess("-n", "2", "--llmload-loader", "nope_missing_pkg:load")
+    # The controller forked from this process (fixtures/warm_runs.py): what it decides before any worker starts.
+    result = warm_runs.runpytest(loaders, "-n", "2", "--llmload-loader", "nope_missing_pkg:load")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["ERROR: loader spec 'nope_missing_pkg:load' from --llmload-loader: *"])
     assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
@@ -236,8 +237,10 @@ def test_a_shorter_timeout_than_a_checks_own_deadline_wins(pytester):
         def test_loader(loader, check, llmload_checkpoint, tmp_path):
             check(loader, llmload_checkpoint, tmp_path)
     """)
-    # Forked from this process (fixtures/warm_runs.py): the run's own pytest-timeout alarm, not this test's.
-    result = warm_runs.runpytest(pytester, "-k", "pad_token and not cuda", "--timeout=10", "-p", "no:cacheprovider")
+    # Forked from this process (fixtures/warm_runs.py): the run's own pytest-timeout alarm, not this test's. 6 s
+    # covers the setup (the checkpoint, ~1 s) and leaves the check a deadline of its own (what the alarm leaves,
+    # less the room for the child's stacks: 1 s at the least), which must end it first.
+    result = warm_runs.runpytest(pytester, "-k", "pad_token and not cuda", "--timeout=6", "-p", "no:cacheprovider")
     result.assert_outcomes(failed=1)
     assert result.duration < 60, result.duration  # not the check's own 120 s, nor the loader's 90 s
     result.stdout.fnmatch_lines(["*did not return: deadline of * s exceeded*"])  # the check's deadline, shortened

@@ -203,14 +203,15 @@ def kills_pytest(request):
     time.sleep(60)
 '''
 # pytest-timeout's deadline for the call only (setup builds the checkpoint): an isolated check's own deadline ends
-# a few seconds before it, so a hang costs seconds here.
+# before it, leaving room for the child's stacks (pytest_llmload.runners.isolation.effective_timeout: 4 s gives the
+# check 1 s, its least), so a hang costs a second here. The loader hangs at once: 1 s finds it in the loader.
 SHORT_DEADLINES = '''
 import pytest
 
 
 def pytest_collection_modifyitems(items):
     for item in items:
-        item.add_marker(pytest.mark.timeout(5, func_only=True), append=False)
+        item.add_marker(pytest.mark.timeout(4, func_only=True), append=False)
 '''
 
 
@@ -243,7 +244,7 @@ def _processes_with(marker: str) -> list[int]:
 def _until(condition, seconds: float):
     end = time.monotonic() + seconds
     while not condition() and time.monotonic() < end:
-        time.sleep(0.2)
+        time.sleep(0.05)
     return condition()
 
 

@@ -57,11 +57,25 @@ def test_a_bad_profile_says_what_and_where(tmp_path, value, said):
         profiles.load_profile(value)
 
 
-@pytest.mark.parametrize("name", sorted(PUBLIC_SIZE_B))
-def test_each_shipped_architecture_builds_empty_at_its_public_size(name):
+@pytest.fixture(scope="module")
+def empty_bf16_model():
+    """``empty_bf16_model(name)``: the shipped architecture's empty (meta) bfloat16 model, built once per test process
+    and module (0.1-0.3 s each; the prediction table asks for each one seven times). The tests only read it."""
     import torch
 
-    model = architectures.empty_model(architectures.load_config(name), torch.bfloat16)
+    built = {}
+
+    def build(name: str):
+        if name not in built:
+            built[name] = architectures.empty_model(architectures.load_config(name), torch.bfloat16)
+        return built[name]
+
+    return build
+
+
+@pytest.mark.parametrize("name", sorted(PUBLIC_SIZE_B))
+def test_each_shipped_architecture_builds_empty_at_its_public_size(name, empty_bf16_model):
+    model = empty_bf16_model(name)
     assert {p.device.type for p in model.parameters()} == {"meta"}
     assert architectures.parameter_count(model) / 1e9 == pytest.approx(PUBLIC_SIZE_B[name], rel=0.01)
 
@@ -108,14 +122,15 @@ TABLE = [pytest.param(arch, runner, id=f"{arch}@{runner}") for arch in sorted(PU
 
 
 @pytest.mark.parametrize(("arch", "runner"), TABLE)
-def test_the_prediction_through_the_loader_equals_the_planner_given_the_profiles_memory(arch, runner, tmp_path):
+def test_the_prediction_through_the_loader_equals_the_planner_given_the_profiles_memory(arch, runner, tmp_path,
+                                                                                         empty_bf16_model):
     """The reference loader's inference load on the runner (device_map="auto" under the runner's max_memory), as
     predicted through its intercepted from_pretrained, against from_pretrained's planner called directly."""
     import torch
 
     profile, config = profiles.load_profile(runner), architectures.load_config(arch)
     prediction = predict.predict_inference_load(reference, profile, config, arch, tmp_path)
-    model = architectures.empty_model(config, torch.bfloat16)
+    model = empty_bf16_model(arch)  # the planners only read it
     assert prediction.placement == _from_pretrained_direct(model, profile, torch.bfloat16)
 
 
@@ -229,7 +244,8 @@ def test_predictions_run_only_for_a_named_runner_and_are_marked(pytester):
 
 
 def test_a_runner_that_is_not_a_profile_is_a_usage_error(pytester):
-    result = pytester.runpytest_subprocess("--llmload-runner", "8xH100", "-p", "no:cacheprovider")
+    # Its own process, forked from this one (fixtures/warm_runs.py): what the run decides, not its interpreter.
+    result = warm_runs.runpytest(pytester, "--llmload-runner", "8xH100", "-p", "no:cacheprovider")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*--llmload-runner '8xH100' is neither a shipped runner profile*"])
 

@@ -12,6 +12,7 @@ from importlib import metadata
 import pytest
 from packaging.version import Version
 
+from fixtures.warm_runs import warm_forks  # noqa: F401  (a fixture: the checks' children start warm)
 from pytest_llmload.conformance import parametrize_with_loader_checks
 
 HONOURS_OFFLOAD_STATE_DICT = Version(metadata.version("transformers")).release < (4, 57)
@@ -56,7 +57,9 @@ EXPECTED = {
     "pytest_llmload.reference_loader:load_model_and_tokenizer": {},
 }
 
-pytestmark = [pytest.mark.llmload_deepspeed]
+# Each check runs in children forked from this process: warm_forks does once, here, what each of them would redo
+# (fixtures/warm_runs.py); the checks and their verdicts are the same.
+pytestmark = [pytest.mark.llmload_deepspeed, pytest.mark.usefixtures("warm_forks")]
 
 
 @parametrize_with_loader_checks(list(EXPECTED), expected_failed_checks=lambda loader: EXPECTED[loader.name])

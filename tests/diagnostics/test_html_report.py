@@ -11,6 +11,7 @@ import re
 
 import pytest
 
+from fixtures import warm_runs
 from pytest_llmload.diagnostics.html_report import compress_modules
 
 SUITE = ("--pyargs", "pytest_llmload.suite", "-p", "no:cacheprovider")
@@ -88,7 +89,8 @@ def test_skipped():
 @pytest.mark.timeout(120)
 def test_under_xdist_the_workers_records_reach_the_controllers_report(pytester):
     pytester.makepyfile(test_many=XDIST)
-    result = pytester.runpytest_subprocess("-n", "2", "-p", "no:cacheprovider", "--llmload-html", "report.html")
+    # The controller forked from this process (fixtures/warm_runs.py); its workers are xdist's own new interpreters.
+    result = warm_runs.runpytest(pytester, "-n", "2", "-p", "no:cacheprovider", "--llmload-html", "report.html")
     result.assert_outcomes(passed=3, failed=1, skipped=1)
     text = (pytester.path / "report.html").read_text(encoding="utf-8")
     _assert_self_contained(text)
@@ -126,7 +128,8 @@ def test_pytest_html_gets_the_same_pictures_as_extras(pytester):
 def test_without_matplotlib_the_option_is_one_usage_error_naming_the_extra(pytester):
     pytester.makeconftest("import sys\nsys.modules['matplotlib'] = None  # as if not installed\n")
     pytester.makepyfile("def test_plain(): pass\n")
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--llmload-html", "report.html")
+    # Its own process, forked from this one (fixtures/warm_runs.py): the conftest blocks matplotlib there first.
+    result = warm_runs.runpytest(pytester, "-p", "no:cacheprovider", "--llmload-html", "report.html")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["ERROR: --llmload-html draws its figures with matplotlib, which is not installed: "
                                  "pip install 'pytest-llmload[report]'"])
@@ -146,6 +149,7 @@ def pytest_unconfigure(config):
 def test_a_run_without_the_report_draws_nothing_and_imports_no_matplotlib(pytester):
     pytester.makeconftest(PROBE)
     pytester.makepyfile("def test_ckpt(llmload_load): llmload_load()\n")
+    # A new interpreter: what the run imports is the subject (a forked one starts with this process's modules).
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["MATPLOTLIB IMPORTED: False", "REPORT REGISTERED: False"])

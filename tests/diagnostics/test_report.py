@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from fixtures import tiny_llama
+from fixtures import tiny_llama, warm_runs
 
 PHASE_HANGS = """
 import threading
@@ -23,17 +23,17 @@ def test_stuck():
 
 @pytest.mark.timeout(60)
 def test_a_deadline_hit_shows_the_phase_table_and_the_phase_that_was_running(pytester):
-    pytester.makepyfile(PHASE_HANGS.format(timeout=1, method="signal"))
+    pytester.makepyfile(PHASE_HANGS.format(timeout=0.5, method="signal"))
     result = pytester.runpytest()
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines([
-        "*Failed: Timeout (>1.0s) from pytest-timeout*",
+        "*Failed: Timeout (>0.5s) from pytest-timeout*",
         "*- llmload: phases -*",
-        "the test failed in phase 'generate (max_new_tokens=512)', * s in: Failed: Timeout (>1.0s) from "
+        "the test failed in phase 'generate (max_new_tokens=512)', * s in: Failed: Timeout (>0.5s) from "
         "pytest-timeout.",
         "   phase * seconds * RSS before -> after (peak)",
         "   load (shard 3 of 5) * * MiB -> * MiB (* MiB)",
-        ">  generate (max_new_tokens=512) * * MiB -> * MiB (* MiB) * raised Failed: Timeout (>1.0s) from "
+        ">  generate (max_new_tokens=512) * * MiB -> * MiB (* MiB) * raised Failed: Timeout (>0.5s) from "
         "pytest-timeout.",
     ])
 
@@ -70,7 +70,8 @@ def test_long():
 @pytest.mark.timeout(120)
 def test_a_long_phase_prints_progress_lines_at_the_configured_interval(pytester):
     pytester.makepyfile(test_long=PROGRESS)
-    result = pytester.runpytest_subprocess("-o", "llmload_phase_progress_seconds=0.05")
+    # Its own process, forked from this one (fixtures/warm_runs.py): the lines go to the run's own stderr.
+    result = warm_runs.runpytest(pytester, "-o", "llmload_phase_progress_seconds=0.05")
     result.assert_outcomes(passed=1)
     result.stderr.fnmatch_lines([
         "llmload: test_long.py::test_long: phase 'generate (max_new_tokens=512)' running for 0.* s; RSS * MiB",
@@ -87,7 +88,7 @@ def test_the_option_wins_over_the_ini_key_and_zero_turns_progress_off(pytester):
             with phase("generate"):
                 assert heartbeat()._due == {}  # nothing scheduled: no line will come
     """)
-    result = pytester.runpytest_subprocess("-o", "llmload_phase_progress_seconds=0.05", "--llmload-phase-progress", "0")
+    result = warm_runs.runpytest(pytester, "-o", "llmload_phase_progress_seconds=0.05", "--llmload-phase-progress", "0")
     result.assert_outcomes(passed=1)
     assert "running for" not in result.stderr.str()
 
@@ -113,12 +114,13 @@ def test_bad_settings_are_usage_errors_naming_the_value_and_where_it_came_from(p
 
 @pytest.mark.timeout(120)
 def test_under_the_thread_method_the_table_is_printed_before_the_process_ends(pytester):
-    # pytest-timeout's thread method dumps stacks and ends the process: no report, so no section.
-    pytester.makepyfile(PHASE_HANGS.format(timeout=2, method="thread"))
-    result = pytester.runpytest_subprocess("--llmload-phase-progress", "0")
+    # pytest-timeout's thread method dumps stacks and ends the process: no report, so no section. The process is
+    # forked from this one (fixtures/warm_runs.py); the table comes half way into the 1 s deadline.
+    pytester.makepyfile(PHASE_HANGS.format(timeout=1, method="thread"))
+    result = warm_runs.runpytest(pytester, "--llmload-phase-progress", "0")
     assert result.ret != 0
     result.stderr.fnmatch_lines([
-        "llmload: test_under_the_thread_method_*.py::test_stuck is 1.5 s into its 2 s pytest-timeout (method thread: the process "
+        "llmload: test_under_the_thread_method_*.py::test_stuck is 0.5 s into its 1 s pytest-timeout (method thread: the process "
         "ends without a report); phases so far:",
         "   phase * seconds * RSS before -> after (peak)",
         "   load (shard 3 of 5) * * MiB -> * MiB (* MiB)",
@@ -214,7 +216,8 @@ def test_check_well_within_its_deadline():
 @pytest.mark.timeout(180)
 def test_the_session_summary_under_xdist_lists_loads_peaks_and_checks_near_their_deadline(pytester):
     pytester.makepyfile(test_summary=SUMMARY)
-    result = pytester.runpytest_subprocess("-n", "2", "-p", "no:cacheprovider")
+    # The controller forked from this process (fixtures/warm_runs.py); its workers are xdist's own new interpreters.
+    result = warm_runs.runpytest(pytester, "-n", "2", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=4)
     result.stdout.fnmatch_lines([
         "*= llmload diagnostics =*",

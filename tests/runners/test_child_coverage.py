@@ -9,6 +9,8 @@ import re
 
 import pytest
 
+from fixtures import warm_runs
+
 pytest.importorskip("pytest_cov")
 
 pytestmark = pytest.mark.timeout(120)
@@ -70,10 +72,13 @@ CHILD_LINES = {"in_isolated_test": {2, 3, 4, 5}, "in_forkserver_child": {9, 10},
 
 @pytest.fixture
 def downstream_run(pytester):
+    """``run(*args)``: the run forked from this process (fixtures/warm_runs.py), where what it measures is the subject;
+    ``run(*args, new_interpreter=True)``: a new interpreter, where what it imports is."""
     pytester.makepyfile(downstream=DOWNSTREAM, test_downstream=TESTS)
 
-    def run(*args):
-        return pytester.runpytest_subprocess("-p", "no:cacheprovider", "-s", *args)  # -s: test_coverage_import's line
+    def run(*args, new_interpreter=False):
+        args = ("-p", "no:cacheprovider", "-s", *args)  # -s: test_coverage_import's line
+        return pytester.runpytest_subprocess(*args) if new_interpreter else warm_runs.runpytest(pytester, *args)
 
     return run
 
@@ -112,7 +117,7 @@ def test_all_three_together(downstream_run, pytester):
 
 
 def test_a_run_without_coverage_is_unchanged(downstream_run, pytester):
-    result = downstream_run()  # pytest-cov loaded, as where it is installed, but not measuring
+    result = downstream_run(new_interpreter=True)  # pytest-cov loaded, as where it is installed, but not measuring
     result.assert_outcomes(passed=4)
     result.stdout.fnmatch_lines(["*coverage imported: False False False*"])
     assert list(pytester.path.glob(".coverage*")) == []

@@ -18,6 +18,7 @@ import time
 
 import pytest
 
+from fixtures import warm_runs
 from fixtures.processes import gone
 from pytest_llmload import failures as catalog
 from pytest_llmload.runners import isolation
@@ -547,7 +548,9 @@ def test_isolated_tests_under_xdist(pytester, tmp_path):
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
     pytester.makepyfile(test_xdist=textwrap.dedent(XDIST_TESTS.format(probe=PROBE, pid_dir=str(pid_dir))))
-    result = pytester.runpytest_subprocess("-n", "2", "-p", "no:cacheprovider", timeout=110)
+    # The controller forked from this process (fixtures/warm_runs.py); its workers are xdist's own new interpreters,
+    # whose isolated tests fork from them.
+    result = warm_runs.runpytest(pytester, "-n", "2", "-p", "no:cacheprovider", timeout=110)
     result.assert_outcomes(passed=6, failed=1)
     result.stdout.fnmatch_lines(["*isolated test test_hangs did not return: deadline of 1 s exceeded*"])
     (hung,) = [int(p.name) for p in pid_dir.iterdir()]

@@ -14,6 +14,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
+from fixtures import warm_runs
 from pytest_llmload.runners import launcher
 from pytest_llmload.runners.launcher import Launch, LauncherError, agree, check_same_tests, detect
 
@@ -69,8 +70,8 @@ def test_rank_1_raises(distributed_env):
     distributed_env.run(refuse_on_rank_1, world_size=2, backend="gloo", timeout=20)
 
 
-def test_rank_0_hangs(distributed_env):
-    distributed_env.run(wait_forever_on_rank_0, world_size=2, backend="gloo", timeout=3)
+def test_rank_0_hangs(distributed_env):  # (forked ranks meet and answer in ~0.1 s: 1.5 s is a hang)
+    distributed_env.run(wait_forever_on_rank_0, world_size=2, backend="gloo", timeout=1.5)
 
 
 def test_rank_1_skips(distributed_env):
@@ -82,7 +83,7 @@ def test_body_fails_on_rank_1(distributed_env):
     assert RANK != 1, "the body of rank 1 disagrees"
 
 
-@pytest.mark.timeout(4)
+@pytest.mark.timeout(2)
 def test_body_hangs_on_rank_1(distributed_env):
     distributed_env.run(all_reduce, world_size=2, backend="gloo")
     if RANK == 1:
@@ -173,7 +174,7 @@ def test_two_ranks_under_torchrun_agree_on_every_outcome(tmp_path):
 
     kind, text = outcomes["test_rank_0_hangs"]
     assert kind == "failure"
-    assert "2 of 2 ranks failed (gloo, deadline 3 s); first: rank 0 was still running at the deadline" in text
+    assert "2 of 2 ranks failed (gloo, deadline 1.5 s); first: rank 0 was still running at the deadline" in text
     assert "thread stacks of rank 0 at the deadline" in text and "in wait_forever_on_rank_0" in text
     assert "in barrier" in text  # rank 1, waiting for rank 0
 
@@ -186,7 +187,7 @@ def test_two_ranks_under_torchrun_agree_on_every_outcome(tmp_path):
 
     kind, text = outcomes["test_body_hangs_on_rank_1"]  # rank 1's deadline ends it; rank 0 waited for its report
     assert kind == "failure"
-    assert "rank 1 failed this test" in text and "time.sleep(3600)" in text and "Timeout (>4.0s)" in text
+    assert "rank 1 failed this test" in text and "time.sleep(3600)" in text and "Timeout (>2.0s)" in text
 
     kind, text = outcomes["test_other_world_size"]
     assert kind == "skipped"
@@ -256,7 +257,7 @@ def test_misuse_under_a_launcher_is_a_usage_error(pytester, monkeypatch, env, ar
     for name, value in {"RANK": "0", "WORLD_SIZE": "2", **MASTER, **env}.items():
         monkeypatch.setenv(name, value)
     pytester.makepyfile("def test_nothing(): pass\n")
-    result = pytester.runpytest_subprocess(*args)
+    result = warm_runs.runpytest(pytester, *args)  # its own process, forked from this one (fixtures/warm_runs.py)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([message])
 

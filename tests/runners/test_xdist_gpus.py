@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from fixtures import warm_runs
 from pytest_llmload import gpus
 from pytest_llmload.gpus import Physical, visible_devices
 from pytest_llmload.runners import xdist_gpus
@@ -164,7 +165,8 @@ def project(pytester, monkeypatch):
 
 
 def run(pytester, *args):
-    return pytester.runpytest_subprocess("-p", "xdist", "-p", "no:randomly", "-p", "no:cacheprovider", "-rs", *args)
+    # The controller forked from this process (fixtures/warm_runs.py); its workers are xdist's own new interpreters.
+    return warm_runs.runpytest(pytester, "-p", "xdist", "-p", "no:randomly", "-p", "no:cacheprovider", "-rs", *args)
 
 
 def records(pytester, name) -> list[dict]:
