@@ -81,3 +81,33 @@ def print_table(title: str, rows: list[tuple[str, ...]], header: tuple[str, ...]
     for row in rows:
         print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)))
     sys.stdout.flush()
+
+
+def time_test_runs(commands: dict, labels: dict, runs: int, only=None, log_prefix: str = "llmload-bench") -> tuple:
+    """Each of ``commands`` (key -> argv, a pytest command line) ``runs`` times, from the repo: ``(results, rows)``,
+    results a dict per key (median wall and CPU time, the exit statuses), rows ``(label, wall, CPU, outcome,
+    loads)`` for :func:`print_table`. A failed run says which tests failed and keeps its log."""
+    import tempfile
+    from pathlib import Path
+
+    results, rows = {}, []
+    for key, argv in commands.items():
+        if only and key != only:
+            continue
+        samples, loads = [], []
+        for run in range(runs):
+            loads.append(load_average())
+            log = Path(tempfile.gettempdir(), f"{log_prefix}-{key}-{run}.log")
+            samples.append(run_timed(argv, cwd=REPO, env=repo_env(), check=False, log=log))
+            if samples[-1][2] != 0:  # say which tests failed, and keep the log
+                failed = [line for line in log.read_text(errors="replace").splitlines()
+                          if line.startswith(("FAILED", "ERROR"))]
+                print(f"{labels[key]}, run {run + 1}: exit status {samples[-1][2]}; log {log}", *failed, sep="\n  ")
+            else:
+                log.unlink()
+        walls, cpus = [w for w, _, _ in samples], [c for _, c, _ in samples]
+        statuses = sorted({status for _, _, status in samples})
+        results[key] = {"wall_s": median(walls), "cpu_s": median(cpus), "exit_statuses": statuses}
+        rows.append((labels[key], spread(walls, digits=1), spread(cpus, digits=1),
+                     "passed" if statuses == [0] else f"exit status {statuses}", "; ".join(loads)))
+    return results, rows

@@ -11,40 +11,21 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _timing import REPO, load_average, median, print_table, repo_env, run_timed, spread  # noqa: E402
+from _timing import print_table, time_test_runs  # noqa: E402
 
 VARIANTS = {"serial": [], "n2": ["-n", "2"]}
 LABELS = {"serial": "pytest tests (serial)", "n2": "pytest tests -n 2"}
 
 
 def main(runs: int = 3, only=None) -> dict:
-    results, rows = {}, []
-    for key, extra in VARIANTS.items():
-        if only and key != only:
-            continue
-        argv = [sys.executable, "-m", "pytest", "tests", "-q", "-rfE", "-p", "no:cacheprovider", *extra]
-        samples, loads = [], []
-        for run in range(runs):
-            loads.append(load_average())
-            log = Path(tempfile.gettempdir(), f"llmload-bench-suite-{key}-{run}.log")
-            samples.append(run_timed(argv, cwd=REPO, env=repo_env(), check=False, log=log))
-            if samples[-1][2] != 0:  # say which tests failed, and keep the log
-                failed = [line for line in log.read_text(errors="replace").splitlines()
-                          if line.startswith(("FAILED", "ERROR"))]
-                print(f"{LABELS[key]}, run {run + 1}: exit status {samples[-1][2]}; log {log}", *failed, sep="\n  ")
-            else:
-                log.unlink()
-        walls, cpus = [w for w, _, _ in samples], [c for _, c, _ in samples]
-        statuses = sorted({status for _, _, status in samples})
-        results[key] = {"wall_s": median(walls), "cpu_s": median(cpus), "exit_statuses": statuses}
-        rows.append((LABELS[key], spread(walls, digits=1), spread(cpus, digits=1),
-                     "passed" if statuses == [0] else f"exit status {statuses}", loads[0]))
+    commands = {key: [sys.executable, "-m", "pytest", "tests", "-q", "-rfE", "-p", "no:cacheprovider", *extra]
+                for key, extra in VARIANTS.items()}
+    results, rows = time_test_runs(commands, LABELS, runs, only, "llmload-bench-suite")
     print_table(f"the CPU suite, median (min-max) of {runs} runs", rows,
-                ("variant", "wall time", "CPU time", "suite", "first run started at"))
+                ("variant", "wall time", "CPU time", "suite", "load at each start"))
     return results
 
 

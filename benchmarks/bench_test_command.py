@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _timing import REPO, load_average, median, print_table, repo_env, run_timed, spread  # noqa: E402
+from _timing import print_table, time_test_runs  # noqa: E402
 
 BASE = [sys.executable, "-m", "pytest", "-n", "2", "-q", "-p", "no:randomly"]
 VARIANTS = {"whole": BASE, "inner": [*BASE, "-m", "not slow"]}
@@ -28,26 +27,7 @@ LABELS = {"whole": "pytest -n 2 -q -p no:randomly (the test command)",
 
 
 def main(runs: int = 1, only=None) -> dict:
-    results, rows = {}, []
-    for key, argv in VARIANTS.items():
-        if only and key != only:
-            continue
-        samples, loads = [], []
-        for run in range(runs):
-            loads.append(load_average())
-            log = Path(tempfile.gettempdir(), f"llmload-bench-test-command-{key}-{run}.log")
-            samples.append(run_timed(argv, cwd=REPO, env=repo_env(), check=False, log=log))
-            if samples[-1][2] != 0:  # say which tests failed, and keep the log
-                failed = [line for line in log.read_text(errors="replace").splitlines()
-                          if line.startswith(("FAILED", "ERROR"))]
-                print(f"{LABELS[key]}, run {run + 1}: exit status {samples[-1][2]}; log {log}", *failed, sep="\n  ")
-            else:
-                log.unlink()
-        walls, cpus = [w for w, _, _ in samples], [c for _, c, _ in samples]
-        statuses = sorted({status for _, _, status in samples})
-        results[key] = {"wall_s": median(walls), "cpu_s": median(cpus), "exit_statuses": statuses}
-        rows.append((LABELS[key], spread(walls, digits=1), spread(cpus, digits=1),
-                     "passed" if statuses == [0] else f"exit status {statuses}", "; ".join(loads)))
+    results, rows = time_test_runs(VARIANTS, LABELS, runs, only, "llmload-bench-test-command")
     print_table(f"the test command, median (min-max) of {runs} run(s)", rows,
                 ("command", "wall time", "CPU time", "tests", "load at each start"))
     return results
