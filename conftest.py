@@ -105,16 +105,19 @@ SLOW_TESTS = {
         "test_check_passes_on_a_loader_that_asks_transformers", "test_check_passes_on_the_reference_loader",
         "test_the_before_loader_is_write_up_004s_correct_fix"),
     "tests/runners/test_isolation.py": (
-        "test_a_hang_fails_at_the_deadline_with_the_childs_stacks", "test_a_hung_child_still_hands_back_what_it_logged",
+        "test_a_forkserver_child_works_too", "test_a_hang_fails_at_the_deadline_with_the_childs_stacks", "test_a_hung_child_still_hands_back_what_it_logged",
         "test_an_isolated_check_that_hangs_fails_at_its_timeout_with_the_stacks",
         "test_ctrl_c_kills_the_children_and_removes_the_temp_dir",
         "test_isolated_tests_pass_fail_hang_and_die_on_their_own", "test_isolated_tests_under_xdist",
         "test_known_failures_raised_in_a_child_are_named", "test_the_childs_log_records_reach_this_processs_handlers"),
     "tests/runners/test_ranks.py": (
+        "test_forkserver_ranks_work_too",
         "test_a_hanging_rank_fails_the_test_within_its_deadline_with_the_stacks",
         "test_a_hanging_rank_is_killed_at_its_deadline_with_every_ranks_stack"),
     "tests/test_bad_inputs.py": ("test_a_bad_input_ends_in_a_sentence",),
     "tests/diagnostics/test_known_failures.py": ("test_deadline_hit_inside_from_pretrained_names_offload_hang",),
+    "tests/diagnostics/test_device_map_summary.py": (
+        "test_lora_over_an_offloaded_model_is_traced_to_its_tier_through_peft_names",),
     "tests/diagnostics/test_memory_limit.py": ("test_a_gpu_limit_skips_without_a_gpu_saying_so",),
     "tests/diagnostics/test_report.py": (
         "test_a_deadline_hit_shows_the_phase_table_and_the_phase_that_was_running",
@@ -122,6 +125,7 @@ SLOW_TESTS = {
         "test_under_the_thread_method_the_table_is_printed_before_the_process_ends"),
     "tests/diagnostics/test_html_report.py": (
         "test_the_report_has_a_row_per_test_and_pictures_of_the_offloaded_model",
+        "test_pytest_html_gets_the_same_pictures_as_extras",
         "test_under_xdist_the_workers_records_reach_the_controllers_report",
         "test_a_run_without_the_report_draws_nothing_and_imports_no_matplotlib"),
     "tests/test_docs.py": ("test_the_site_builds_with_warnings_as_errors",),
