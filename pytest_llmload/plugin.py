@@ -369,7 +369,7 @@ def _read_prediction(config: pytest.Config) -> None:
     from pytest_llmload import settings
 
     runners = settings.given(config, "runner")
-    if not runners:
+    if not runners or not runners[0].strip():  # an empty value reads as unset, as for the other text settings
         return
     from pytest_llmload.prediction import architectures, profiles
 
@@ -379,7 +379,9 @@ def _read_prediction(config: pytest.Config) -> None:
     reason = unsupported_reason()
     if reason is not None:
         raise pytest.UsageError(f"{source} {runners!r}: {reason}.")
-    model, model_source = settings.given(config, "model") or (architectures.DEFAULT, "the default")
+    given_model = settings.given(config, "model")
+    model, model_source = given_model if given_model and given_model[0].strip() else (architectures.DEFAULT,
+                                                                                      "the default")
 
     try:
         loaded = tuple(profiles.load_profile(name.strip(), source=source) for name in runners.split(",") if name.strip())

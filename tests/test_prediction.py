@@ -304,3 +304,10 @@ def test_a_transformers_too_old_for_the_planner_is_one_usage_error(pytester, mon
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*--llmload-runner '8xH100-80GB': the predictions need transformers >= 4.56*"
                                  "this environment has 4.46.3*"])
+
+
+def test_an_empty_runner_setting_reads_as_unset(pytester):
+    # (`--llmload-runner=$RUNNER` with RUNNER unset in a CI file: no predictions, and no empty prediction module)
+    result = pytester.runpytest("--pyargs", "pytest_llmload.suite", "--collect-only", "-q", "--llmload-runner=")
+    assert result.ret == pytest.ExitCode.OK
+    assert "test_predictions" not in result.stdout.str()
