@@ -75,8 +75,7 @@ def llmload_loader(request, llmload_offline) -> LoaderUnderTest:
     declared = settings.given(request.config, "loader_purposes")
     if declared:
         try:
-            loader = loader._replace(purposes=parse_purposes(settings.value(request.config, "loader_purposes"),
-                                                             declared[1]))
+            loader = loader._replace(purposes=parse_purposes(*declared))
         except LoaderSpecError as exc:
             pytest.fail(str(exc), pytrace=False)
     return loader

@@ -154,8 +154,9 @@ def _check_prediction_args(args: argparse.Namespace) -> None:
     from pytest_llmload.prediction import architectures, profiles
     from pytest_llmload.prediction.planner import unsupported_reason
 
-    if unsupported_reason() is not None:
-        raise UsageError(f"--runner {args.runner!r}: {unsupported_reason()}.")
+    reason = unsupported_reason()
+    if reason is not None:
+        raise UsageError(f"--runner {args.runner!r}: {reason}.")
     try:
         for name in (n.strip() for n in args.runner.split(",")):
             if not name:

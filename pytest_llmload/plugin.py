@@ -132,7 +132,7 @@ def _read_configuration(config: pytest.Config) -> None:
             config.getoption("llmload_training_args_hook"), config.getini(surface.HOOK_INI))
         purposes = settings.given(config, "loader_purposes")
         if purposes:
-            loading.parse_purposes(settings.value(config, "loader_purposes"), purposes[1])
+            loading.parse_purposes(*purposes)
     except loading.LoaderSpecError as exc:
         raise pytest.UsageError(str(exc)) from None
     extra = settings.given(config, "checks")
@@ -140,7 +140,7 @@ def _read_configuration(config: pytest.Config) -> None:
         from pytest_llmload.extensions import ExtensionError, every_check
 
         try:
-            config.stash[checks_key] = every_check(settings.value(config, "checks"), extra[1])
+            config.stash[checks_key] = every_check(*extra)
         except ExtensionError as exc:
             raise pytest.UsageError(str(exc)) from None
     expected = settings.given(config, "expected_failed_checks")
@@ -149,8 +149,8 @@ def _read_configuration(config: pytest.Config) -> None:
 
         source = expected[1]
         try:
-            check_params(checks=config.stash.get(checks_key, None), expected_failed_checks=parse_expected_failures(
-                settings.value(config, "expected_failed_checks"), source))
+            check_params(checks=config.stash.get(checks_key, None),
+                         expected_failed_checks=parse_expected_failures(*expected))
         except pytest.UsageError as exc:
             raise pytest.UsageError(str(exc) if str(exc).startswith(source) else f"{source}: {exc}") from None
     for key in ("phase_progress_seconds", "near_deadline", "gpus_per_worker", "wait_after_hang", "require_gpus",
@@ -369,7 +369,7 @@ def _read_prediction(config: pytest.Config) -> None:
     from pytest_llmload import settings
 
     runners = settings.given(config, "runner")
-    if not runners or not runners[0].strip():  # an empty value reads as unset, as for the other text settings
+    if not runners or runners[0] is None:  # an empty value reads as unset, as for the other text settings
         return
     from pytest_llmload.prediction import architectures, profiles
 
@@ -380,8 +380,7 @@ def _read_prediction(config: pytest.Config) -> None:
     if reason is not None:
         raise pytest.UsageError(f"{source} {runners!r}: {reason}.")
     given_model = settings.given(config, "model")
-    model, model_source = given_model if given_model and given_model[0].strip() else (architectures.DEFAULT,
-                                                                                      "the default")
+    model, model_source = given_model if given_model and given_model[0] else (architectures.DEFAULT, "the default")
 
     try:
         loaded = tuple(profiles.load_profile(name.strip(), source=source) for name in runners.split(",") if name.strip())

@@ -97,32 +97,33 @@ def register(parser: pytest.Parser) -> None:
 
 
 def given(config: pytest.Config, key: str) -> "tuple[Any, str] | None":
-    """The raw value of setting ``key`` and where it came from (the option, its environment variable, the ini key),
-    or ``None`` when none sets it."""
+    """Setting ``key``, typed, and where it came from (the option, its environment variable, the ini key), or
+    ``None`` when none sets it. An empty text reads as ``None``; a bad value is a usage error naming its source."""
     setting = SETTING[key]
     option = config.getoption(setting.dest, None)
     if option is not None:
-        return option, setting.option
-    if setting.env and setting.env in os.environ:
-        return os.environ[setting.env], f"${setting.env}"
-    try:
-        ini = config.getini(setting.ini)
-    except (ValueError, pytest.UsageError) as exc:  # pytest's own words name the value, not the key
-        raise pytest.UsageError(f"ini '{setting.ini}': {exc}; use true or false.") from None
-    if ini not in (None, "", []) and not (setting.kind == "bool" and ini is False):
-        return ini, f"ini '{setting.ini}'"
-    return None
+        raw, where = option, setting.option
+    elif setting.env and setting.env in os.environ:
+        raw, where = os.environ[setting.env], f"${setting.env}"
+    else:
+        try:
+            raw = config.getini(setting.ini)
+        except (ValueError, pytest.UsageError) as exc:  # pytest's own words name the value, not the key
+            raise pytest.UsageError(f"ini '{setting.ini}': {exc}; use true or false.") from None
+        if raw in (None, "", []) or (setting.kind == "bool" and raw is False):
+            return None
+        where = f"ini '{setting.ini}'"
+    return PARSERS[setting.kind](raw, where, setting), where
 
 
 def value(config: pytest.Config, key: str) -> Any:
     """Setting ``key``, typed: the option, else (where it has one) its environment variable, else the ini key, else
     its default (``None``, ``False`` or ``[]`` where it has none)."""
-    setting = SETTING[key]
     found = given(config, key)
     if found is None:
+        setting = SETTING[key]
         return {"bool": False, "lines": []}.get(setting.kind, setting.default)
-    raw, where = found
-    return PARSERS[setting.kind](raw, where, setting)
+    return found[0]
 
 
 def any_given(config: pytest.Config) -> bool:

@@ -58,11 +58,6 @@ TRAINING_DECLARATIONS = {
 }
 
 
-def declaration_names(keyword: str) -> tuple[str, str, str]:
-    """``(attribute, ini key, option)`` of a training declaration: ``llmload_<keyword>`` for the first two."""
-    return f"llmload_{keyword}", f"llmload_{keyword}", "--llmload-" + keyword.replace("_", "-")
-
-
 SETTINGS = (
     # --- the loader under test (pytest_llmload.loading)
     Setting("loader", "text", metavar="MODULE:FUNCTION", env=LOADER_ENV, help=(

@@ -96,7 +96,7 @@ class Check(NamedTuple):
         training script's hook for the Trainer check); others are ignored, so one set fits every check."""
         from pytest_llmload.keys import configured_check_options
         from pytest_llmload.loading import as_loader_under_test, training_args_hook
-        from pytest_llmload.surface import TRAINING_DECLARATIONS, declaration_names
+        from pytest_llmload.surface import SETTING, TRAINING_DECLARATIONS
 
         args = (as_loader_under_test(loader), Path(checkpoint), Path(workdir))
         accepted = _keywords(self.function)
@@ -106,7 +106,7 @@ class Check(NamedTuple):
             options["prepare_args"] = training_args_hook(args[0])  # the loader's own, where it names one
         for keyword in TRAINING_DECLARATIONS:  # how the repo trains: the configuration, else the loader's attribute
             if keyword in accepted and options.get(keyword) is None:
-                options[keyword] = bool(getattr(args[0].function, declaration_names(keyword)[0], False))
+                options[keyword] = bool(getattr(args[0].function, SETTING[keyword].ini, False))
         kwargs = {k: v for k, v in options.items() if k in accepted and v is not None}
         declared = args[0].purposes
         if declared is not None and self.purpose not in declared:

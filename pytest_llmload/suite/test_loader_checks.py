@@ -8,7 +8,7 @@ from pytest_llmload.keys import checks_key
 def pytest_generate_tests(metafunc):
     if "check" in metafunc.fixturenames:
         given = settings.given(metafunc.config, "expected_failed_checks")
-        expected = parse_expected_failures(given[0], given[1]) if given else {}
+        expected = parse_expected_failures(*given) if given else {}
         checks = metafunc.config.stash.get(checks_key, None)  # with the `checks` setting's, where it is given
         metafunc.parametrize("check", check_params(checks=checks, expected_failed_checks=expected))
 
