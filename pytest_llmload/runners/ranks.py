@@ -385,3 +385,16 @@ def preload_for_isolated_checks(checkpoint: "os.PathLike[str] | str", *, peft: b
     if peft and gpus.visible_gpu_count() == 0:
         modules += ("peft",)
     preload(modules)
+    if "peft" in sys.modules:
+        answer_peft_type_checks()
+
+
+def answer_peft_type_checks() -> None:
+    """Ask peft's ``isinstance(module, BaseTunerLayer)`` here, once: peft asks it of every module of a model it
+    wraps, and the first negative answer in a process walks every subclass of that ABC (~0.3 s). Asked before
+    forking, every child inherits the answers (ABCs cache them) instead of walking again."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from torch import nn
+
+    for module in (nn.Dropout, nn.Identity, nn.Linear, nn.Embedding, nn.Module):
+        issubclass(module, BaseTunerLayer)

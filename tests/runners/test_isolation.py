@@ -555,3 +555,25 @@ def test_isolated_tests_under_xdist(pytester, tmp_path):
     result.stdout.fnmatch_lines(["*isolated test test_hangs did not return: deadline of 1 s exceeded*"])
     (hung,) = [int(p.name) for p in pid_dir.iterdir()]
     assert gone(hung)
+
+
+def _freeze_count_in_child():
+    import gc
+
+    return gc.get_freeze_count()
+
+
+@pytest.mark.parametrize("frozen_by_caller", [False, True])
+def test_a_forked_child_starts_with_this_heap_frozen_and_the_callers_freeze_is_kept(frozen_by_caller):
+    """The heap a forked child inherits is out of its garbage collections (each would copy the pages it touches);
+    this process thaws what it froze for the fork, and leaves a freeze of its caller's as it was."""
+    import gc
+
+    if frozen_by_caller:
+        gc.freeze()
+    try:
+        (outcome,) = isolation.run_children([isolation.ChildSpec("probe", _freeze_count_in_child)], timeout=60)
+        assert outcome.value > 10_000, outcome.describe()  # this process's objects, frozen for the child
+        assert (gc.get_freeze_count() > 0) == frozen_by_caller
+    finally:
+        gc.unfreeze()
