@@ -6,12 +6,17 @@
 - ``pytest -m gpu`` of this repo's tests with ``CUDA_VISIBLE_DEVICES=`` (every GPU test skips): the goal is
   under 3 s, which holds only if nothing imports torch before the skips.
 
-    python benchmarks/bench_main_job.py [--runs 5]
+    python benchmarks/bench_main_job.py [--runs 5] [--against DIR]
+
+``--against DIR``: also the main job of another checkout (a ``git worktree`` of an earlier commit), in the same
+rounds, so that a before/after comparison shares the machine's drift: each round runs the floor, then this
+checkout's main job, then DIR's.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -24,14 +29,19 @@ MAIN_JOB = [sys.executable, "-m", "pytest_llmload"]
 GPU_ONLY = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"]
 
 
-def main(runs: int = 5) -> dict:
+def main(runs: int = 5, against=None) -> dict:
     env = repo_env()
+    other_env = None if against is None else {**env, "PYTHONPATH": os.pathsep.join(
+        [str(against), *env["PYTHONPATH"].split(os.pathsep)[1:]])}
     run_timed(MAIN_JOB, cwd=REPO, env=env)  # warm-up: page cache, .pyc
-    floor, job, ratios = [], [], []
+    floor, job, ratios, other, other_ratios = [], [], [], [], []
     for _ in range(runs):
         floor.append(run_timed(FLOOR, cwd=REPO, env=env)[0])
         job.append(run_timed(MAIN_JOB, cwd=REPO, env=env)[0])
         ratios.append(job[-1] / floor[-1])
+        if other_env is not None:
+            other.append(run_timed(MAIN_JOB, cwd=against, env=other_env)[0])
+            other_ratios.append(other[-1] / floor[-1])
     gpu_env = repo_env(CUDA_VISIBLE_DEVICES="")
     run_timed(GPU_ONLY, cwd=REPO, env=gpu_env)
     gpu_only = [run_timed(GPU_ONLY, cwd=REPO, env=gpu_env)[0] for _ in range(runs)]
@@ -40,6 +50,12 @@ def main(runs: int = 5) -> dict:
         ("python -m pytest_llmload (reference loader, every check)", spread(job)),
         ("main job / import, median of the pairs (goal <= 1.25)", f"{statistics.median(ratios):.2f} "
          f"({min(ratios):.2f}-{max(ratios):.2f})"),
+        *(() if against is None else (
+            (f"the main job of {against}", spread(other)),
+            (f"{against}'s main job / import", f"{statistics.median(other_ratios):.2f} "
+             f"({min(other_ratios):.2f}-{max(other_ratios):.2f})"),
+            ("this main job / that one, median of the rounds", f"{statistics.median(j / o for j, o in zip(job, other)):.2f}"),
+        )),
         ("pytest -m gpu, no GPU visible (goal < 3 s)", spread(gpu_only)),
     ], ("measure", "wall: median (min-max)"))
     return {"floor_s": median(floor), "main_job_s": median(job), "ratio": statistics.median(ratios),
@@ -49,4 +65,6 @@ def main(runs: int = 5) -> dict:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
-    main(parser.parse_args().runs)
+    parser.add_argument("--against", type=Path, metavar="DIR", help="another checkout's main job, in the same rounds")
+    arguments = parser.parse_args()
+    main(arguments.runs, arguments.against)

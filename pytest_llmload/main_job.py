@@ -86,7 +86,8 @@ def pytest_command(loader: Optional[str], keyword: Optional[str], progress: Path
             "-p", "no:hypothesispytest", "-o", "python_files=test_*.py", "--tb=short", "-q",
             "--llmload-progress", str(progress)]
     # The main job decides what it runs under, not the repo's addopts: its rows in a stable order (no
-    # pytest-randomly), no coverage, no xdist, unless asked for after '--' (then the plugin is left on).
+    # pytest-randomly), no coverage, no xdist, no plugin its checks never use (anyio's, pytest-html and its
+    # pytest-metadata: 0.3 s of pytest's start), unless asked for after '--' (then the plugin is left on).
     argv += ["-o", "addopts="]
     asked = " ".join(extra)
     for plugin, flags in _HOUSE_PLUGINS.items():
@@ -110,7 +111,8 @@ def pytest_command(loader: Optional[str], keyword: Optional[str], progress: Path
 
 
 # Plugins the main job turns off unless the arguments after '--' use them: name -> the flags that ask for it.
-_HOUSE_PLUGINS = {"randomly": ("-p randomly", "--randomly"), "pytest_cov": ("--cov",), "xdist": ("-n", "--dist", "--tx")}
+_HOUSE_PLUGINS = {"randomly": ("-p randomly", "--randomly"), "pytest_cov": ("--cov",), "xdist": ("-n", "--dist", "--tx"),
+                  "anyio": ("-p anyio",), "html": ("--html",), "metadata": ("--html", "--metadata")}
 
 
 def _in_main_job_terms(text: str) -> str:

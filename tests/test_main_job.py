@@ -375,9 +375,13 @@ def test_the_main_job_turns_off_the_house_plugins_unless_asked_after_the_double_
     from pytest_llmload.main_job import pytest_command
 
     plain = pytest_command(None, None, Path("progress"), [])
-    assert {"no:randomly", "no:pytest_cov", "no:xdist"} <= set(plain) and "addopts=" in plain
-    asked = pytest_command(None, None, Path("progress"), ["-n", "2", "--cov=mypkg"])
-    assert "no:xdist" not in asked and "no:pytest_cov" not in asked and "no:randomly" in asked
+    assert {"no:randomly", "no:pytest_cov", "no:xdist", "no:anyio", "no:html", "no:metadata"} <= set(plain)
+    assert "addopts=" in plain
+    asked = pytest_command(None, None, Path("progress"), ["-n", "2", "--cov=mypkg", "--html", "report.html"])
+    assert not {"no:xdist", "no:pytest_cov", "no:html", "no:metadata"} & set(asked)
+    assert {"no:randomly", "no:anyio"} <= set(asked)
+    ours = pytest_command(None, None, Path("progress"), ["--llmload-html", "report.html"])
+    assert "no:html" in ours  # the plugin's own report needs no pytest-html
 
 
 # --- the warm start the tests above use (pytest_llmload.runners.warm) ---------------------------------------------
