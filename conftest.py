@@ -1,5 +1,6 @@
 """This repo's own test configuration. The plugin itself is loaded through its pytest11 entry point."""
 
+import contextlib
 import importlib
 import importlib.util
 import os
@@ -7,6 +8,7 @@ import os
 import pytest
 
 from pytest_llmload.plugin import SUB_PLUGINS
+from pytest_llmload.runners.warm_server import DEEPSPEED_PRELOAD
 
 # The suite's models are tiny: a second OpenMP thread buys nothing, while on a shared 2-core runner (or under
 # pytest -n 2) idle OpenMP workers spin on oversubscribed cores: measured here, the offload tests took 27.5 s
@@ -47,8 +49,12 @@ _HEAVY_STACK = (
     "pytest_llmload.diagnostics.known_failures",
     "pytest_llmload.failures",
 )
-# Imported only where installed: anyio's pytest plugin comes with newer huggingface_hub, not the older stacks.
-_OPTIONAL = ("anyio",)
+# Imported only where their package is installed (package -> modules): anyio's pytest plugin comes with newer
+# huggingface_hub, not the older stacks. DeepSpeed's preload, because it imports torch._inductor and torch._dynamo's
+# debugging backends, which register themselves by name in a registry imported before the snapshot: imported first
+# inside an in-process run and dropped at its end, a later import in this process fails ("duplicate name: eager").
+# bitsandbytes too: it registers its torch ops at import (older peft imports it lazily, inside a run).
+_OPTIONAL = {"anyio": ("anyio",), "deepspeed": DEEPSPEED_PRELOAD, "bitsandbytes": ("bitsandbytes",)}
 
 
 # Hypothesis' pytest plugin imports all of hypothesis at the end of every run: ~0.9 s of CPU in each pytest
@@ -63,9 +69,11 @@ def _heavy_stack_outside_pytester_snapshot(request, monkeypatch):
     if "pytester" in request.fixturenames:
         for name in _HEAVY_STACK:
             importlib.import_module(name)
-        for name in _OPTIONAL:
-            if importlib.util.find_spec(name) is not None:
-                importlib.import_module(name)
+        for package, names in _OPTIONAL.items():
+            if importlib.util.find_spec(package) is not None:
+                for name in names:
+                    with contextlib.suppress(ImportError):  # a module an older release lacks (DeepSpeed's muon)
+                        importlib.import_module(name)
         request.getfixturevalue("pytester")  # it clears PYTEST_ADDOPTS when it starts: set it after
         monkeypatch.setenv("PYTEST_ADDOPTS", INNER_RUN_ADDOPTS)
 
