@@ -54,7 +54,8 @@ def main(runs: int = 5, against=None) -> dict:
             (f"the main job of {against}", spread(other)),
             (f"{against}'s main job / import", f"{statistics.median(other_ratios):.2f} "
              f"({min(other_ratios):.2f}-{max(other_ratios):.2f})"),
-            ("this main job / that one, median of the rounds", f"{statistics.median(j / o for j, o in zip(job, other)):.2f}"),
+            ("this main job / that one, median of the rounds",
+             f"{statistics.median(j / o for j, o in zip(job, other)):.2f}"),
         )),
         ("pytest -m gpu, no GPU visible (goal < 3 s)", spread(gpu_only)),
     ], ("measure", "wall: median (min-max)"))

@@ -111,8 +111,9 @@ def pytest_command(loader: Optional[str], keyword: Optional[str], progress: Path
 
 
 # Plugins the main job turns off unless the arguments after '--' use them: name -> the flags that ask for it.
-_HOUSE_PLUGINS = {"randomly": ("-p randomly", "--randomly"), "pytest_cov": ("--cov",), "xdist": ("-n", "--dist", "--tx"),
-                  "anyio": ("-p anyio",), "html": ("--html",), "metadata": ("--html", "--metadata")}
+_HOUSE_PLUGINS = {"randomly": ("-p randomly", "--randomly"), "pytest_cov": ("--cov",),
+                  "xdist": ("-n", "--dist", "--tx"), "anyio": ("-p anyio",), "html": ("--html",),
+                  "metadata": ("--html", "--metadata")}
 
 
 def _in_main_job_terms(text: str) -> str:
