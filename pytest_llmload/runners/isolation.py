@@ -174,7 +174,6 @@ def run_children(specs, timeout: float, *, method: str = "fork", tmp_root=None, 
     blocked in a collective with a dead peer would otherwise wait out the whole deadline. No child and no
     temporary directory outlives the call, also when it is interrupted (Ctrl-C).
     """
-    import gc
     import multiprocessing as mp
 
     ctx = mp.get_context(method)
@@ -186,12 +185,6 @@ def run_children(specs, timeout: float, *, method: str = "fork", tmp_root=None, 
     coverage = child_coverage.parent_settings()  # None unless coverage is measuring here
     outcomes = [ChildOutcome(i, spec.label) for i, spec in enumerate(specs)]
     procs, conns = [], []
-    # What this process made stays out of the forked children's garbage collections (accelerate's and DeepSpeed's
-    # gc.collect(), pytest's at the end of an isolated test): a collection over this heap costs ~0.2 s and copies
-    # every page it touches. Frozen only while forking; the caller's own freeze (a fixture's) is left as it was.
-    thaw = method == "fork" and gc.get_freeze_count() == 0
-    if method == "fork":
-        gc.freeze()
     try:
         for index, spec in enumerate(specs):
             receiver, sender = ctx.Pipe(duplex=False)
@@ -209,9 +202,6 @@ def run_children(specs, timeout: float, *, method: str = "fork", tmp_root=None, 
             procs.append(proc)
             conns.append(receiver)
             outcomes[index].pid = proc.pid
-        if thaw:
-            gc.unfreeze()
-            thaw = False
         pending = _collect(procs, conns, outcomes, time.monotonic() + timeout, on_failure)
         if pending:
             _dump_stacks(procs, outcomes, pending, workdir)
@@ -225,8 +215,6 @@ def run_children(specs, timeout: float, *, method: str = "fork", tmp_root=None, 
             outcome.output = "\n".join(_trim_stacks(out + err).splitlines()[-_LOG_TAIL_LINES:])
         return outcomes
     finally:
-        if thaw:  # a start that failed half-way
-            gc.unfreeze()
         _reap(procs, outcomes)
         for conn in conns:
             conn.close()
@@ -369,15 +357,27 @@ def _trim_stacks(text: str) -> str:
 
 @contextlib.contextmanager
 def forking_quietly():
-    """Around a fork (``os.fork``, a fork-context ``Process.start``) from this process."""
+    """Around a fork (``os.fork``, a fork-context ``Process.start``) from this process.
+
+    The heap is frozen while forking: what this process made stays out of the child's garbage collections
+    (accelerate's and DeepSpeed's ``gc.collect()``, pytest's at the end of an isolated test), each of which would
+    cost ~0.2 s over it and copy every page it touches. A freeze of the caller's own is left as it was."""
+    import gc
     import warnings
 
-    with warnings.catch_warnings():
-        # Python 3.12+ warns on every fork from a process with threads (torch starts one at import). The
-        # hazards that are real here (OpenMP, inherited singletons) are handled in the child
-        # (:func:`start_child`); a warning per child would only break runs with -W error.
-        warnings.filterwarnings("ignore", message=r".*fork\(\) may lead to deadlocks", category=DeprecationWarning)
-        yield
+    thaw = gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        with warnings.catch_warnings():
+            # Python 3.12+ warns on every fork from a process with threads (torch starts one at import). The
+            # hazards that are real here (OpenMP, inherited singletons) are handled in the child
+            # (:func:`start_child`); a warning per child would only break runs with -W error.
+            warnings.filterwarnings("ignore", message=r".*fork\(\) may lead to deadlocks",
+                                    category=DeprecationWarning)
+            yield
+    finally:
+        if thaw:
+            gc.unfreeze()
 
 
 def start_child(parent_pid, stdout_fd: int, stderr_fd: int, coverage_settings):
