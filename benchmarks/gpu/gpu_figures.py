@@ -1,7 +1,8 @@
 """The GPU figures of docs/gpu.md, measured in one run on a lent GPU (benchmarks/gpu/run_on_device.sh figures).
 
 - a ``gpu_model`` load (the reference loader onto cuda:0), median of 5 after one warm-up
-- the 1-rank nccl distributed check (write-up 004's check, both modes), median of 3
+- the 1-rank nccl distributed check (write-up 004's check, its three modes), median of 3 on the warm forkserver,
+  with its first run, each mode's rank group, a bare 1-rank all-reduce, and one run on the cold server
 - ``limit_torch_memory``'s measure of a 16,000,000 B block against ``torch.cuda.max_memory_allocated``
 - the training-memory estimate against CUDA's peak of two AdamW steps: the tiny Llama, and SmolLM-135M's
   real config with random weights (a few hundred MB)
@@ -35,13 +36,67 @@ def median_seconds(fn, runs: int, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
-def nccl_check(checkpoint: Path, work: Path) -> dict:
-    from pytest_llmload.failures.distributed_device_map import check_distributed_train_step
-    from pytest_llmload.reference_loader import load_model_and_tokenizer
+def _all_reduce_one() -> float:
+    import torch
+    import torch.distributed as dist
 
-    seconds = median_seconds(lambda: check_distributed_train_step(
-        load_model_and_tokenizer, checkpoint, work / "nccl", backend="nccl", world_size=1), runs=3)
-    return {"nccl_1rank_check_s": seconds}
+    t = torch.ones(1, device="cuda")
+    dist.all_reduce(t)
+    return t.item()
+
+
+def nccl_check(checkpoint: Path, work: Path) -> dict:
+    """Write-up 004's check on 1 nccl rank: its first run (the warm forkserver starts), the next three, each mode's
+    rank group, a bare 1-rank all-reduce (fork, CUDA and NCCL set-up alone), and one check on the cold server
+    (torch alone preloaded: the 33.3 s of docs/gpu.md) in the same run."""
+    import os
+
+    from pytest_llmload.failures import distributed_device_map
+    from pytest_llmload.reference_loader import load_model_and_tokenizer
+    from pytest_llmload.runners import ranks, warm_server
+
+    groups: list[float] = []
+    run_ranks = ranks.run_ranks
+
+    def timed_run_ranks(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return run_ranks(*args, **kwargs)
+        finally:
+            groups.append(round(time.perf_counter() - start, 3))
+
+    def check():
+        start = time.perf_counter()
+        distributed_device_map.check_distributed_train_step(
+            load_model_and_tokenizer, checkpoint, work / "nccl", backend="nccl", world_size=1)
+        return round(time.perf_counter() - start, 3)
+
+    ranks.run_ranks = timed_run_ranks
+    try:
+        first = check()
+        runs = [check() for _ in range(3)]
+        warm_groups = groups[len(distributed_device_map.MODES):]
+        bare: list = []
+        try:
+            for _ in range(3):
+                start = time.perf_counter()
+                ranks.run_ranks(_all_reduce_one, 1, backend="nccl")
+                bare.append(round(time.perf_counter() - start, 3))
+        except Exception as exc:  # (a figure lost, not the others)
+            bare.append(f"{type(exc).__name__}: {exc}"[:400])
+        os.environ[warm_server.COLD_ENV] = "1"  # the server restarts with torch alone: the check before issue 28
+        try:
+            cold = check()
+        except Exception as exc:
+            cold = f"{type(exc).__name__}: {exc}"[:400]
+        finally:
+            del os.environ[warm_server.COLD_ENV]
+    finally:
+        ranks.run_ranks = run_ranks
+    return {"nccl_1rank_check_s": statistics.median(runs), "nccl_1rank_check_runs_s": runs,
+            "nccl_1rank_check_first_s": first, "nccl_modes": list(distributed_device_map.MODES),
+            "nccl_rank_group_s": warm_groups, "nccl_bare_all_reduce_s": bare,
+            "nccl_1rank_check_cold_server_s": cold}
 
 
 def gpu_model_load(checkpoint: Path) -> dict:

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine (no network): install the carried wheels (.whl: bitsandbytes, deepspeed and
-# their small dependencies, pytest 9.2), install this project with --no-deps (the machine's own torch stays),
+# their small dependencies, pytest 9.2, setuptools>=77 for this project's PEP 639 metadata), install this project with --no-deps (the machine's own torch stays),
 # then run what the arguments name, each writing its JUnit XML and log under $OUT:
-#   gpu       pytest -m gpu
+#   gpu       pytest -m gpu (GPU_WORKERS=N: N xdist workers sharing the one GPU)
 #   dp        benchmarks/gpu/dp_same_device.py (write-up 003 on one GPU)
 #   figures   benchmarks/gpu/gpu_figures.py
 #   all       the whole suite, -n 8 with every worker seeing the GPU (--llmload-gpus-per-worker off: 8 workers on 1 GPU)
@@ -19,7 +19,7 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/
 for what in "$@"; do
     start=$SECONDS
     case $what in
-        gpu) timeout "${GPU_TIMEOUT:-420}" python3 -m pytest -m gpu -rA -v -p no:cacheprovider --junitxml="$OUT/junit-gpu.xml" 2>&1 | tee "$OUT/gpu.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS|passed|failed" ;;
+        gpu) timeout "${GPU_TIMEOUT:-420}" python3 -m pytest -m gpu ${GPU_WORKERS:+-n $GPU_WORKERS --llmload-gpus-per-worker off} -rA -v -p no:cacheprovider --junitxml="$OUT/junit-gpu.xml" 2>&1 | tee "$OUT/gpu.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS|passed|failed" ;;
         dp) timeout 180 python3 benchmarks/gpu/dp_same_device.py 2>&1 | tee "$OUT/dp.log" | tail -5 ;;
         figures) timeout 300 python3 benchmarks/gpu/gpu_figures.py --out "$OUT/figures.json" 2>&1 | tee "$OUT/figures.log" | tail -30 ;;
         all) timeout "${ALL_TIMEOUT:-300}" python3 -m pytest -n 8 --llmload-gpus-per-worker off -q -rfE -p no:cacheprovider --junitxml="$OUT/junit-all.xml" 2>&1 | tee "$OUT/all.log" | tail -40 ;;

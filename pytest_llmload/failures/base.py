@@ -125,16 +125,8 @@ class Check(NamedTuple):
 
     def on_gpu(self) -> "Check":
         """The same check on ``cuda:0`` (the write-ups' own setup), named ``<name>_cuda``, needing 1 GPU."""
-        function = self.function
-
-        def on_cuda(loader, checkpoint, workdir, **options):
-            return function(loader, checkpoint, workdir, device="cuda:0", **options)
-
-        on_cuda.llmload_keywords = _keywords(function)
-        on_cuda.__doc__ = (function.__doc__ or "").replace(":", " on cuda:0 (the write-up's own setup):", 1)
-        on_cuda.__name__ = on_cuda.__qualname__ = f"{self.name}_cuda"
-        on_cuda.__module__ = function.__module__
-        return self._replace(function=on_cuda, label=f"{self.name}_cuda", needs_gpus=1)
+        return self._replace(function=OnCuda(self.function, f"{self.name}_cuda"), label=f"{self.name}_cuda",
+                             needs_gpus=1)
 
     def version_skip_reason(self) -> Optional[str]:
         """Why this check does not apply to the installed transformers, or ``None`` when it does."""
@@ -148,6 +140,25 @@ class Check(NamedTuple):
         if SpecifierSet(self.transformers).contains(installed, prereleases=True):
             return None
         return f"{self.name}: transformers {installed} does not have {self.failure.id}; the check applies to transformers{self.transformers}"
+
+
+class OnCuda:
+    """A check function called with ``device="cuda:0"``. A class of this module, not a closure: an isolated check
+    run from a process that has initialised CUDA starts in a forkserver child, and its function goes there by
+    pickle, which finds a function by its module and name."""
+
+    def __init__(self, function: Callable, name: str):
+        self.function = function
+        self.llmload_keywords = _keywords(function)
+        self.__doc__ = (function.__doc__ or "").replace(":", " on cuda:0 (the write-up's own setup):", 1)
+        self.__name__ = self.__qualname__ = name
+        self.__module__ = function.__module__
+
+    def __call__(self, loader, checkpoint, workdir, **options):
+        return self.function(loader, checkpoint, workdir, device="cuda:0", **options)
+
+    def __repr__(self) -> str:
+        return f"<check {self.__name__} ({self.__module__})>"
 
 
 def _keywords(function: Callable) -> frozenset:

@@ -99,6 +99,22 @@ def test_a_train_request_may_get_float32_master_weights_never_a_narrower_dtype(l
         "the loader returned bfloat16 weights for a float32 request")
 
 
+def test_a_distributed_or_deepspeed_train_request_may_get_the_model_whole_on_the_cpu(llmload_checkpoint, monkeypatch):
+    # The training set-up (deepspeed.initialize, accelerate.prepare, Trainer) moves it to the rank's device; loading
+    # without device_map there is write-up 004's fix. Elsewhere a cuda request answered on the cpu stays a gap.
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    model = reference(LoadRequest(llmload_checkpoint))[0]
+    contract.verify(model, LoadRequest(llmload_checkpoint, purpose="train", device="cuda:0", deepspeed=True),
+                    check="check_x")
+    assert _gap(model, LoadRequest(llmload_checkpoint, purpose="train", device="cuda:0")) == \
+        "the loader returned the model whole on cpu for a device='cuda:0' request"
+    assert _gap(model, LoadRequest(llmload_checkpoint, device="cuda:0", deepspeed=True)) == \
+        "the loader returned the model whole on cpu for a device='cuda:0' request"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    contract.verify(model, LoadRequest(llmload_checkpoint, purpose="train", device="cuda:0"), check="check_x")
+
+
 def test_a_grown_vocabulary_is_fine_and_compared_on_the_checkpoints_rows_a_shrunk_one_is_a_gap(llmload_checkpoint):
     import torch
 

@@ -4,6 +4,7 @@ entry and checks), its before-loader ``fixtures/loaders/before_<id>.py`` and its
 
 import importlib
 import inspect
+import pickle
 from pathlib import Path
 
 import pytest
@@ -54,3 +55,25 @@ def test_the_catalog_and_the_registry_are_built_from_the_modules():
     assert on_gpus and all(c.name.endswith("_cuda") and c.name.removesuffix("_cuda") in names for c in on_gpus)
     assert names.index(on_gpus[0].name) == len(names) - len(on_gpus)  # the CPU checks first, then the GPU ones
     assert all(c.summary for c in failures.REGISTRY), [c.name for c in failures.REGISTRY if not c.summary]
+
+
+def test_every_check_function_goes_by_pickle_to_a_forkserver_child():
+    # From a process that has initialised CUDA (a GPU test run), an isolated check starts in a forkserver child and
+    # its function travels by pickle: a closure there broke every *_cuda check on the first H200 run.
+    from pytest_llmload.conformance import all_checks
+
+    for check in all_checks():
+        copy = pickle.loads(pickle.dumps(check.function))
+        assert getattr(copy, "__name__", None) == getattr(check.function, "__name__", None), check.name
+
+
+def report_device(loader, checkpoint, workdir, *, device="cpu"):
+    return device
+
+
+def test_a_gpu_variant_runs_in_a_forkserver_child_on_cuda_0(tmp_path):
+    from pytest_llmload.runners.isolation import run_isolated
+
+    on_cuda = Check(report_device, failures.BY_ID[IDS[0]]).on_gpu()
+    assert on_cuda.name == "report_device_cuda" and on_cuda.needs_gpus == 1
+    assert run_isolated(on_cuda.function, (None, tmp_path, tmp_path), start="forkserver", timeout=50) == "cuda:0"
