@@ -2,7 +2,7 @@
 
 - a ``gpu_model`` load (the reference loader onto cuda:0), median of 5 after one warm-up
 - the 1-rank nccl distributed check (write-up 004's check, its three modes), median of 3 on the warm forkserver,
-  with its first run, each mode's rank group, a bare 1-rank all-reduce, and one run on the cold server
+  with its first run, its modes' rank groups (started at once), a bare 1-rank all-reduce, and one run on the cold server
 - ``limit_torch_memory``'s measure of a 16,000,000 B block against ``torch.cuda.max_memory_allocated``
 - the training-memory estimate against CUDA's peak of two AdamW steps: the tiny Llama, and SmolLM-135M's
   real config with random weights (a few hundred MB)
@@ -45,7 +45,7 @@ def _all_reduce_one() -> float:
     return t.item()
 
 
-def nccl_check(checkpoint: Path, work: Path) -> dict:
+def nccl_check(checkpoint: Path, work: Path, cold: bool = True) -> dict:
     """Write-up 004's check on 1 nccl rank: its first run (the warm forkserver starts), the next three, each mode's
     rank group, a bare 1-rank all-reduce (fork, CUDA and NCCL set-up alone), and one check on the cold server
     (torch alone preloaded: the 33.3 s of docs/gpu.md) in the same run."""
@@ -56,12 +56,12 @@ def nccl_check(checkpoint: Path, work: Path) -> dict:
     from pytest_llmload.runners import ranks, warm_server
 
     groups: list[float] = []
-    run_ranks = ranks.run_ranks
+    run_rank_groups = ranks.run_rank_groups
 
-    def timed_run_ranks(*args, **kwargs):
+    def timed_run_rank_groups(*args, **kwargs):
         start = time.perf_counter()
         try:
-            return run_ranks(*args, **kwargs)
+            return run_rank_groups(*args, **kwargs)
         finally:
             groups.append(round(time.perf_counter() - start, 3))
 
@@ -71,11 +71,11 @@ def nccl_check(checkpoint: Path, work: Path) -> dict:
             load_model_and_tokenizer, checkpoint, work / "nccl", backend="nccl", world_size=1)
         return round(time.perf_counter() - start, 3)
 
-    ranks.run_ranks = timed_run_ranks
+    ranks.run_rank_groups = timed_run_rank_groups
     try:
         first = check()
         runs = [check() for _ in range(3)]
-        warm_groups = groups[len(distributed_device_map.MODES):]
+        warm_groups = groups[1:]  # (one call a check: its modes' groups at once)
         bare: list = []
         try:
             for _ in range(3):
@@ -84,19 +84,21 @@ def nccl_check(checkpoint: Path, work: Path) -> dict:
                 bare.append(round(time.perf_counter() - start, 3))
         except Exception as exc:  # (a figure lost, not the others)
             bare.append(f"{type(exc).__name__}: {exc}"[:400])
-        os.environ[warm_server.COLD_ENV] = "1"  # the server restarts with torch alone: the check before issue 28
-        try:
-            cold = check()
-        except Exception as exc:
-            cold = f"{type(exc).__name__}: {exc}"[:400]
-        finally:
-            del os.environ[warm_server.COLD_ENV]
+        cold_s = None
+        if cold:
+            os.environ[warm_server.COLD_ENV] = "1"  # the server restarts with torch alone: the check before issue 28
+            try:
+                cold_s = check()
+            except Exception as exc:
+                cold_s = f"{type(exc).__name__}: {exc}"[:400]
+            finally:
+                del os.environ[warm_server.COLD_ENV]
     finally:
-        ranks.run_ranks = run_ranks
+        ranks.run_rank_groups = run_rank_groups
     return {"nccl_1rank_check_s": statistics.median(runs), "nccl_1rank_check_runs_s": runs,
             "nccl_1rank_check_first_s": first, "nccl_modes": list(distributed_device_map.MODES),
-            "nccl_rank_group_s": warm_groups, "nccl_bare_all_reduce_s": bare,
-            "nccl_1rank_check_cold_server_s": cold}
+            "nccl_rank_groups_s": warm_groups, "nccl_bare_all_reduce_s": bare,
+            "nccl_1rank_check_cold_server_s": cold_s}
 
 
 def gpu_model_load(checkpoint: Path) -> dict:
@@ -195,6 +197,7 @@ def build_from_config(config_path: Path, dest: Path, dtype: str) -> Path:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--only-nccl", action="store_true", help="the warm nccl check alone (no cold run, no others)")
     args = parser.parse_args()
     from pytest_llmload.tiny_models import build_tiny_checkpoint
 
@@ -207,12 +210,19 @@ def main() -> int:
         ("limit", limit_measure),
         ("meta_backward", lambda: meta_backward_text(tiny, work)),
     ]
+    if args.only_nccl:
+        steps = [("nccl", lambda: nccl_check(tiny, work, cold=False))]
     for name, step in steps:
         try:
             figures.update(step())
         except Exception as exc:
             figures[f"{name}_error"] = f"{type(exc).__name__}: {exc}"
     rows = []
+    if args.only_nccl:
+        print(json.dumps(figures))
+        if args.out:
+            args.out.write_text(json.dumps(figures, indent=1))
+        return 0
     smol = build_from_config(ROOT / "benchmarks/gpu/smollm_135m.json", work / "smollm", "bfloat16")
     for label, path, dtype, lora, ckpt, batch, seq in [
         ("tiny-llama", tiny, "float32", True, False, 2, 128),

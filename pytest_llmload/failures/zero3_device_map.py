@@ -125,7 +125,7 @@ def check_zero3_load(
     # A rank that raised, hung or died: failures.verdict judges what it raised (the refusal is a result, not a raise).
     results = ranks.run_ranks(
         _load_under_zero3, world_size, args=(loader, os.fspath(checkpoint), os.fspath(workdir), device, backend),
-        backend=backend, timeout=timeout, env=env,
+        backend=backend, timeout=timeout, env=env, gpus_hidden=backend == "gloo",  # (a runner without GPUs)
     )
 
     refused = [(rank, r) for rank, r in enumerate(results) if "zero3_error" in r]

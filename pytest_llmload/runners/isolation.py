@@ -166,7 +166,7 @@ class ChildSpec:
 
 
 def run_children(specs, timeout: float, *, method: str = "fork", tmp_root=None, prefix: str = "llmload-child-",
-                 accelerator=None, on_failure=None):
+                 accelerator=None, gpus_hidden=False, on_failure=None):
     """Start one child per :class:`ChildSpec`, collect them until all answered, died, or ``timeout`` passed,
     take the stacks of those still running, kill them, and return one :class:`ChildOutcome` per child.
 
@@ -179,8 +179,8 @@ def run_children(specs, timeout: float, *, method: str = "fork", tmp_root=None, 
     ctx = mp.get_context(method)
     if method == "forkserver":
         # The stack imported once by the server (which never initialises CUDA), not by every child of every run;
-        # ``accelerator``: DeepSpeed's, for the children (GPU ranks: cuda).
-        warm_server.ensure(accelerator=accelerator)
+        # ``accelerator``: DeepSpeed's, for the children (GPU ranks: cuda); ``gpus_hidden``: children that see none.
+        warm_server.ensure(accelerator=accelerator, gpus_hidden=gpus_hidden)
     workdir = tempfile.mkdtemp(prefix=prefix, dir=None if tmp_root is None else os.fspath(tmp_root))
     coverage = child_coverage.parent_settings()  # None unless coverage is measuring here
     outcomes = [ChildOutcome(i, spec.label) for i, spec in enumerate(specs)]

@@ -34,7 +34,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 from pytest_llmload import gpus
 from pytest_llmload.runners import isolation
@@ -154,6 +154,7 @@ def run_ranks(
     init_process_group: bool = True,
     start: Optional[str] = None,
     tmp_root: Optional[os.PathLike] = None,
+    gpus_hidden: bool = False,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks and return their results, in rank order.
 
@@ -162,12 +163,47 @@ def run_ranks(
     rank finds the launcher variables (and ``TORCHELASTIC_USE_AGENT_STORE``) and may initialise it itself
     with ``init_method="env://"``. ``timeout`` (seconds) is the deadline for the whole run, process group
     timeout included. ``env`` is set in every rank after the launcher variables. Results must pickle.
+    ``gpus_hidden`` (gloo): ranks that simulate a runner without accelerators see no GPU and run DeepSpeed's cpu
+    accelerator, also on a machine with GPUs.
 
     Raises :class:`DistributedRunFailed` when any rank raises, dies or is still running at the deadline.
     """
+    (result,) = run_rank_groups([RankGroup(fn, args, kwargs)], world_size, backend=backend, timeout=timeout,
+                                env=env, init_process_group=init_process_group, start=start, tmp_root=tmp_root,
+                                gpus_hidden=gpus_hidden)
+    if isinstance(result, DistributedRunFailed):
+        raise result
+    return result
+
+
+class RankGroup(NamedTuple):
+    """One process group's work for :func:`run_rank_groups`: ``fn(*args, **kwargs)`` on each of its ranks."""
+
+    fn: Callable[..., Any]
+    args: Sequence[Any] = ()
+    kwargs: Optional[Mapping[str, Any]] = None
+
+
+def run_rank_groups(
+    groups: Sequence[RankGroup],
+    world_size: int = 2,
+    *,
+    backend: str = "gloo",
+    timeout: float = 60.0,
+    env: Optional[Mapping[str, str]] = None,
+    init_process_group: bool = True,
+    start: Optional[str] = None,
+    tmp_root: Optional[os.PathLike] = None,
+    gpus_hidden: bool = False,
+) -> list[Any]:
+    """:func:`run_ranks` for several independent process groups at once, each with its own ranks and rendezvous:
+    for each group in order, its ranks' results, or the :class:`DistributedRunFailed` it would have raised. A group
+    that fails cuts no other group short: its surviving ranks get their grace once every other group is done."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r}; expected a positive int.")
     isolation.check_timeout(timeout)
+    if gpus_hidden and backend != "gloo":
+        raise ValueError(f"run_ranks(backend={backend!r}, gpus_hidden=True): only gloo ranks can run without GPUs.")
     import torch.distributed as dist
 
     if ":" not in backend and not dist.is_backend_available(backend):  # ("cpu:gloo,cuda:nccl" is one too)
@@ -179,35 +215,53 @@ def run_ranks(
             "run_ranks: this process already has a torch.distributed process group, and its ranks would "
             "inherit it half-working. Call torch.distributed.destroy_process_group() first."
         )
-    method = start_method(backend, start)
-    # The rendezvous store lives here, bound to a port the OS picked, for as long as the ranks run: nothing
+    method, accelerator = start_method(backend, start), "cuda" if backend == "nccl" else None
+    if gpus_hidden and gpus.visible_gpu_count() > 0:
+        # Ranks forked from here would see this machine's GPUs, and DeepSpeed imported here with its cuda
+        # accelerator (fixed at import): gloo ranks then put the model on cuda:LOCAL_RANK and rank 1 of a 1-GPU
+        # runner has none (the main job hung on the H200). A server started with no GPU visible starts them.
+        method, accelerator = "forkserver", "cpu"
+    # Each group's rendezvous store lives here, bound to a port the OS picked, for as long as the ranks run: nothing
     # has to guess a free port and race another test or xdist worker for it. The ranks connect to it as
     # clients, as torchrun's workers connect to their agent's store.
-    store = dist.TCPStore(
-        "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=timeout),
-    )
+    stores = [dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                            timeout=datetime.timedelta(seconds=timeout)) for _ in groups]
+    group_of = [g for g in range(len(groups)) for _ in range(world_size)]
+
+    def grace_once_the_others_are_done(outcomes):
+        # The failed group's other ranks are most likely blocked in a collective with the failed rank: a short
+        # grace lets them report the lost peer, then they count as hung and their stacks are taken. A group with
+        # no failure runs on to its end.
+        failed = {group_of[o.index] for o in outcomes if o.status in ("raised", "died")}
+        if all(o.status != "pending" or group_of[o.index] in failed for o in outcomes):
+            return time.monotonic() + _GRACE_AFTER_FAILURE_S
+        return None
+
     try:
         specs = [
             isolation.ChildSpec(
-                f"rank {rank}", fn, args, kwargs, merge_output=True,
+                f"rank {rank}", group.fn, group.args, group.kwargs, merge_output=True,
                 prepare=functools.partial(_prepare_rank, rank, world_size, store.port, backend, dict(env or {}),
                                           init_process_group, timeout),
             )
-            for rank in range(world_size)
+            for group, store in zip(groups, stores) for rank in range(world_size)
         ]
         outcomes = isolation.run_children(
             specs, timeout, method=method, tmp_root=tmp_root, prefix="llmload-ranks-",
-            accelerator="cuda" if backend == "nccl" else None,
-            # The others are most likely blocked in a collective with the failed rank: a short grace lets
-            # them report the lost peer, then they count as hung and their stacks are taken.
-            on_failure=lambda _: time.monotonic() + _GRACE_AFTER_FAILURE_S,
+            accelerator=accelerator, gpus_hidden=gpus_hidden, on_failure=grace_once_the_others_are_done,
         )
     finally:
-        del store  # closes the port
-    if all(outcome.status == "ok" for outcome in outcomes):
-        return [outcome.value for outcome in outcomes]
-    raise DistributedRunFailed(_failure_message(outcomes, backend, timeout), outcomes)
+        del stores  # closes the ports
+    results: list[Any] = []
+    for g in range(len(groups)):
+        mine = outcomes[g * world_size:(g + 1) * world_size]
+        for rank, outcome in enumerate(mine):
+            outcome.index = rank  # (the rank's number in its group's report)
+        if all(outcome.status == "ok" for outcome in mine):
+            results.append([outcome.value for outcome in mine])
+        else:
+            results.append(DistributedRunFailed(_failure_message(mine, backend, timeout), mine))
+    return results
 
 
 def _failure_message(outcomes: Sequence[ChildOutcome], backend: str, timeout: float) -> str:

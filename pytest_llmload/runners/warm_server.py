@@ -56,17 +56,18 @@ DEEPSPEED_PRELOAD = HF_PRELOAD + (
 RUNNERS = ("pytest_llmload.runners.isolation", "pytest_llmload.runners.ranks")
 
 
-def ensure(*, accelerator: Optional[str]) -> None:
+def ensure(*, accelerator: Optional[str], gpus_hidden: bool = False) -> None:
     """A forkserver runs whose children start with the runners and the stack imported (torch alone where
     ``$PYTEST_LLMLOAD_COLD_FORKSERVER`` is set) and DeepSpeed's ``accelerator`` (``None``: this process's
-    ``DS_ACCELERATOR``). Started once, restarted only for another accelerator. Call it between runs, with no child
-    of it alive."""
+    ``DS_ACCELERATOR``); ``gpus_hidden``: with no GPU visible (``CUDA_VISIBLE_DEVICES=""``), for children that
+    simulate a runner without accelerators on a machine that has some. Started once, restarted only for other
+    settings. Call it between runs, with no child of it alive."""
     global _started
     from multiprocessing import forkserver
 
     modules = ("torch", *RUNNERS, *(() if os.environ.get(COLD_ENV) else DEEPSPEED_PRELOAD))
     accelerator = accelerator if accelerator is not None else os.environ.get("DS_ACCELERATOR")
-    key = (modules, accelerator)
+    key = (modules, accelerator, gpus_hidden)
     server = forkserver._forkserver  # multiprocessing's one server for this process
     if _started == key and _alive(server):
         return
@@ -74,7 +75,8 @@ def ensure(*, accelerator: Optional[str]) -> None:
         server._stop()
     server.set_forkserver_preload(list(modules))
     # The server inherits this process's environment when it is spawned: the server's settings, there only.
-    with mock.patch.dict(os.environ, {**SERVER_ENV, **({"DS_ACCELERATOR": accelerator} if accelerator else {})}):
+    with mock.patch.dict(os.environ, {**SERVER_ENV, **({"DS_ACCELERATOR": accelerator} if accelerator else {}),
+                                      **({"CUDA_VISIBLE_DEVICES": ""} if gpus_hidden else {})}):
         server.ensure_running()
     _started = key
 

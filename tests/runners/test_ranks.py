@@ -238,6 +238,30 @@ def test_forkserver_ranks_work_too():
     assert [v["sum"] for v in views] == [3.0, 3.0]
 
 
+def what_the_rank_sees() -> tuple:
+    from deepspeed.accelerator import get_accelerator
+
+    return os.environ.get("CUDA_VISIBLE_DEVICES"), get_accelerator().device_name(), os.getppid()
+
+
+def test_ranks_simulating_a_runner_without_gpus_see_none_on_a_machine_with_gpus(monkeypatch):
+    # On the H200 the main job's gloo ranks (2 simulated GPUs) saw its one GPU and DeepSpeed's cuda accelerator,
+    # imported by the test process: they start from a server that shows no GPU and runs DeepSpeed on the cpu.
+    from pytest_llmload import gpus
+    from pytest_llmload.gpus import FAKE_GPUS_ENV
+    from pytest_llmload.runners import warm_server
+
+    pytest.importorskip("deepspeed")
+    distributed.preload(distributed.DEEPSPEED_PRELOAD)
+    assert {v[0] for v in run_ranks(what_the_rank_sees, 2, gpus_hidden=True, timeout=60)} == {None}  # (no GPU here)
+    monkeypatch.setattr(gpus, "visible_gpu_count", lambda: 1)  # (what counts them; their ids are faked for torch)
+    monkeypatch.setenv(FAKE_GPUS_ENV, "GPU-1")
+    views = run_ranks(what_the_rank_sees, 2, gpus_hidden=True, timeout=90)
+    assert views == [("", "cpu", warm_server.forkserver_pid())] * 2
+    with pytest.raises(ValueError, match="only gloo ranks can run without GPUs"):
+        run_ranks(what_the_rank_sees, 1, backend="nccl", gpus_hidden=True)
+
+
 def shm_op_and_group() -> tuple:
     import sys
 
