@@ -166,12 +166,14 @@ class ChildSpec:
 
 
 def run_children(specs, timeout: float, *, method: str = "fork", tmp_root=None, prefix: str = "llmload-child-",
-                 accelerator=None, gpus_hidden=False, on_failure=None):
+                 accelerator=None, gpus_hidden=False, on_failure=None, start_together=False):
     """Start one child per :class:`ChildSpec`, collect them until all answered, died, or ``timeout`` passed,
     take the stacks of those still running, kill them, and return one :class:`ChildOutcome` per child.
 
     ``on_failure(outcomes)`` may shorten the wait once a child failed (return a new deadline, or None): ranks
-    blocked in a collective with a dead peer would otherwise wait out the whole deadline. No child and no
+    blocked in a collective with a dead peer would otherwise wait out the whole deadline. ``start_together``: no
+    child runs ``prepare`` before every child is started (ranks: none connects to a rendezvous while this process
+    is still forking). No child and no
     temporary directory outlives the call, also when it is interrupted (Ctrl-C).
     """
     import multiprocessing as mp
@@ -185,13 +187,14 @@ def run_children(specs, timeout: float, *, method: str = "fork", tmp_root=None, 
     coverage = child_coverage.parent_settings()  # None unless coverage is measuring here
     outcomes = [ChildOutcome(i, spec.label) for i, spec in enumerate(specs)]
     procs, conns = [], []
+    go = ctx.Event() if start_together else None
     try:
         for index, spec in enumerate(specs):
             receiver, sender = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=_child_main, name=f"llmload-{spec.label.replace(' ', '')}",
                 args=(index, spec, sender, workdir, os.getpid() if method == "fork" else None,
-                      logging.getLogger().level, coverage),
+                      logging.getLogger().level, coverage, go),
                 # Not daemonic: a daemonic process may not start children, and an isolated test may start ranks,
                 # a rank DataLoader workers. The children are reaped here, whatever happens (finally, below).
                 daemon=False,
@@ -202,6 +205,8 @@ def run_children(specs, timeout: float, *, method: str = "fork", tmp_root=None, 
             procs.append(proc)
             conns.append(receiver)
             outcomes[index].pid = proc.pid
+        if go is not None:
+            go.set()
         pending = _collect(procs, conns, outcomes, time.monotonic() + timeout, on_failure)
         if pending:
             _dump_stacks(procs, outcomes, pending, workdir)
@@ -399,7 +404,7 @@ def start_child(parent_pid, stdout_fd: int, stderr_fd: int, coverage_settings):
     return cov
 
 
-def _child_main(index, spec, conn, workdir, parent_pid, log_level, coverage_settings):
+def _child_main(index, spec, conn, workdir, parent_pid, log_level, coverage_settings, go=None):
     # Own process group: the parent kills the child together with anything it started, and a Ctrl-C in the
     # terminal reaches only the parent, which then kills the children (no traceback per child).
     os.setpgid(0, 0)
@@ -413,6 +418,8 @@ def _child_main(index, spec, conn, workdir, parent_pid, log_level, coverage_sett
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     succeeded = False
     try:
+        if go is not None:
+            go.wait()  # (the parent dying meanwhile ends this child too: start_child)
         if spec.prepare is not None:
             spec.prepare()
         value = spec.fn(*spec.args, **spec.kwargs)

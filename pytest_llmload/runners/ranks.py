@@ -249,6 +249,11 @@ def run_rank_groups(
         outcomes = isolation.run_children(
             specs, timeout, method=method, tmp_root=tmp_root, prefix="llmload-ranks-",
             accelerator=accelerator, gpus_hidden=gpus_hidden, on_failure=grace_once_the_others_are_done,
+            # All forks first, then the ranks: a rank forked while this process's store thread serves another
+            # rank's connection can inherit the C library's resolver mid-lookup (torch names socket addresses by
+            # reverse DNS; here a lookup stalls 5 s every 5 s) and hang in its own rendezvous for good. Measured on
+            # 2 cores, 4 groups of 2 trivial ranks at once, 30 s deadline: 16 of 160 groups hung before, 0 of 240.
+            start_together=True,
         )
     finally:
         del stores  # closes the ports

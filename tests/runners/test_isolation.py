@@ -5,6 +5,7 @@ nothing is left behind."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -220,6 +221,36 @@ def test_a_process_that_initialised_cuda_is_never_forked(monkeypatch):
     assert isolation.start_method() == "forkserver"
     with pytest.raises(RuntimeError, match="this process has initialised CUDA"):
         isolation.start_method("fork")
+
+
+_prepared_at = None
+
+
+def note_the_time() -> None:
+    global _prepared_at
+    _prepared_at = time.monotonic()
+
+
+def prepared_at() -> float:
+    return _prepared_at
+
+
+def test_children_started_together_run_only_once_every_fork_is_done(monkeypatch, tmp_path):
+    # (ranks: none may connect to a rendezvous while this process still forks; see ranks.run_rank_groups)
+    forked = []
+    forking = isolation.forking_quietly
+
+    @contextlib.contextmanager
+    def recording():
+        with forking():
+            yield
+        forked.append(time.monotonic())
+        time.sleep(0.2)  # (a slow fork: without the barrier the first child prepares before the last fork)
+
+    monkeypatch.setattr(isolation, "forking_quietly", recording)
+    specs = [isolation.ChildSpec(f"child {i}", prepared_at, prepare=note_the_time) for i in range(3)]
+    outcomes = isolation.run_children(specs, 30, tmp_root=tmp_path, start_together=True)
+    assert len(forked) == 3 and min(o.value for o in outcomes) > max(forked)
 
 
 def test_a_forkserver_child_works_too():
