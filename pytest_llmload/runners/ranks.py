@@ -148,15 +148,11 @@ def run_ranks(
     *,
     args: Sequence[Any] = (),
     kwargs: Optional[Mapping[str, Any]] = None,
-    backend: str = "gloo",
-    timeout: float = 60.0,
-    env: Optional[Mapping[str, str]] = None,
-    init_process_group: bool = True,
-    start: Optional[str] = None,
-    tmp_root: Optional[os.PathLike] = None,
-    gpus_hidden: bool = False,
+    **options: Any,
 ) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks and return their results, in rank order.
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks and return their results, in rank order. ``options``:
+    ``backend``, ``timeout``, ``env``, ``init_process_group``, ``start``, ``tmp_root``, ``gpus_hidden`` (the keywords
+    of :func:`run_rank_groups`, defaults there).
 
     ``backend``: ``gloo`` (CPU) or ``nccl`` (one GPU per rank, ``cuda:LOCAL_RANK``). With
     ``init_process_group`` (default) the default process group is up when ``fn`` starts; without it the
@@ -168,9 +164,7 @@ def run_ranks(
 
     Raises :class:`DistributedRunFailed` when any rank raises, dies or is still running at the deadline.
     """
-    (result,) = run_rank_groups([RankGroup(fn, args, kwargs)], world_size, backend=backend, timeout=timeout,
-                                env=env, init_process_group=init_process_group, start=start, tmp_root=tmp_root,
-                                gpus_hidden=gpus_hidden)
+    (result,) = run_rank_groups([RankGroup(fn, args, kwargs)], world_size, **options)
     if isinstance(result, DistributedRunFailed):
         raise result
     return result
