@@ -137,7 +137,8 @@ def verify(model: Any, request: LoadRequest, *, check: str) -> Facts:
     on_accelerator = [d for d in facts.devices if d not in ("cpu", "meta")]
     if request.device == "cpu" and on_accelerator:
         gap(f"the loader put weights on {', '.join(on_accelerator)} for a device='cpu' request")
-    if request.device != "cpu" and not on_accelerator and not facts.all_on_meta and not _placed_by_training(facts, request):
+    if request.device != "cpu" and not on_accelerator and not facts.all_on_meta \
+            and not _placed_by_training(facts, request):
         gap(f"the loader returned the model {facts.where} for a device={request.device!r} request")
     return facts
 

@@ -173,8 +173,7 @@ def run_children(specs, timeout: float, *, method: str = "fork", tmp_root=None, 
     ``on_failure(outcomes)`` may shorten the wait once a child failed (return a new deadline, or None): ranks
     blocked in a collective with a dead peer would otherwise wait out the whole deadline. ``start_together``: no
     child runs ``prepare`` before every child is started (ranks: none connects to a rendezvous while this process
-    is still forking). No child and no
-    temporary directory outlives the call, also when it is interrupted (Ctrl-C).
+    is still forking). No child and no temporary directory outlives the call, also when it is interrupted (Ctrl-C).
     """
     import multiprocessing as mp
 
