@@ -96,6 +96,7 @@ KINDS = {
     "seconds": "a number of seconds, 0 or more",
     "fraction": "a number between 0 and 1",
     "gpus": "a positive number of GPUs, or `off`",
+    "count": "a positive whole number",
 }
 
 

@@ -24,3 +24,5 @@ configured_check_options: contextvars.ContextVar[dict[str, Any]] = contextvars.C
 # "simulated: ..." where a machine this runner lacks was stood in for.
 check_notes: contextvars.ContextVar["list[str] | None"] = contextvars.ContextVar("llmload_check_notes", default=None)
 notes_key = pytest.StashKey[list]()
+# On a report another lane ran and sent to lane 0 (runners.lanes): its row was written there already.
+LANE_ATTRIBUTE = "llmload_lane"

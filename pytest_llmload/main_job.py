@@ -32,6 +32,7 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 HEARTBEAT_SECONDS = 10.0
 # After passing a signal on, how long pytest gets to stop and clean up before its process group is killed.
 STOP_GRACE_S = 10.0
+POLL_S = 0.2  # how often the progress file is read
 FAILED_OUTCOMES = ("failed", "predicted", "error", "xpassed")
 WAIT_AFTER_HANG = "--wait-after-hang"
 
@@ -69,22 +70,41 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--checks", metavar="MODULE:ATTRIBUTE", action="append", default=[],
                         help="also run these checks (a pytest_llmload.Check, a list of them, or a module with CHECKS); "
                         "repeatable. Installed packages' 'pytest_llmload.checks' entry points run too.")
+    parser.add_argument("--lanes", metavar="N", default=None,
+                        help="run the checks in N processes, forked after the first check (default: 2 where 2 CPUs "
+                        "are usable, else 1; one where a GPU is visible)")
     parser.add_argument("--list-runners", action="store_true", help="list the shipped runner profiles, then exit")
     parser.add_argument("--list-models", action="store_true", help="list the shipped architectures, then exit")
     parser.add_argument("pytest_args", nargs="*", help=argparse.SUPPRESS)
     return parser
 
 
+def _lanes(text: Optional[str]) -> Optional[int]:
+    """``--lanes``: a positive whole number, or ``None`` (the default: 2 where 2 CPUs are usable)."""
+    if text is None:
+        return None
+    if not text.strip().isdigit() or int(text) < 1:
+        raise UsageError(f"--lanes {text!r} is not a positive whole number; give e.g. --lanes 2, or --lanes 1 to run "
+                         "every check in one process.")
+    return int(text)
+
+
+def usable_cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def pytest_command(loader: Optional[str], keyword: Optional[str], progress: Path, extra: list[str],
                    strict: bool = False, wait_after_hang: bool = False, runner: Optional[str] = None,
-                   model: Optional[str] = None, checks: tuple = ()) -> list[str]:
-    from pytest_llmload.surface import CHECKS_OPTION, MODEL_OPTION, RUNNER_OPTION, WAIT_OPTION
+                   model: Optional[str] = None, checks: tuple = (), lanes: Optional[int] = None) -> list[str]:
+    from pytest_llmload.surface import CHECKS_OPTION, LANES_OPTION, MODEL_OPTION, RUNNER_OPTION, WAIT_OPTION
 
     # (no:hypothesispytest: its plugin imports all of hypothesis at the end of a run, a second for nothing here)
     # (pytest_llmload.suite's __main__: pytest, without the interpreter's 2 s teardown of the stack)
+    # (no:unraisableexception: at its end it runs gc.collect() twice over the stack's millions of objects, 0.5 s for a
+    # warning about an exception in a __del__; such an exception still reaches the log, through Python's own hook)
     argv = [sys.executable, "-m", "pytest_llmload.suite", "--pyargs", "pytest_llmload.suite", "-p", "no:cacheprovider",
-            "-p", "no:hypothesispytest", "-o", "python_files=test_*.py", "--tb=short", "-q",
-            "--llmload-progress", str(progress)]
+            "-p", "no:hypothesispytest", "-p", "no:unraisableexception", "-o", "python_files=test_*.py", "--tb=short",
+            "-q", "--llmload-progress", str(progress)]
     # The main job decides what it runs under, not the repo's addopts: its rows in a stable order (no
     # pytest-randomly), no coverage, no xdist, no plugin its checks never use (anyio's, pytest-html and its
     # pytest-metadata: 0.3 s of pytest's start), unless asked for after '--' (then the plugin is left on).
@@ -93,6 +113,10 @@ def pytest_command(loader: Optional[str], keyword: Optional[str], progress: Path
     for plugin, flags in _HOUSE_PLUGINS.items():
         if not any(flag in asked for flag in flags):
             argv += ["-p", f"no:{plugin}"]
+    # Two lanes where two CPUs are usable (runners.lanes: the pytest process forks once collected; issue 28)
+    lanes = min(2, usable_cpus()) if lanes is None else lanes
+    if lanes > 1:
+        argv += [LANES_OPTION, str(lanes)]
     if strict:
         argv.append("--llmload-strict")
     if wait_after_hang:
@@ -230,7 +254,7 @@ class MainJob:
         self.results: list[dict] = []
         self.collect_errors: list[dict] = []
         self.total = 0
-        self.running: Optional[tuple[str, float]] = None  # (check, started) of the check without a result yet
+        self.running: dict[str, tuple[str, float]] = {}  # nodeid -> (check, started): no result yet (one a lane)
         self.started = time.monotonic()
         self.started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         self.loader: Optional[dict] = None  # the child's own choice (its "loader" event)
@@ -240,7 +264,7 @@ class MainJob:
         args = self.args
         command = pytest_command(args.loader, args.keyword, self.progress, args.pytest_args, strict=args.strict,
                                  wait_after_hang=args.wait_after_hang, runner=args.runner, model=args.model,
-                                 checks=tuple(args.checks))
+                                 checks=tuple(args.checks), lanes=_lanes(args.lanes))
         from pytest_llmload.runners.lifeline import PARENT_ENV, PARENT_WORKDIR_ENV
 
         # The child ends with this process (lifeline), and removes this temp dir if this process dies first. Its
@@ -267,9 +291,12 @@ class MainJob:
                 return code
             if self.running and time.monotonic() - last_beat > HEARTBEAT_SECONDS:
                 last_beat = time.monotonic()
-                print(f"    ... {self.running[0]} still running ({time.monotonic() - self.running[1]:.0f}s)",
-                      file=self.out, flush=True)
-            time.sleep(0.2)
+                for check, started in self.running.values():
+                    print(f"    ... {check} still running ({time.monotonic() - started:.0f}s)", file=self.out,
+                          flush=True)
+            # (a wait, not a sleep: the run's end is seen within 50 ms, not after up to 0.2 s)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.child.wait(POLL_S)
 
     def _new_records(self) -> list[dict]:
         if not self.progress.exists():
@@ -296,10 +323,10 @@ class MainJob:
         elif event == "collect_error":
             self.collect_errors.append(record)
         elif event == "start":
-            self.running = (record["check"], time.monotonic())
+            self.running[record["nodeid"]] = (record["check"], time.monotonic())
         elif event == "result":
             self.results.append(record)
-            self.running = None
+            self.running.pop(record.get("nodeid"), None)
             print(_row(len(self.results), self.total, record), file=out, flush=True)
 
     def stop(self, signum: int) -> bool:
@@ -319,16 +346,15 @@ class MainJob:
             child.wait()
             return False
 
-    def crash_row(self, code: int) -> Optional[dict]:
-        """The row of the check that was running when pytest itself ended abnormally (a signal, an internal error)."""
-        if self.running is None:
-            return None
+    def crash_rows(self, code: int) -> list[dict]:
+        """The rows of the checks that were running when pytest itself ended abnormally (a signal, an internal
+        error): one, or one a lane."""
         from pytest_llmload.runners.isolation import describe_exitcode
 
         how = describe_exitcode(code) if code < 0 else f"exit code {code}"
         reason = f"pytest itself ended ({how}) while this check ran; its output: {self.log_path}"
-        return {"event": "result", "check": self.running[0], "outcome": "error", "reason": reason, "summary": reason,
-                "seconds": round(time.monotonic() - self.running[1], 3)}
+        return [{"event": "result", "check": check, "outcome": "error", "reason": reason, "summary": reason,
+                 "seconds": round(time.monotonic() - started, 3)} for check, started in self.running.values()]
 
 
 def run(argv: Optional[list[str]] = None, out=None, popen=None) -> int:
@@ -364,6 +390,7 @@ def run(argv: Optional[list[str]] = None, out=None, popen=None) -> int:
         # by the child, which reports the loader it really runs.
         choose_loader(args.loader, os.environ, None)
         _check_prediction_args(args)
+        _lanes(args.lanes)
         for path, option in ((args.log, "--log"), (args.json_path, "--json")):
             if path:
                 _check_output_path(path, option)
@@ -407,11 +434,11 @@ def _report(job: MainJob, code: int) -> tuple[int, bool]:
         print(f"llmload: collection error in {error['nodeid'] or 'the session'}:\n    "
               + _in_main_job_terms(error["message"].rstrip()).replace("\n", "\n    "), file=sys.stderr)
     crashed = code < 0 or code == 3 or code > 5
-    row = job.crash_row(code) if crashed else None
-    if row is not None:
+    rows = job.crash_rows(code) if crashed else []
+    for row in rows:
         job.results.append(row)
         print(_row(len(job.results), job.total, row), file=out, flush=True)
-    elif crashed and job.results:
+    if crashed and not rows and job.results:
         print(f"llmload: pytest itself ended (exit code {code}) between checks; its output: {job.log_path}",
               file=sys.stderr)
     if not job.results:  # a usage or collection error, or pytest died before any check ran

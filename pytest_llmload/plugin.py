@@ -47,6 +47,7 @@ SUB_PLUGINS = (
     "pytest_llmload.per_test",  # markers enforced; offline mode and DeepSpeed only while the tests that need them run
     "pytest_llmload.diagnostics.html_report",  # --llmload-html, pytest-html extras: device maps, memory per phase
 )
+LANES = "pytest_llmload.runners.lanes"  # --llmload-lanes N: the tests in N forked processes
 XDIST_GPUS = "pytest_llmload.runners.xdist_gpus"  # under pytest -n: each xdist worker its own GPUs
 LAUNCHER = "pytest_llmload.runners.launcher"  # under torchrun/srun/mpirun: distributed_env tests on every rank
 
@@ -156,6 +157,8 @@ def _read_configuration(config: pytest.Config) -> None:
     for key in ("phase_progress_seconds", "near_deadline", "gpus_per_worker", "wait_after_hang", "require_gpus",
                 "html"):
         settings.value(config, key)  # parsed now, read where used
+    if settings.value(config, "lanes") > 1:
+        switch_on(config, LANES)
     _read_prediction(config)
     config.stash[declared_key] = {keyword: settings.value(config, keyword) for keyword in surface.TRAINING_DECLARATIONS}
     config.stash[strict_key] = settings.value(config, "strict")

@@ -15,6 +15,8 @@ import time
 
 import pytest
 
+from pytest_llmload.keys import LANE_ATTRIBUTE
+
 progress_key = pytest.StashKey["ProgressWriter"]()
 _PARAM_ID = re.compile(r"\[(?:[^\]-]*-)?((?:check|predict)_[^\]]+)\]$")
 
@@ -89,8 +91,8 @@ class ProgressWriter:
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         """One record per test, from the phase that decided its outcome (a later teardown error adds one)."""
-        if report.when != "call" and report.outcome == "passed":
-            return
+        if (report.when != "call" and report.outcome == "passed") or getattr(report, LANE_ATTRIBUTE, None):
+            return  # (another lane's report: that lane wrote its row)
         outcome, reason = report.outcome, ""
         if hasattr(report, "wasxfail"):
             outcome, reason = ("xfailed" if report.skipped else "xpassed"), report.wasxfail

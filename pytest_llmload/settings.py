@@ -65,6 +65,13 @@ def _gpus(value: str, where: str, setting: Setting) -> "int | str | None":
     )
 
 
+def _count(value: str, where: str, setting: Setting) -> int:
+    text = str(value).strip()
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    raise pytest.UsageError(f"{where}={value!r} is not a positive whole number; give e.g. {setting.option} 2.")
+
+
 def _lines(value: "list[str] | str", where: str, setting: Setting) -> list[str]:
     lines = value.splitlines() if isinstance(value, str) else value
     return [line.strip() for line in lines if line.strip()]
@@ -72,7 +79,7 @@ def _lines(value: "list[str] | str", where: str, setting: Setting) -> list[str]:
 
 PARSERS: dict[str, Callable[[Any, str, Setting], Any]] = {
     "text": _text, "path": _text, "bool": _bool, "lines": _lines, "seconds": _seconds, "fraction": _fraction,
-    "gpus": _gpus,
+    "gpus": _gpus, "count": _count,
 }
 _INI_TYPES = {"bool": "bool", "lines": "linelist"}  # the rest are read as strings and parsed here
 

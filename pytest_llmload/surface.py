@@ -20,7 +20,7 @@ class Setting(NamedTuple):
     registers and reads every one."""
 
     key: str
-    kind: str  # text | path | bool | lines | seconds | fraction | gpus: how the value is parsed (settings.PARSERS)
+    kind: str  # text | path | bool | lines | seconds | fraction | gpus | count: how it is parsed (settings.PARSERS)
     help: str
     metavar: str = ""
     default: object = None
@@ -120,6 +120,11 @@ SETTINGS = (
         "write a self-contained HTML report to PATH: each check's verdict, and for each check that placed a model, "
         "its device map and its memory per phase, drawn (needs matplotlib: pip install 'pytest-llmload[report]'). "
         "With pytest-html installed, the same pictures go into its report as extras.")),
+    # --- how the tests run (pytest_llmload.runners.lanes)
+    Setting("lanes", "count", metavar="N", default=1, help=(
+        "run the tests in N processes: after the first test, pytest forks N-1 times and each fork takes tests "
+        "beside it, its reports joining this run's (the main job uses 2 where 2 CPUs are usable). One lane under "
+        "xdist, with -x, --maxfail or --pdb, or where a GPU is visible. Default 1.")),
     # --- hangs (pytest_llmload.hung_loader)
     Setting("wait_after_hang", "bool", help=(
         "after the loader under test hangs (a deadline passes inside its call), run every later test that uses it "
@@ -139,6 +144,7 @@ GPU_FIXTURES_INI = SETTING["gpu_fixtures"].ini
 REQUIRE_GPUS_OPTION = SETTING["require_gpus"].option
 GPUS_PER_WORKER_OPTION = SETTING["gpus_per_worker"].option
 WAIT_OPTION = SETTING["wait_after_hang"].option
+LANES_OPTION = SETTING["lanes"].option
 CHECKS_OPTION = SETTING["checks"].option
 # What a bare install lacks: the checks need the Hugging Face stack, an extra of this package.
 STACK_EXTRA_HINT = "pip install 'pytest-llmload[all]' (or [hf] without bitsandbytes and DeepSpeed)"

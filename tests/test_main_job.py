@@ -339,8 +339,9 @@ def test_pytest_dying_under_the_main_job_is_a_row_and_keeps_the_log(misbehaving)
          "name a file in an existing directory."),
         (("--log", "."), {}, "llmload: error: --log '.' is a directory; name a file, e.g. --log llmload.out."),
         ((), {"PYTEST_LLMLOAD_LOADER": " "}, "llmload: error: $PYTEST_LLMLOAD_LOADER is set but empty; set it to"),
+        (("--lanes", "0"), {}, "llmload: error: --lanes '0' is not a positive whole number; give e.g. --lanes 2"),
     ],
-    ids=["log-missing-directory", "log-a-directory", "empty-loader-variable"],
+    ids=["log-missing-directory", "log-a-directory", "empty-loader-variable", "lanes-zero"],
 )
 def test_a_bad_command_line_is_a_sentence_and_exit_2(tmp_path, args, env, message):
     run = warm_main_job(*args, cwd=tmp_path, env={**os.environ, **env})

@@ -10,7 +10,7 @@ from pytest_llmload.surface import SETTINGS
 # A valid value for each setting, as the option and the ini key take it, and the value it reads as.
 SAMPLES = {
     "text": ("x", "x"), "path": ("out.file", "out.file"), "bool": (None, True), "lines": ("inference", ["inference"]),
-    "seconds": ("2.5", 2.5), "fraction": ("0.5", 0.5), "gpus": ("2", 2),
+    "seconds": ("2.5", 2.5), "fraction": ("0.5", 0.5), "gpus": ("2", 2), "count": ("2", 2),
 }
 SAMPLE_BY_KEY = {  # settings whose values are checked at configure
     "loader": ("os:getcwd", "os:getcwd"), "training_args_hook": ("os:getcwd", "os:getcwd"),
@@ -19,7 +19,7 @@ SAMPLE_BY_KEY = {  # settings whose values are checked at configure
     "checks": ("pytest_llmload.failures.offload_hang:CHECKS", ["pytest_llmload.failures.offload_hang:CHECKS"]),
     "gpu_fixtures": ("my_gpu", ["my_gpu"]),
 }
-BAD = {"bool": "maybe", "seconds": "soon", "fraction": "2", "gpus": "two"}
+BAD = {"bool": "maybe", "seconds": "soon", "fraction": "2", "gpus": "two", "count": "0"}
 
 READER = """
 def test_read(request):

@@ -87,6 +87,11 @@ class Check(NamedTuple):
         return self.label or self.function.__name__
 
     @property
+    def uses_peft(self) -> bool:
+        """Whether the check's process needs peft: an adapter check, or a train check (the loader may use LoRA)."""
+        return self.uses_adapters or self.purpose == "train"
+
+    @property
     def summary(self) -> str:
         doc = getattr(self.function, "__doc__", None) or getattr(getattr(self.function, "func", None), "__doc__", "")
         return " ".join(doc.strip().split("\n\n")[0].split()) if doc else ""
@@ -119,7 +124,7 @@ class Check(NamedTuple):
         from pytest_llmload.runners import isolated_marker, isolation
         from pytest_llmload.runners.ranks import preload_for_isolated_checks
 
-        preload_for_isolated_checks(args[1], peft=self.uses_adapters or self.purpose == "train")
+        preload_for_isolated_checks(args[1], peft=self.uses_peft)
         isolation.run_isolated(self.function, args, kwargs, timeout=self.timeout, label=self.name,
                                render=isolated_marker.render_failure)
 
