@@ -116,3 +116,16 @@ def test_the_main_job_runs_and_names_the_repos_failure(repo):
     assert "fix (use-cache-off): set model.config.use_cache = False only for train requests" in out.stdout
     listed = warm_runs.main_job("--list", "--checks", "myrepo_checks:CHECKS", cwd=repo.path, env=env)
     assert textwrap.dedent("check_inference_keeps_the_kv_cache") in listed.stdout
+
+
+def test_the_main_job_stops_at_an_installed_entry_point_that_gives_no_checks(repo):
+    # Without --checks the main job reads the installed extensions while its pytest starts: a broken one still
+    # ends the run as a usage error, before any check, with that pytest stopped.
+    info = repo.path / "broken-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[pytest_llmload.checks]\nbroken = broken_nothing:CHECKS\n")
+    env = {**os.environ, "PYTHONPATH": str(repo.path)}
+    out = warm_runs.main_job("-k", "pad_token and not cuda", cwd=repo.path, env=env)
+    assert (out.returncode, out.stdout) == (2, ""), out.stdout + out.stderr
+    assert out.stderr.startswith("llmload: error: ") and "broken_nothing" in out.stderr, out.stderr

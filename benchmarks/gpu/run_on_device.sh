@@ -6,6 +6,8 @@
 #   dp        benchmarks/gpu/dp_same_device.py (write-up 003 on one GPU)
 #   figures   benchmarks/gpu/gpu_figures.py
 #   all       the whole suite, -n 8 with every worker seeing the GPU (--llmload-gpus-per-worker off: 8 workers on 1 GPU)
+#   main      the main job (python -m pytest_llmload, reference loader) on the GPU machine, its rows and its time
+#   nccl      benchmarks/gpu/gpu_figures.py --only-nccl (issue 28's figure: write-up 004's check on 1 nccl rank)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -22,6 +24,8 @@ for what in "$@"; do
         gpu) timeout "${GPU_TIMEOUT:-420}" python3 -m pytest -m gpu ${GPU_WORKERS:+-n $GPU_WORKERS --llmload-gpus-per-worker off} -rA -v -p no:cacheprovider --junitxml="$OUT/junit-gpu.xml" 2>&1 | tee "$OUT/gpu.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS|passed|failed" ;;
         dp) timeout 180 python3 benchmarks/gpu/dp_same_device.py 2>&1 | tee "$OUT/dp.log" | tail -5 ;;
         figures) timeout 300 python3 benchmarks/gpu/gpu_figures.py --out "$OUT/figures.json" 2>&1 | tee "$OUT/figures.log" | tail -30 ;;
+        main) timeout "${MAIN_TIMEOUT:-200}" python3 -m pytest_llmload --json "$OUT/main.json" 2>&1 | tee "$OUT/main.log" | tail -25 ;;
+        nccl) timeout 300 python3 benchmarks/gpu/gpu_figures.py --only-nccl --out "$OUT/nccl.json" 2>&1 | tee "$OUT/nccl.log" | tail -20 ;;
         all) timeout "${ALL_TIMEOUT:-300}" python3 -m pytest -n 8 --llmload-gpus-per-worker off -q -rfE -p no:cacheprovider --junitxml="$OUT/junit-all.xml" 2>&1 | tee "$OUT/all.log" | tail -40 ;;
     esac
     echo "=== $what: $((SECONDS - start)) s"

@@ -119,12 +119,14 @@ class Check(NamedTuple):
 
             pytest.skip(f"{self.name}: loader {args[0].name} is declared for {' and '.join(declared)} only; this "
                         f"check needs a {self.purpose} load")
+        if self.isolated or self.world_size > 1:  # its children inherit these instead of each importing them
+            from pytest_llmload.runners.ranks import preload_for_isolated_checks
+
+            preload_for_isolated_checks(args[1], peft=self.uses_peft)
         if not self.isolated:
             return self.function(*args, **kwargs)
         from pytest_llmload.runners import isolated_marker, isolation
-        from pytest_llmload.runners.ranks import preload_for_isolated_checks
 
-        preload_for_isolated_checks(args[1], peft=self.uses_peft)
         isolation.run_isolated(self.function, args, kwargs, timeout=self.timeout, label=self.name,
                                render=isolated_marker.render_failure)
 
