@@ -254,6 +254,7 @@ class MainJob:
         self.results: list[dict] = []
         self.collect_errors: list[dict] = []
         self.total = 0
+        self.order: list[str] = []  # the checks in collection order, the table's and JSON's (lanes finish out of it)
         self.running: dict[str, tuple[str, float]] = {}  # nodeid -> (check, started): no result yet (one a lane)
         self.started = time.monotonic()
         self.started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
@@ -319,6 +320,7 @@ class MainJob:
             print(f"llmload: checking loader {record['spec']} (from {source})", file=out, flush=True)
         elif event == "collected":
             self.total = record["count"]
+            self.order = record.get("order", [])
             print(f"llmload: {self.total} checks collected", file=out, flush=True)
         elif event == "collect_error":
             self.collect_errors.append(record)
@@ -466,6 +468,8 @@ def _report(job: MainJob, code: int) -> tuple[int, bool]:
         print(f"llmload: pytest exited {code} before any check ran; {where}", file=sys.stderr)
         return (EXIT_FAILED if crashed else EXIT_USAGE), keep
 
+    rank = {check: n for n, check in enumerate(job.order)}
+    job.results.sort(key=lambda record: rank.get(record["check"], len(rank)))  # (stable: crash rows stay last)
     print("", file=out)
     for line in summary_table(job.results, job.checks):
         print(line, file=out)

@@ -2,9 +2,10 @@
 
 Enabled by ``--llmload-progress PATH``; the main job (``python -m pytest_llmload``) reads the file while
 pytest writes it, so a long check shows progress instead of silence. Events: ``loader`` (the loader this run
-tests, and where that choice came from), ``collected`` (the count), ``collect_error``, ``start`` and ``result``
-(one per test, with ``summary``: its failure's cause in one line). It hangs off hooks that run in the
-controlling process under xdist too.
+tests, and where that choice came from), ``collected`` (the count, and the checks in collection order),
+``collect_error``, ``start`` and ``result`` (one per test, with ``summary``: its failure's cause in one line). It
+hangs off hooks that run in the controlling process under xdist too; under lanes (:mod:`.runners.lanes`) each lane
+writes its own tests' events.
 """
 
 from __future__ import annotations
@@ -73,13 +74,14 @@ class ProgressWriter:
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         if not self._collected:  # under xdist the controller collects nothing: see the next hook
             self._collected = True
-            self.write(event="collected", count=len(session.items))
+            self.write(event="collected", count=len(session.items),
+                       order=[check_name(item.nodeid) for item in session.items])
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_xdist_node_collection_finished(self, node, ids) -> None:
         if not self._collected:  # every worker collects the same tests
             self._collected = True
-            self.write(event="collected", count=len(ids))
+            self.write(event="collected", count=len(ids), order=[check_name(nodeid) for nodeid in ids])
 
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:
         if report.failed:
