@@ -5,6 +5,7 @@ the run reports as one (outcomes, exit status, JUnit XML), a lane that dies is a
 still run, an interruption stops every lane, and runs where lanes would change the meaning keep to one process.
 """
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -124,7 +125,16 @@ def test_{n}():
         pids = {pid for _, pid in _ran(pytester)}
         assert len(pids) == 2, (pytester.path / "out.log").read_text()
         run.send_signal(signal.SIGINT)
-        code = run.wait(30)
+        try:
+            code = run.wait(60)
+        except subprocess.TimeoutExpired:
+            alive = {pid: _alive(pid) for pid in pids}
+            run.kill()
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            pytest.fail(f"pytest still ran 60 s after SIGINT (lanes alive: {alive}); its output:\n"
+                        + (pytester.path / "out.log").read_text())
     assert code == pytest.ExitCode.INTERRUPTED, (pytester.path / "out.log").read_text()
     time.sleep(0.2)
     assert [pid for pid in pids if _alive(pid)] == []
