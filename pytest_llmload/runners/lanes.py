@@ -14,7 +14,8 @@ another, one core mostly idle. With ``--llmload-lanes 2`` (the main job's defaul
   log at the end where it says more than its progress letters;
 - a hang of the loader seen in one lane fails the later tests of every lane at once
   (:mod:`pytest_llmload.hung_loader`): at most one deadline per lane, waited at the same time;
-- a lane that dies is an error row for the test it was running, and lane 0 runs what that lane had reserved.
+- a lane that dies is an error row for the test it was running, and lane 0 runs what that lane had reserved;
+- under coverage a forked lane measures as an isolated child does (:mod:`.child_coverage`): its lines count.
 
 One lane (pytest's own loop) wherever lanes would change what a run means: under xdist, with ``-x``/``--maxfail``,
 ``--pdb`` or ``--collect-only``, where a GPU is visible (lanes would share its memory, which checks measure), and for
@@ -165,7 +166,9 @@ class Lanes:
     def _fork(self, lane: int) -> None:
         import gc
 
-        parent = os.getpid()
+        from pytest_llmload.runners import child_coverage
+
+        parent, coverage = os.getpid(), child_coverage.parent_settings()  # None unless coverage measures here
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         gc.freeze()  # (as isolation does: the fork's collections then skip this process's objects)
@@ -174,7 +177,7 @@ class Lanes:
             gc.unfreeze()
             self.forked[lane] = pid
             return
-        code = 3
+        code, cov = 3, child_coverage.start(coverage)  # (os._exit skips coverage's own save: saved below)
         try:
             from pytest_llmload.runners import lifeline
 
@@ -193,6 +196,7 @@ class Lanes:
 
             traceback.print_exc()
         finally:
+            child_coverage.save(cov)
             with contextlib.suppress(Exception):
                 sys.stdout.flush()
                 sys.stderr.flush()

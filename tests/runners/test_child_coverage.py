@@ -121,3 +121,26 @@ def test_a_run_without_coverage_is_unchanged(downstream_run, pytester):
     result.assert_outcomes(passed=4)
     result.stdout.fnmatch_lines(["*coverage imported: False False False*"])
     assert list(pytester.path.glob(".coverage*")) == []
+
+
+BRANCHES = '''def branch(n):
+    if n == 0:
+        return "zero"
+    if n == 1:
+        return "one"
+    if n == 2:
+        return "two"
+    return "many"
+'''
+
+
+def test_the_lines_a_forked_lane_runs_are_counted(pytester):
+    # --llmload-lanes 2: the other lane runs some of these tests in its own process, which ends with os._exit.
+    # (each test takes a while, so that the other lane, starting after the fork, gets some)
+    pytester.makepyfile(branches=BRANCHES, test_branches="import time\n\nimport branches\n" + "".join(
+        f"\n\ndef test_{n}():\n    time.sleep(0.3)\n    assert branches.branch({n})\n" for n in range(4)))
+    result = warm_runs.runpytest(pytester, "-p", "no:cacheprovider", "--llmload-lanes", "2", "--cov=branches",
+                                 "--cov-report=term-missing")
+    result.assert_outcomes(passed=4)
+    assert re.search(r"^branches\.py\s+\d+\s+0\s+100%", result.stdout.str(), re.MULTILINE), result.stdout.str()
+    assert sorted(p.name for p in pytester.path.glob(".coverage*")) == [".coverage"]
