@@ -119,7 +119,7 @@ SLOW_TESTS = {
         "test_isolated_tests_pass_fail_hang_and_die_on_their_own", "test_isolated_tests_under_xdist",
         "test_known_failures_raised_in_a_child_are_named", "test_the_childs_log_records_reach_this_processs_handlers"),
     "tests/runners/test_ranks.py": (
-        "test_forkserver_ranks_work_too",
+        "test_forkserver_ranks_work_too", "test_ranks_simulating_a_runner_without_gpus_see_none_on_a_machine_with_gpus",
         "test_a_hanging_rank_fails_the_test_within_its_deadline_with_the_stacks",
         "test_a_hanging_rank_is_killed_at_its_deadline_with_every_ranks_stack"),
     "tests/test_bad_inputs.py": ("test_a_bad_input_ends_in_a_sentence",),
@@ -137,6 +137,7 @@ SLOW_TESTS = {
         "test_under_xdist_the_workers_records_reach_the_controllers_report",
         "test_a_run_without_the_report_draws_nothing_and_imports_no_matplotlib"),
     "tests/test_docs.py": ("test_the_site_builds_with_warnings_as_errors",),
+    "tests/failures/test_homes.py": ("test_a_gpu_variant_runs_in_a_forkserver_child_on_cuda_0",),
     "tests/test_loader_seam.py": ("test_a_shorter_timeout_than_a_checks_own_deadline_wins",),
     "tests/test_offline.py": ("test_offline_only_while_llmload_tests_run_under_xdist",),
     "tests/test_prediction.py": (
