@@ -18,8 +18,8 @@ another, one core mostly idle. With ``--llmload-lanes 2`` (the main job's defaul
 - under coverage a forked lane measures as an isolated child does (:mod:`.child_coverage`): its lines count.
 
 One lane (pytest's own loop) wherever lanes would change what a run means: under xdist, with ``-x``/``--maxfail``,
-``--pdb`` or ``--collect-only``, where a GPU is visible (lanes would share its memory, which checks measure), and for
-fewer than 3 tests.
+``--pdb``, ``--trace``, ``--sw`` or ``--collect-only``, where a GPU is visible (lanes would share its memory, which
+checks measure), and for fewer than 3 tests.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ def why_one_lane(session: pytest.Session, lanes: int) -> Optional[str]:
         return "nothing to run, or collection errors"
     if hasattr(config, "workerinput") or getattr(config.option, "numprocesses", None):
         return "under xdist"
-    if config.option.maxfail or getattr(config.option, "usepdb", False):
-        return "-x, --maxfail or --pdb: the run stops at a failure"
+    if config.option.maxfail or any(getattr(config.option, name, False) for name in ("usepdb", "trace", "stepwise")):
+        return "-x, --maxfail, --pdb, --trace or --sw: the run stops at a failure or a breakpoint"
     if len(session.items) < 3:
         return "fewer than 3 tests"
     from pytest_llmload import gpus

@@ -88,8 +88,9 @@ def test_{n}():
     assert sorted(ran) == sorted(f"test_{n}" for n in range(6))  # the dying one once, every other once
 
 
-@pytest.mark.parametrize("args", [("-x",), ("--maxfail", "2"), ("--collect-only",), ("-k", "test_0 or test_1")],
-                         ids=["exitfirst", "maxfail", "collect-only", "two-tests"])
+@pytest.mark.parametrize("args", [("-x",), ("--maxfail", "2"), ("--sw",), ("--collect-only",),
+                                  ("-k", "test_0 or test_1")],
+                         ids=["exitfirst", "maxfail", "stepwise", "collect-only", "two-tests"])
 def test_runs_that_lanes_would_change_keep_to_one_process(pytester, args):
     _tests(pytester, PASSES)
     result = pytester.runpytest("-p", "no:randomly", "--llmload-lanes", "2", *args)
