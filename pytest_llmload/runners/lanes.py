@@ -8,7 +8,8 @@ another, one core mostly idle. With ``--llmload-lanes 2`` (the main job's defaul
   peft and bitsandbytes are over half of the stack's import), while the other lanes start at once on the rest,
   those that start ranks first; a lane with none of its own left takes the others' from the end. A lane reserves its
   next test before running one (pytest tears down between two tests knowing the next);
-- each lane runs pytest's own protocol for its tests (fixtures, pytest-timeout, the checks' deadlines). A forked
+- each lane runs pytest's own protocol for its tests (fixtures, pytest-timeout, the checks' deadlines); as under
+  xdist, each lane sets up its own module and session fixtures (the tiny checkpoint is built once a lane). A forked
   lane writes the main job's live rows itself (``--llmload-progress``) and hands each report to lane 0, where the
   terminal summary, JUnit XML, the HTML report and the exit status see one run; its own terminal output joins the
   log at the end where it says more than its progress letters;
