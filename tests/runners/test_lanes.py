@@ -118,7 +118,9 @@ def test_{n}():
 """, count=4)
     env = {**os.environ, "PYTEST_ADDOPTS": "-p no:randomly -p no:hypothesispytest"}
     with open(pytester.path / "out.log", "w") as log:
-        run = subprocess.Popen([sys.executable, "-m", "pytest", "--llmload-lanes", "2"], cwd=pytester.path,
+        # Python's own Ctrl-C handler set explicitly: a process started where SIGINT is ignored (a CI job run in the
+        # background of a non-interactive shell) inherits the ignoring, and Python keeps it.
+        run = subprocess.Popen([sys.executable, "-c", SIGINT_AS_CTRL_C, "--llmload-lanes", "2"], cwd=pytester.path,
                                stdout=log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 60
         while len(_ran(pytester)) < 2 and time.monotonic() < deadline:
@@ -139,6 +141,10 @@ def test_{n}():
     assert code == pytest.ExitCode.INTERRUPTED, (pytester.path / "out.log").read_text()
     time.sleep(0.2)
     assert [pid for pid in pids if _alive(pid)] == []
+
+
+SIGINT_AS_CTRL_C = "import signal, sys, pytest; signal.signal(signal.SIGINT, signal.default_int_handler); " \
+    "sys.exit(pytest.main(sys.argv[1:]))"
 
 
 def _alive(pid: int) -> bool:
