@@ -6,11 +6,12 @@
 - ``pytest -m gpu`` of this repo's tests with ``CUDA_VISIBLE_DEVICES=`` (every GPU test skips): the goal is
   under 3 s, which holds only if nothing imports torch before the skips.
 
-    python benchmarks/bench_main_job.py [--runs 5] [--against DIR]
+    python benchmarks/bench_main_job.py [--runs 5] [--against DIR] [--one-lane]
 
 ``--against DIR``: also the main job of another checkout (a ``git worktree`` of an earlier commit), in the same
 rounds, so that a before/after comparison shares the machine's drift: each round runs the floor, then this
-checkout's main job, then DIR's.
+checkout's main job, then DIR's. ``--one-lane``: also this main job with ``--lanes 1`` in each round (what the
+lanes, ``pytest_llmload.runners.lanes``, save).
 """
 
 from __future__ import annotations
@@ -26,15 +27,16 @@ from _timing import REPO, load_average, median, print_table, repo_env, run_timed
 
 FLOOR = [sys.executable, "-c", "import torch, transformers, accelerate, peft, deepspeed"]
 MAIN_JOB = [sys.executable, "-m", "pytest_llmload"]
+ONE_LANE = [*MAIN_JOB, "--lanes", "1"]
 GPU_ONLY = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"]
 
 
-def main(runs: int = 5, against=None) -> dict:
+def main(runs: int = 5, against=None, one_lane: bool = False) -> dict:
     env = repo_env()
     other_env = None if against is None else {**env, "PYTHONPATH": os.pathsep.join(
         [str(against), *env["PYTHONPATH"].split(os.pathsep)[1:]])}
     run_timed(MAIN_JOB, cwd=REPO, env=env)  # warm-up: page cache, .pyc
-    floor, job, ratios, other, other_ratios = [], [], [], [], []
+    floor, job, ratios, other, other_ratios, single = [], [], [], [], [], []
     for _ in range(runs):
         floor.append(run_timed(FLOOR, cwd=REPO, env=env)[0])
         job.append(run_timed(MAIN_JOB, cwd=REPO, env=env)[0])
@@ -42,6 +44,8 @@ def main(runs: int = 5, against=None) -> dict:
         if other_env is not None:
             other.append(run_timed(MAIN_JOB, cwd=against, env=other_env)[0])
             other_ratios.append(other[-1] / floor[-1])
+        if one_lane:
+            single.append(run_timed(ONE_LANE, cwd=REPO, env=env)[0])
     gpu_env = repo_env(CUDA_VISIBLE_DEVICES="")
     run_timed(GPU_ONLY, cwd=REPO, env=gpu_env)
     gpu_only = [run_timed(GPU_ONLY, cwd=REPO, env=gpu_env)[0] for _ in range(runs)]
@@ -57,6 +61,13 @@ def main(runs: int = 5, against=None) -> dict:
             ("this main job / that one, median of the rounds",
              f"{statistics.median(j / o for j, o in zip(job, other)):.2f}"),
         )),
+        *(() if not one_lane else (
+            ("python -m pytest_llmload --lanes 1", spread(single)),
+            ("its main job / import, median of the pairs",
+             f"{statistics.median(s / f for s, f in zip(single, floor)):.2f}"),
+            ("this main job / --lanes 1, median of the rounds",
+             f"{statistics.median(j / s for j, s in zip(job, single)):.2f}"),
+        )),
         ("pytest -m gpu, no GPU visible (goal < 3 s)", spread(gpu_only)),
     ], ("measure", "wall: median (min-max)"))
     return {"floor_s": median(floor), "main_job_s": median(job), "ratio": statistics.median(ratios),
@@ -67,5 +78,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--against", type=Path, metavar="DIR", help="another checkout's main job, in the same rounds")
+    parser.add_argument("--one-lane", action="store_true", help="also this main job with --lanes 1, in the same rounds")
     arguments = parser.parse_args()
-    main(arguments.runs, arguments.against)
+    main(arguments.runs, arguments.against, arguments.one_lane)
