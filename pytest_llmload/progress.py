@@ -11,6 +11,7 @@ writes its own tests' events.
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 
@@ -55,12 +56,16 @@ def summary_line(report) -> str:
 
 class ProgressWriter:
     def __init__(self, path: str) -> None:
-        self._file = open(path, "a", buffering=1, encoding="utf-8")  # line-buffered: the reader sees each line
+        # Each line one write(2) to a file opened for appending: the reader sees whole lines, and the lanes of a run
+        # (runners.lanes), which share this file, never interleave theirs (a buffered file splits a long line).
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._started: dict[str, float] = {}
         self._collected = False
 
     def write(self, **record) -> None:
-        self._file.write(json.dumps(record) + "\n")
+        data = (json.dumps(record) + "\n").encode("utf-8")
+        while data:
+            data = data[os.write(self._fd, data):]
 
     # Registered as a plugin object: these are its hooks.
     def pytest_sessionstart(self, session: pytest.Session) -> None:
@@ -121,4 +126,4 @@ class ProgressWriter:
                    note=dict(report.user_properties).get("llmload_note"))
 
     def close(self) -> None:
-        self._file.close()
+        os.close(self._fd)

@@ -190,3 +190,29 @@ def test_{n}(llmload_loader):
     assert failed and "test_0" not in failed
     assert set(lane_zero) & failed, (lane_zero, failed)  # lane 0 failed one of its own for the other lane's hang
     result.stdout.fnmatch_lines(["the loader under test hung in check_that_hung (deadline 1 s); skipping the wait*"])
+
+
+def test_lanes_writing_long_progress_lines_at_once_never_interleave_them(tmp_path):
+    # The main job's progress file is shared by the lanes of a run: a failure's reason can be many kilobytes, which
+    # a buffered file would write in pieces that another lane's line could land between.
+    import json
+
+    from pytest_llmload.progress import ProgressWriter
+
+    path = tmp_path / "progress.jsonl"
+    writer = ProgressWriter(str(path))
+    children = []
+    for lane in range(2):
+        pid = os.fork()
+        if pid == 0:  # (a lane: a fork of this process, writing through the same writer)
+            try:
+                for n in range(200):
+                    writer.write(event="result", lane=lane, n=n, reason=str(lane) * 50_000)
+            finally:
+                os._exit(0)
+        children.append(pid)
+    for pid in children:
+        os.waitpid(pid, 0)
+    writer.close()
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert sorted((r["lane"], r["n"]) for r in records) == [(lane, n) for lane in range(2) for n in range(200)]
