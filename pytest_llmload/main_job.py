@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from pytest_llmload import jsonl
 from pytest_llmload.loading import ENV_VAR, OPTION, LoaderSpecError, choose_loader
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -71,8 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also run these checks (a pytest_llmload.Check, a list of them, or a module with CHECKS); "
                         "repeatable. Installed packages' 'pytest_llmload.checks' entry points run too.")
     parser.add_argument("--lanes", metavar="N", default=None,
-                        help="run the checks in N processes, forked after the first check (default: 2 where 2 CPUs "
-                        "are usable, else 1; one where a GPU is visible)")
+                        help="run the checks in N processes, forked once the checks are collected (default: 2 where 2 "
+                        "CPUs are usable, else 1; one where a GPU is visible)")
     parser.add_argument("--list-runners", action="store_true", help="list the shipped runner profiles, then exit")
     parser.add_argument("--list-models", action="store_true", help="list the shipped architectures, then exit")
     parser.add_argument("pytest_args", nargs="*", help=argparse.SUPPRESS)
@@ -265,7 +266,7 @@ class MainJob:
         args = self.args
         command = pytest_command(args.loader, args.keyword, self.progress, args.pytest_args, strict=args.strict,
                                  wait_after_hang=args.wait_after_hang, runner=args.runner, model=args.model,
-                                 checks=tuple(args.checks), lanes=_lanes(args.lanes))
+                                 checks=tuple(args.checks), lanes=args.lanes)
         from pytest_llmload.runners.lifeline import PARENT_ENV, PARENT_WORKDIR_ENV
 
         # The child ends with this process (lifeline), and removes this temp dir if this process dies first. Its
@@ -300,14 +301,8 @@ class MainJob:
                 self.child.wait(POLL_S)
 
     def _new_records(self) -> list[dict]:
-        if not self.progress.exists():
-            return []
-        with self.progress.open(encoding="utf-8") as handle:
-            handle.seek(self._offset)
-            chunk = handle.read()
-        complete, _, _partial = chunk.rpartition("\n")
-        self._offset += len(complete) + (1 if complete else 0)
-        return [json.loads(line) for line in complete.splitlines() if line]
+        records, self._offset = jsonl.read_from(self.progress, self._offset)
+        return records
 
     def _take(self, record: dict) -> None:
         event, out = record["event"], self.out
@@ -390,7 +385,7 @@ def run(argv: Optional[list[str]] = None, out=None, popen=None) -> int:
         # by the child, which reports the loader it really runs.
         choose_loader(args.loader, os.environ, None)
         _check_prediction_args(args)
-        _lanes(args.lanes)
+        args.lanes = _lanes(args.lanes)  # (a number from here on)
         for path, option in ((args.log, "--log"), (args.json_path, "--json")):
             if path:
                 _check_output_path(path, option)
@@ -469,7 +464,7 @@ def _report(job: MainJob, code: int) -> tuple[int, bool]:
         return (EXIT_FAILED if crashed else EXIT_USAGE), keep
 
     rank = {check: n for n, check in enumerate(job.order)}
-    job.results.sort(key=lambda record: rank.get(record["check"], len(rank)))  # (stable: crash rows stay last)
+    job.results.sort(key=lambda record: rank.get(record["check"], len(rank)))  # (stable; a name not collected last)
     print("", file=out)
     for line in summary_table(job.results, job.checks):
         print(line, file=out)

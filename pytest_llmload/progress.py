@@ -10,13 +10,13 @@ writes its own tests' events.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import time
 
 import pytest
 
+from pytest_llmload import jsonl
 from pytest_llmload.keys import LANE_ATTRIBUTE
 
 progress_key = pytest.StashKey["ProgressWriter"]()
@@ -56,16 +56,12 @@ def summary_line(report) -> str:
 
 class ProgressWriter:
     def __init__(self, path: str) -> None:
-        # Each line one write(2) to a file opened for appending: the reader sees whole lines, and the lanes of a run
-        # (runners.lanes), which share this file, never interleave theirs (a buffered file splits a long line).
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd = jsonl.open_for_appending(path)  # (the lanes of a run share it: runners.lanes)
         self._started: dict[str, float] = {}
         self._collected = False
 
     def write(self, **record) -> None:
-        data = (json.dumps(record) + "\n").encode("utf-8")
-        while data:
-            data = data[os.write(self._fd, data):]
+        jsonl.append(self._fd, record)
 
     # Registered as a plugin object: these are its hooks.
     def pytest_sessionstart(self, session: pytest.Session) -> None:

@@ -38,7 +38,7 @@ from typing import Optional
 
 import pytest
 
-from pytest_llmload import settings
+from pytest_llmload import jsonl, settings
 from pytest_llmload.keys import LANE_ATTRIBUTE
 
 # How long lane 0 waits, after an interruption, for the other lanes to stop before killing them.
@@ -113,7 +113,6 @@ class Lanes:
         self.taken = context.RawArray("b", len(self.items))  # which lane took each test, plus one (0: nobody)
         self.lock = context.Lock()
         self.dir = Path(tempfile.mkdtemp(prefix="llmload-lanes-"))
-        self.lane = 0
         self.forked: dict[int, int] = {}  # lane -> pid
         self.read: dict[int, int] = {}  # lane -> bytes of its messages replayed here
         self.running: dict[int, Optional[str]] = {}  # lane -> nodeid it started and has not finished
@@ -152,7 +151,7 @@ class Lanes:
     def _protocol(self, item: pytest.Item, nextitem: Optional[pytest.Item]) -> None:
         self._hang_in()
         item.ihook.pytest_runtest_protocol(item=item, nextitem=nextitem)
-        self._hang_out(item)
+        self._hang_out()
 
     def _run_lane(self, lane: int, current: Optional[pytest.Item]) -> None:
         while current is not None:
@@ -184,7 +183,7 @@ class Lanes:
 
             if not lifeline.tie_lane(parent):
                 return
-            self.lane, self.forked = lane, {}
+            self.forked = {}
             self._output_to(self.dir / f"lane{lane}.log")
             self.config.pluginmanager.register(_Sender(self.dir / f"lane{lane}.jsonl", self.config),
                                                "llmload-lane-sender")
@@ -219,21 +218,11 @@ class Lanes:
             capman.suspend_global_capture()
 
     # --- lane 0: what the other lanes did ------------------------------------------------------------------------
-    def _messages(self, lane: int) -> list[dict]:
-        path = self.dir / f"lane{lane}.jsonl"
-        if not path.exists():
-            return []
-        with path.open(encoding="utf-8") as handle:
-            handle.seek(self.read.get(lane, 0))
-            chunk = handle.read()
-        complete, _, _ = chunk.rpartition("\n")
-        self.read[lane] = self.read.get(lane, 0) + len(complete.encode()) + (1 if complete else 0)
-        return [json.loads(line) for line in complete.splitlines() if line]
-
     def _replay(self) -> None:
         """Each report a lane sent, through this process's hooks (its rows it wrote itself: progress skips them)."""
         for lane in self.forked:
-            for message in self._messages(lane):
+            messages, self.read[lane] = jsonl.read_from(self.dir / f"lane{lane}.jsonl", self.read.get(lane, 0))
+            for message in messages:
                 if "start" in message:
                     self.running[lane] = message["start"]
                 elif "finish" in message:
@@ -260,8 +249,6 @@ class Lanes:
     def _after_lane(self, lane: int, code: int) -> None:
         """A lane that ended before finishing its tests: an error row for the one it ran."""
         nodeid = self.running.pop(lane, None)
-        if code == 2 and nodeid is None:
-            return
         if nodeid is None or nodeid in self.finished:
             return
         from pytest_llmload.failures import verdict
@@ -317,7 +304,7 @@ class Lanes:
             with contextlib.suppress(OSError, ValueError, TypeError):
                 self.config.stash[hang_key] = Hang(*json.loads(path.read_text(encoding="utf-8")))
 
-    def _hang_out(self, item: pytest.Item) -> None:
+    def _hang_out(self) -> None:
         from pytest_llmload.hung_loader import hang_key
 
         hang = self.config.stash.get(hang_key, None)
@@ -330,15 +317,15 @@ class _Sender:
     """In a forked lane: each test's start, report and end, one JSON line each, for lane 0 to replay."""
 
     def __init__(self, path: Path, config: pytest.Config) -> None:
-        self._file = open(path, "a", buffering=1, encoding="utf-8")
+        self._fd = jsonl.open_for_appending(path)
         self._config = config
 
     def pytest_runtest_logstart(self, nodeid: str, location) -> None:
-        self._file.write(json.dumps({"start": nodeid}) + "\n")
+        jsonl.append(self._fd, {"start": nodeid})
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         data = self._config.hook.pytest_report_to_serializable(config=self._config, report=report)
-        self._file.write(json.dumps({"report": data}, default=str) + "\n")
+        jsonl.append(self._fd, {"report": data}, default=str)
 
     def pytest_runtest_logfinish(self, nodeid: str, location) -> None:
-        self._file.write(json.dumps({"finish": nodeid}) + "\n")
+        jsonl.append(self._fd, {"finish": nodeid})
