@@ -36,42 +36,45 @@ def main(runs: int = 5, against=None, one_lane: bool = False) -> dict:
     other_env = None if against is None else {**env, "PYTHONPATH": os.pathsep.join(
         [str(against), *env["PYTHONPATH"].split(os.pathsep)[1:]])}
     run_timed(MAIN_JOB, cwd=REPO, env=env)  # warm-up: page cache, .pyc
-    floor, job, ratios, other, other_ratios, single = [], [], [], [], [], []
+    # label -> [(wall, CPU)] per round: CPU (user + system, children included) moves less than wall with the load
+    runs_of: dict[str, list[tuple[float, float]]] = {"floor": [], "job": [], "other": [], "single": []}
     for _ in range(runs):
-        floor.append(run_timed(FLOOR, cwd=REPO, env=env)[0])
-        job.append(run_timed(MAIN_JOB, cwd=REPO, env=env)[0])
-        ratios.append(job[-1] / floor[-1])
+        runs_of["floor"].append(run_timed(FLOOR, cwd=REPO, env=env)[:2])
+        runs_of["job"].append(run_timed(MAIN_JOB, cwd=REPO, env=env)[:2])
         if other_env is not None:
-            other.append(run_timed(MAIN_JOB, cwd=against, env=other_env)[0])
-            other_ratios.append(other[-1] / floor[-1])
+            runs_of["other"].append(run_timed(MAIN_JOB, cwd=against, env=other_env)[:2])
         if one_lane:
-            single.append(run_timed(ONE_LANE, cwd=REPO, env=env)[0])
+            runs_of["single"].append(run_timed(ONE_LANE, cwd=REPO, env=env)[:2])
     gpu_env = repo_env(CUDA_VISIBLE_DEVICES="")
     run_timed(GPU_ONLY, cwd=REPO, env=gpu_env)
     gpu_only = [run_timed(GPU_ONLY, cwd=REPO, env=gpu_env)[0] for _ in range(runs)]
+    floor, job, other, single = ([wall for wall, _ in runs_of[k]] for k in ("floor", "job", "other", "single"))
+
+    def row(label: str, key: str) -> tuple[str, str, str]:
+        return label, spread([wall for wall, _ in runs_of[key]]), f"{median([cpu for _, cpu in runs_of[key]]):.2f} s"
+
+    def ratio(label: str, these: list[float], those: list[float]) -> tuple[str, str, str]:
+        ratios = [a / b for a, b in zip(these, those)]
+        return label, f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})", ""
+
     print_table(f"main job against the bare import of its stack ({runs} pairs; load {load_average()})", [
-        ("bare import: torch, transformers, accelerate, peft, deepspeed", spread(floor)),
-        ("python -m pytest_llmload (reference loader, every check)", spread(job)),
-        ("main job / import, median of the pairs (goal <= 1.25)", f"{statistics.median(ratios):.2f} "
-         f"({min(ratios):.2f}-{max(ratios):.2f})"),
+        row("bare import: torch, transformers, accelerate, peft, deepspeed", "floor"),
+        row("python -m pytest_llmload (reference loader, every check)", "job"),
+        ratio("main job / import, median of the pairs (goal <= 1.25)", job, floor),
         *(() if against is None else (
-            (f"the main job of {against}", spread(other)),
-            (f"{against}'s main job / import", f"{statistics.median(other_ratios):.2f} "
-             f"({min(other_ratios):.2f}-{max(other_ratios):.2f})"),
-            ("this main job / that one, median of the rounds",
-             f"{statistics.median(j / o for j, o in zip(job, other)):.2f}"),
+            row(f"the main job of {against}", "other"),
+            ratio(f"{against}'s main job / import", other, floor),
+            ratio("this main job / that one, median of the rounds", job, other),
         )),
         *(() if not one_lane else (
-            ("python -m pytest_llmload --lanes 1", spread(single)),
-            ("its main job / import, median of the pairs",
-             f"{statistics.median(s / f for s, f in zip(single, floor)):.2f}"),
-            ("this main job / --lanes 1, median of the rounds",
-             f"{statistics.median(j / s for j, s in zip(job, single)):.2f}"),
+            row("python -m pytest_llmload --lanes 1", "single"),
+            ratio("its main job / import, median of the pairs", single, floor),
+            ratio("this main job / --lanes 1, median of the rounds", job, single),
         )),
-        ("pytest -m gpu, no GPU visible (goal < 3 s)", spread(gpu_only)),
-    ], ("measure", "wall: median (min-max)"))
-    return {"floor_s": median(floor), "main_job_s": median(job), "ratio": statistics.median(ratios),
-            "gpu_only_s": median(gpu_only)}
+        ("pytest -m gpu, no GPU visible (goal < 3 s)", spread(gpu_only), ""),
+    ], ("measure", "wall: median (min-max)", "CPU: median"))
+    return {"floor_s": median(floor), "main_job_s": median(job),
+            "ratio": statistics.median(j / f for j, f in zip(job, floor)), "gpu_only_s": median(gpu_only)}
 
 
 if __name__ == "__main__":

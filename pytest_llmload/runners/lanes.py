@@ -3,11 +3,14 @@
 Why (issue 28): on a 2-core runner the main job imported the stack in one process, then ran its checks one after
 another, one core mostly idle. With ``--llmload-lanes 2`` (the main job's default where 2 CPUs are usable):
 
-- the process forks once collection is done (torch, transformers and DeepSpeed imported, pytest's temp root made);
-- this process (lane 0) takes first the checks whose process imports peft (the isolated train and adapter checks:
-  peft and bitsandbytes are over half of the stack's import), while the other lanes start at once on the rest,
-  those that start ranks first; a lane with none of its own left takes the others' from the end. A lane reserves its
-  next test before running one (pytest tears down between two tests knowing the next);
+- the process forks once collection is done and what the collected checks' children import is imported (the
+  Hugging Face modules, and peft where a check uses adapters: over half of the stack's import), so that the lanes
+  share it: imported after the fork, every lane imported it again (the main job: 15.1 s of CPU against 11.6 s, the
+  same wall time; bench_main_job.py --against);
+- this process (lane 0) takes first the isolated checks that use peft, while the other lanes start at once on the
+  rest, those that start ranks first (a check's ranks keep both cores busy: one lane runs them one after another);
+  a lane with none of its own left takes the others' from the end. A lane reserves its next test before running one
+  (pytest tears down between two tests knowing the next);
 - each lane runs pytest's own protocol for its tests (fixtures, pytest-timeout, the checks' deadlines); as under
   xdist, each lane sets up its own module and session fixtures (the tiny checkpoint is built once a lane). A forked
   lane writes the main job's live rows itself (``--llmload-progress``) and hands each report to lane 0, where the
@@ -130,6 +133,7 @@ class Lanes:
     # --- the run -----------------------------------------------------------------------------------------------
     def run(self) -> None:
         self._share_temp_root()
+        self._preload()
         for lane in range(1, self.count):
             self._fork(lane)
         try:
@@ -147,6 +151,16 @@ class Lanes:
         factory = getattr(self.config, "_tmp_path_factory", None)
         if factory is not None:
             factory.getbasetemp()
+
+    def _preload(self) -> None:
+        """What the checks' children import, imported here once before forking: each lane imported it again (about
+        3.5 s of CPU a lane on 2 cores, measured), and the imports are one chain in either process."""
+        checks = [check for check in map(_check, self.items)
+                  if check is not None and not check.needs_gpus and (check.isolated or check.world_size > 1)]
+        if checks:
+            from pytest_llmload.runners.ranks import preload_for_isolated_checks
+
+            preload_for_isolated_checks(peft=any(check.uses_peft for check in checks))
 
     def _protocol(self, item: pytest.Item, nextitem: Optional[pytest.Item]) -> None:
         self._hang_in()

@@ -424,11 +424,12 @@ def model_module(checkpoint) -> tuple[str, ...]:
     return (f"transformers.models.{model_type}.modeling_{model_type}",)
 
 
-def preload_for_isolated_checks(checkpoint: "os.PathLike[str] | str", *, peft: bool = True) -> None:
+def preload_for_isolated_checks(checkpoint: "os.PathLike[str] | str | None" = None, *, peft: bool = True) -> None:
     """Import here, before an isolated check or a check's ranks fork, what the checks import: what a child imports
     dies with it, and the next check would pay for it again (1.5 s a check for peft and its dependencies, measured;
     the distributed check's ranks import part of it too: the check took 1.35-1.42 s with only the Hugging Face
-    modules preloaded, 0.51-0.64 s with peft).
+    modules preloaded, 0.51-0.64 s with peft). With ``checkpoint``, its model's modeling module too (lanes preload
+    before any checkpoint is built: without).
 
     peft (``peft=True``: a check that uses adapters) only where no GPU is visible: it imports bitsandbytes, whose
     import reads the devices' compute capability and so initialises CUDA, and a process that has initialised CUDA
@@ -436,7 +437,7 @@ def preload_for_isolated_checks(checkpoint: "os.PathLike[str] | str", *, peft: b
     """
     from pytest_llmload import gpus
 
-    modules = HF_PRELOAD + model_module(checkpoint)
+    modules = HF_PRELOAD + (model_module(checkpoint) if checkpoint is not None else ())
     if peft and gpus.visible_gpu_count() == 0:
         modules += ("peft",)
     preload(modules)

@@ -166,6 +166,39 @@ def pytest_runtest_setup(item):
 """
 
 
+# Tests parametrized by "check" as the main job's suite is: the lanes read what each check needs from it.
+CHECK_PARAMS = """
+import types
+import pytest
+
+def _check(**needs):
+    return types.SimpleNamespace(**{{"isolated": False, "uses_peft": False, "needs_gpus": 0, "world_size": 1,
+                                    **needs}})
+
+@pytest.mark.parametrize("check", [{checks}])
+def test_{n}(check):
+    _ran("test_{n}")
+"""
+
+
+@pytest.mark.parametrize("checks, preloaded", [
+    ("_check(isolated=True, uses_peft=True), _check(), _check(world_size=2)", [True]),
+    ("_check(world_size=2), _check()", [False]),
+    ("_check(isolated=True, uses_peft=True, needs_gpus=1), _check()", []),  # skips without a GPU: nothing to share
+], ids=["peft-check", "ranks-only", "gpu-only"])
+def test_what_the_checks_children_import_is_imported_once_before_the_lanes_fork(pytester, monkeypatch, checks,
+                                                                                 preloaded):
+    from pytest_llmload.runners import ranks
+
+    calls = []
+    monkeypatch.setattr(ranks, "preload_for_isolated_checks", lambda peft: calls.append((os.getpid(), peft)))
+    _tests(pytester, CHECK_PARAMS.replace("{checks}", checks), count=2)
+    result = pytester.runpytest("-p", "no:randomly", "--llmload-lanes", "2")
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+    assert len({pid for _, pid in _ran(pytester)}) == 2  # (forked after the preload: the lanes share it)
+    assert calls == [(os.getpid(), peft) for peft in preloaded]
+
+
 def test_a_hang_of_the_loader_in_one_lane_fails_the_other_lanes_later_tests_at_once(pytester):
     # test_0 (the other lane's first) stands for a check whose loader hung: it records the hang as
     # pytest_llmload.hung_loader does, and keeps its lane busy; lane 0, which starts from the end, learns of it
