@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -83,10 +84,12 @@ def print_table(title: str, rows: list[tuple[str, ...]], header: tuple[str, ...]
     sys.stdout.flush()
 
 
-def time_test_runs(commands: dict, labels: dict, runs: int, only=None, log_prefix: str = "llmload-bench") -> tuple:
-    """Each of ``commands`` (key -> argv, a pytest command line) ``runs`` times, from the repo: ``(results, rows)``,
-    results a dict per key (median wall and CPU time, the exit statuses), rows ``(label, wall, CPU, outcome,
-    loads)`` for :func:`print_table`. A failed run says which tests failed and keeps its log."""
+def time_test_runs(commands: dict, labels: dict, runs: int, only=None, log_prefix: str = "llmload-bench",
+                   env: Optional[dict] = None) -> tuple:
+    """Each of ``commands`` (key -> argv, a pytest command line) ``runs`` times, from the repo, in ``env`` (default
+    :func:`repo_env`): ``(results, rows)``, results a dict per key (median wall and CPU time, the exit statuses),
+    rows ``(label, wall, CPU, outcome, loads)`` for :func:`print_table`. A failed run says which tests failed and
+    keeps its log."""
     import tempfile
     from pathlib import Path
 
@@ -98,7 +101,7 @@ def time_test_runs(commands: dict, labels: dict, runs: int, only=None, log_prefi
         for run in range(runs):
             loads.append(load_average())
             log = Path(tempfile.gettempdir(), f"{log_prefix}-{key}-{run}.log")
-            samples.append(run_timed(argv, cwd=REPO, env=repo_env(), check=False, log=log))
+            samples.append(run_timed(argv, cwd=REPO, env=env or repo_env(), check=False, log=log))
             if samples[-1][2] != 0:  # say which tests failed, and keep the log
                 failed = [line for line in log.read_text(errors="replace").splitlines()
                           if line.startswith(("FAILED", "ERROR"))]

@@ -8,17 +8,27 @@ CPU time (user + system of pytest and everything it waited for: xdist workers, t
 start, forked children and ranks) with the exit status. Wall time on a shared machine includes everyone else's load;
 the load average at each start is printed with it.
 
-    python benchmarks/bench_test_command.py [--runs 1] [--only whole|inner]
+    python benchmarks/bench_test_command.py [--runs 1] [--only whole|inner] [--by-file [N]]
+
+``--by-file [N]``: also where the CPU went, test by test (``_cpu_per_test.py``, a plugin loaded into the runs): the
+CPU the tests used in all, what that allows on this machine's cores at best (CPU / cores: the wall time no schedule
+of these tests can beat), and the N files (default 15) that used the most, each split into the pytest process's own
+CPU and that of the processes its tests started (new interpreters, forked children, ranks, inner xdist workers).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
+from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _timing import print_table, time_test_runs  # noqa: E402
+from _timing import print_table, repo_env, time_test_runs  # noqa: E402
+
+from pytest_llmload.main_job import usable_cpus  # noqa: E402
 
 BASE = [sys.executable, "-m", "pytest", "-n", "2", "-q", "-p", "no:randomly"]
 VARIANTS = {"whole": BASE, "inner": [*BASE, "-m", "not slow"]}
@@ -26,16 +36,49 @@ LABELS = {"whole": "pytest -n 2 -q -p no:randomly (the test command)",
           "inner": 'pytest -m "not slow" -n 2 -q -p no:randomly (the inner loop)'}
 
 
-def main(runs: int = 1, only=None) -> dict:
-    results, rows = time_test_runs(VARIANTS, LABELS, runs, only, "llmload-bench-test-command")
+def main(runs: int = 1, only=None, by_file: int = 0) -> dict:
+    variants, env, log = VARIANTS, None, None
+    if by_file:
+        log = Path(tempfile.mkdtemp(prefix="llmload-bench-cpu-")) / "tests.tsv"
+        env = repo_env(LLMLOAD_BENCH_CPU_LOG=str(log))
+        env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env["PYTHONPATH"]])
+        variants = {key: [*argv, "-p", "_cpu_per_test"] for key, argv in VARIANTS.items()}
+    results, rows = time_test_runs(variants, LABELS, runs, only, "llmload-bench-test-command", env=env)
     print_table(f"the test command, median (min-max) of {runs} run(s)", rows,
                 ("command", "wall time", "CPU time", "tests", "load at each start"))
+    if log is not None and log.exists():
+        results["by_file"] = cpu_by_file(log, runs * (1 if only else len(VARIANTS)), by_file)
     return results
+
+
+def cpu_by_file(log: Path, runs: int, top: int) -> dict:
+    """The per-test CPU of ``log`` (every run of every variant), summed per test file, divided by ``runs``."""
+    own, children, wall = defaultdict(float), defaultdict(float), defaultdict(float)
+    tests = defaultdict(int)
+    for line in log.read_text().splitlines():
+        nodeid, mine, theirs, seconds = line.split("\t")
+        path = nodeid.split("::")[0]
+        own[path] += float(mine) / runs
+        children[path] += float(theirs) / runs
+        wall[path] += float(seconds) / runs
+        tests[path] += 1
+    total = sum(own.values()) + sum(children.values())
+    cores = usable_cpus()
+    ranked = sorted(own, key=lambda path: -(own[path] + children[path]))
+    print_table(f"CPU in tests, per run: {total:.0f} s ({sum(own.values()):.0f} s in the pytest processes, "
+                f"{sum(children.values()):.0f} s in the processes the tests started); on {cores} cores no schedule "
+                f"beats {total / cores:.0f} s of wall time", [
+                    (path, tests[path] // runs, f"{own[path] + children[path]:.1f}", f"{own[path]:.1f}",
+                     f"{children[path]:.1f}", f"{wall[path]:.1f}") for path in ranked[:top]],
+                ("file", "tests", "CPU s", "in pytest", "in its children", "wall s (summed)"))
+    return {"cpu_s": total, "cores": cores, "files": {path: own[path] + children[path] for path in ranked}}
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--only", choices=sorted(VARIANTS))
+    parser.add_argument("--by-file", type=int, nargs="?", const=15, default=0, metavar="N",
+                        help="also the CPU per test file (the N files that used the most; default 15)")
     options = parser.parse_args()
-    main(options.runs, options.only)
+    main(options.runs, options.only, options.by_file)
