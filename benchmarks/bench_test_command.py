@@ -37,22 +37,30 @@ LABELS = {"whole": "pytest -n 2 -q -p no:randomly (the test command)",
 
 
 def main(runs: int = 1, only=None, by_file: int = 0) -> dict:
-    variants, env, log = VARIANTS, None, None
-    if by_file:
-        log = Path(tempfile.mkdtemp(prefix="llmload-bench-cpu-")) / "tests.tsv"
-        env = repo_env(LLMLOAD_BENCH_CPU_LOG=str(log))
-        env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env["PYTHONPATH"]])
-        variants = {key: [*argv, "-p", "_cpu_per_test"] for key, argv in VARIANTS.items()}
-    results, rows = time_test_runs(variants, LABELS, runs, only, "llmload-bench-test-command", env=env)
+    results, rows, logs = {}, [], {}
+    for key, argv in VARIANTS.items():
+        if only and key != only:
+            continue
+        env = None
+        if by_file:  # each command's own log of its tests' CPU
+            logs[key] = Path(tempfile.mkdtemp(prefix="llmload-bench-cpu-")) / "tests.tsv"
+            env = repo_env(LLMLOAD_BENCH_CPU_LOG=str(logs[key]))
+            env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env["PYTHONPATH"]])
+            argv = [*argv, "-p", "_cpu_per_test"]
+        found, their_rows = time_test_runs({key: argv}, LABELS, runs, None, "llmload-bench-test-command", env=env)
+        results.update(found)
+        rows += their_rows
     print_table(f"the test command, median (min-max) of {runs} run(s)", rows,
                 ("command", "wall time", "CPU time", "tests", "load at each start"))
-    if log is not None and log.exists():
-        results["by_file"] = cpu_by_file(log, runs * (1 if only else len(VARIANTS)), by_file)
+    for key, log in logs.items():
+        if log.exists():
+            results[key]["by_file"] = cpu_by_file(log, runs, by_file, LABELS[key], results[key]["cpu_s"])
     return results
 
 
-def cpu_by_file(log: Path, runs: int, top: int) -> dict:
-    """The per-test CPU of ``log`` (every run of every variant), summed per test file, divided by ``runs``."""
+def cpu_by_file(log: Path, runs: int, top: int, label: str, command_cpu: float) -> dict:
+    """The per-test CPU of ``log`` (``runs`` runs of one command, which used ``command_cpu`` in all, its start and
+    collection included), summed per test file, per run."""
     own, children, wall = defaultdict(float), defaultdict(float), defaultdict(float)
     tests = defaultdict(int)
     for line in log.read_text().splitlines():
@@ -65,13 +73,13 @@ def cpu_by_file(log: Path, runs: int, top: int) -> dict:
     total = sum(own.values()) + sum(children.values())
     cores = usable_cpus()
     ranked = sorted(own, key=lambda path: -(own[path] + children[path]))
-    print_table(f"CPU in tests, per run: {total:.0f} s ({sum(own.values()):.0f} s in the pytest processes, "
-                f"{sum(children.values()):.0f} s in the processes the tests started); on {cores} cores no schedule "
-                f"beats {total / cores:.0f} s of wall time", [
+    print_table(f"{label}: {command_cpu:.0f} s of CPU, {total:.0f} s of it in tests ({sum(own.values()):.0f} s in the "
+                f"pytest processes, {sum(children.values()):.0f} s in the processes the tests started); on {cores} "
+                f"cores no schedule beats {command_cpu / cores:.0f} s of wall time", [
                     (path, tests[path] // runs, f"{own[path] + children[path]:.1f}", f"{own[path]:.1f}",
                      f"{children[path]:.1f}", f"{wall[path]:.1f}") for path in ranked[:top]],
                 ("file", "tests", "CPU s", "in pytest", "in its children", "wall s (summed)"))
-    return {"cpu_s": total, "cores": cores, "files": {path: own[path] + children[path] for path in ranked}}
+    return {"tests_cpu_s": total, "cores": cores, "wall_floor_s": command_cpu / cores, "files": {path: own[path] + children[path] for path in ranked}}
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@
 #   all       the whole suite, -n 8 with every worker seeing the GPU (--llmload-gpus-per-worker off: 8 workers on 1 GPU)
 #   main      the main job (python -m pytest_llmload, reference loader) on the GPU machine, its rows and its time
 #   nccl      benchmarks/gpu/gpu_figures.py --only-nccl (issue 28's figure: write-up 004's check on 1 nccl rank)
+#   cpu4      the CPU test command with the GPU hidden, -n 4 on 4 of the machine's cores (taskset), its wall and CPU
+#             time (issue 28: what the test command takes on a 4-core runner)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -26,6 +28,11 @@ for what in "$@"; do
         figures) timeout 300 python3 benchmarks/gpu/gpu_figures.py --out "$OUT/figures.json" 2>&1 | tee "$OUT/figures.log" | tail -30 ;;
         main) timeout "${MAIN_TIMEOUT:-200}" python3 -m pytest_llmload --json "$OUT/main.json" 2>&1 | tee "$OUT/main.log" | tail -25 ;;
         nccl) timeout 300 python3 benchmarks/gpu/gpu_figures.py --only-nccl --out "$OUT/nccl.json" 2>&1 | tee "$OUT/nccl.log" | tail -20 ;;
+        cpu4) CUDA_VISIBLE_DEVICES= timeout "${CPU4_TIMEOUT:-400}" python3 -c 'import resource, subprocess, sys, time
+start = time.perf_counter(); code = subprocess.call(sys.argv[1:]); used = resource.getrusage(resource.RUSAGE_CHILDREN)
+print(f"cpu4: wall {time.perf_counter() - start:.1f} s, CPU {used.ru_utime + used.ru_stime:.1f} s, exit {code}")' \
+              taskset -c 0-3 python3 -m pytest -n 4 -q -rfE -p no:cacheprovider -p no:randomly \
+              --junitxml="$OUT/junit-cpu4.xml" 2>&1 | tee "$OUT/cpu4.log" | tail -30 ;;
         all) timeout "${ALL_TIMEOUT:-300}" python3 -m pytest -n 8 --llmload-gpus-per-worker off -q -rfE -p no:cacheprovider --junitxml="$OUT/junit-all.xml" 2>&1 | tee "$OUT/all.log" | tail -40 ;;
     esac
     echo "=== $what: $((SECONDS - start)) s"
