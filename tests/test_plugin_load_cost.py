@@ -10,8 +10,9 @@ HEAVY = ("torch", "transformers", "accelerate", "peft", "bitsandbytes", "deepspe
 DEFERRED = ("pytest_llmload.runners.isolation", "pytest_llmload.failures", "pytest_llmload.offline", "pytest_llmload.progress",
             "pickle")
 
-# pytest-html imports pickle itself: what the probe sees must be this plugin's doing.
-OTHER_PLUGINS_OFF = ("-p", "no:html")
+# What the probe sees must be this plugin's doing: other installed plugins import pickle themselves (pytest-html,
+# and on a GPU machine's image pytest-benchmark or jaxtyping's), so the runs load this plugin alone.
+ONLY_THIS_PLUGIN = "PYTEST_DISABLE_PLUGIN_AUTOLOAD"  # (set to 1; the runs name it: -p llmload)
 
 PROBE = f"""
 import sys
@@ -22,10 +23,11 @@ def pytest_unconfigure(config):
 """
 
 
-def test_plain_run_with_plugin_imports_nothing_heavy(pytester):
+def test_plain_run_with_plugin_imports_nothing_heavy(pytester, monkeypatch):
+    monkeypatch.setenv(ONLY_THIS_PLUGIN, "1")
     pytester.makeconftest(PROBE)
     pytester.makepyfile("import pytest\n\n@pytest.mark.needs_gpus(1)\ndef test_gpu(): pass\n\ndef test_plain(): pass\n")
-    result = pytester.runpytest_subprocess("-p", "llmload", *OTHER_PLUGINS_OFF)
+    result = pytester.runpytest_subprocess("-p", "llmload")
     result.assert_outcomes(passed=1, skipped=1)
     result.stdout.fnmatch_lines(["llmload: loader *", "HEAVY IMPORTED: []", "DEFERRED IMPORTED: []"])
     # Another project's run gets no warning from the plugin: five PytestAssertRewriteWarnings on every run (the
@@ -52,15 +54,17 @@ def pytest_unconfigure(config):
 
 
 @pytest.mark.parametrize(("args", "header"), [(("-q",), []), ((), [])], ids=["quiet", "not quiet: no header either"])
-def test_a_run_that_never_uses_the_plugin_imports_only_its_vocabulary_and_fixtures(pytester, args, header):
+def test_a_run_that_never_uses_the_plugin_imports_only_its_vocabulary_and_fixtures(pytester, monkeypatch, args,
+                                                                                     header):
     # (keys: the stash keys the fixtures read, one floor below them; hookspecs: the hooks it declares, as
     # pytest_addhooks must at start-up; settings: the one reader of the settings, which every run asks whether the
     # plugin is configured; the header line is printed, and its module
     # imported, only where a run configures or uses the plugin.) Nothing of the plugin's work is compiled or run in such a run: its sub-plugins are registered by
     # plugin.switch_on once a run configures or uses it. The header (not shown under -q) imports what it reads.
+    monkeypatch.setenv(ONLY_THIS_PLUGIN, "1")
     pytester.makeconftest(PACKAGE_PROBE)
     pytester.makepyfile("def test_plain(): pass\n")
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *OTHER_PLUGINS_OFF, *args)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "llmload", *args)
     result.assert_outcomes(passed=1)
     expected = sorted({"pytest_llmload", "pytest_llmload.fixtures", "pytest_llmload.hookspecs", "pytest_llmload.keys",
                        "pytest_llmload.plugin", "pytest_llmload.settings", "pytest_llmload.surface",

@@ -135,8 +135,9 @@ def test_the_prediction_through_the_loader_equals_the_planner_given_the_profiles
 
 
 def test_where_transformers_5_and_accelerate_plan_differently_it_is_transformers_that_loads():
-    """transformers 5 plans with its own copy of accelerate's functions; for Llama-3-8B on 8 GPUs they disagree.
-    from_pretrained uses transformers' (the CPU map-for-map test shows it), so that is what is predicted."""
+    """transformers 5 plans with its own copy of accelerate's functions; for Llama-3-8B on 8 GPUs they disagree on
+    5.23 (5.17 plans it alike). from_pretrained uses transformers' (the CPU map-for-map test shows it), so that is
+    what is predicted."""
     import torch
     import transformers
 
@@ -146,7 +147,8 @@ def test_where_transformers_5_and_accelerate_plan_differently_it_is_transformers
     model = architectures.empty_model(architectures.load_config("llama-3-8b"), torch.bfloat16)
     predicted = planner.plan(model, "auto", profile.max_memory, dtype=torch.bfloat16)
     assert predicted == _from_pretrained_direct(model, profile, torch.bfloat16)
-    assert predicted != _accelerate_direct(model, profile, torch.bfloat16)
+    if predicted == _accelerate_direct(model, profile, torch.bfloat16):  # (5.17 plans it alike; 5.23 does not)
+        pytest.skip(f"transformers {transformers.__version__} and accelerate plan Llama-3-8B on 8 GPUs alike")
 
 
 @pytest.mark.parametrize("strategy", planner.STRATEGIES)

@@ -253,7 +253,9 @@ def test_ranks_simulating_a_runner_without_gpus_see_none_on_a_machine_with_gpus(
 
     pytest.importorskip("deepspeed")
     distributed.preload(distributed.DEEPSPEED_PRELOAD)
-    assert {v[0] for v in run_ranks(what_the_rank_sees, 2, gpus_hidden=True, timeout=60)} == {None}  # (no GPU here)
+    # (no GPU here: the ranks see the variable as this process has it, unset or empty as on a GPU runner's CPU job)
+    assert {v[0] for v in run_ranks(what_the_rank_sees, 2, gpus_hidden=True, timeout=60)} == {
+        os.environ.get("CUDA_VISIBLE_DEVICES")}
     monkeypatch.setattr(gpus, "visible_gpu_count", lambda: 1)  # (what counts them; their ids are faked for torch)
     monkeypatch.setenv(FAKE_GPUS_ENV, "GPU-1")
     views = run_ranks(what_the_rank_sees, 2, gpus_hidden=True, timeout=90)
