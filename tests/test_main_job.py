@@ -309,7 +309,10 @@ def test_a_crashing_loader_is_summed_up_by_its_cause_under_xdist_too(misbehaving
     """The loader named by the cwd's ini key, as the run really uses it; a death's cause (a signal, an exit code),
     not the last line of its output; the progress total under xdist."""
     (misbehaving / "pytest.ini").write_text("[pytest]\nllmload_loader = misbehaving:crashes\n")
-    run = main_job("-k", "(pad_token or load_writes) and not cuda", "--", "-p", "xdist", "-n", "2", cwd=misbehaving)
+    # What the main job prints: its pytest forked from this process, xdist's workers new interpreters, which import
+    # the loader from the run's own PYTHONPATH (runners.warm gives xdist the fork's sys.path, not this process's).
+    run = warm_main_job("-k", "(pad_token or load_writes) and not cuda", "--", "-p", "xdist", "-n", "2",
+                        cwd=misbehaving)
     assert run.returncode == 1, run.stdout + run.stderr
     out = run.stdout
     assert (f"llmload: checking loader misbehaving:crashes (from ini 'llmload_loader' in "

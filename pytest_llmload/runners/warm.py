@@ -191,6 +191,7 @@ def _child(module, argv, out_fd, err_fd, stdin_given, env, cwd, path, process_gr
 
         tempfile.tempdir = None  # read from $TMPDIR again
         sys.path[:] = path
+        _xdist_sees_this_start()
         if stdin_given:
             _stdin_at_end_of_file()
         cov = isolation.start_child(parent, out_fd, err_fd, coverage)
@@ -219,6 +220,18 @@ def _child(module, argv, out_fd, err_fd, stdin_given, env, cwd, path, process_gr
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(code)
+
+
+def _xdist_sees_this_start() -> None:
+    """pytest-xdist keeps ``sys.path`` as it was when its plugin was imported, the interpreter's start
+    (``xdist.plugin._sys_path``, which ``xdist.workermanage`` imports by name), and gives it to every worker it
+    starts. Imported already in this process, it held this process's start: the workers of a forked run then lacked
+    the run's cwd and ``$PYTHONPATH`` (a loader module there never imported; the checks ran another loader). A new
+    interpreter's is the path this child now has."""
+    for name in ("xdist.plugin", "xdist.workermanage"):
+        module = sys.modules.get(name)
+        if module is not None and hasattr(module, "_sys_path"):
+            module._sys_path = list(sys.path)
 
 
 def _run_module(module: str, argv: list[str]) -> int:
