@@ -178,6 +178,7 @@ def _check(**needs):
 @pytest.mark.parametrize("check", [{checks}])
 def test_{n}(check):
     _ran("test_{n}")
+    time.sleep(0.2)  # (each lane gets some: quicker, the first could run them all before the other starts)
 """
 
 
@@ -192,11 +193,24 @@ def test_what_the_checks_children_import_is_imported_once_before_the_lanes_fork(
 
     calls = []
     monkeypatch.setattr(ranks, "preload_for_isolated_checks", lambda peft: calls.append((os.getpid(), peft)))
-    _tests(pytester, CHECK_PARAMS.replace("{checks}", checks), count=2)
+    _tests(pytester, CHECK_PARAMS.replace("{checks}", checks), count=3)
     result = pytester.runpytest("-p", "no:randomly", "--llmload-lanes", "2")
     assert result.ret == pytest.ExitCode.OK, result.stdout.str()
     assert len({pid for _, pid in _ran(pytester)}) == 2  # (forked after the preload: the lanes share it)
     assert calls == [(os.getpid(), peft) for peft in preloaded]
+
+
+def test_a_preload_that_raises_leaves_the_error_to_the_checks_that_need_it(pytester, monkeypatch):
+    from pytest_llmload.runners import ranks
+
+    def broken(peft):
+        raise RuntimeError("bitsandbytes: no usable backend")
+
+    monkeypatch.setattr(ranks, "preload_for_isolated_checks", broken)
+    _tests(pytester, CHECK_PARAMS.replace("{checks}", "_check(isolated=True, uses_peft=True), _check()"), count=3)
+    result = pytester.runpytest("-p", "no:randomly", "--llmload-lanes", "2")
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()  # no INTERNALERROR: the run goes on in its lanes
+    assert len({pid for _, pid in _ran(pytester)}) == 2
 
 
 def test_a_hang_of_the_loader_in_one_lane_fails_the_other_lanes_later_tests_at_once(pytester):
