@@ -155,15 +155,15 @@ class Lanes:
     def _preload(self) -> None:
         """What the checks' children import, imported here once before forking: each lane imported it again (about
         3.5 s of CPU a lane on 2 cores, measured), and the imports are one chain in either process."""
-        checks = [check for check in map(_check, self.items)
-                  if check is not None and not check.needs_gpus and (check.isolated or check.world_size > 1)]
-        if checks:
+        served = [item for item in self.items if _ranks(item) > 1 or getattr(_check(item), "isolated", False)]
+        served = [item for item in served if not getattr(_check(item), "needs_gpus", 0)]  # (they skip here)
+        if served:
             from pytest_llmload.runners.ranks import preload_for_isolated_checks
 
             # An import that fails here (a broken bitsandbytes raises more than ImportError) fails again in the
             # check that needs it, where it is that check's error, not the run's.
             with contextlib.suppress(Exception):
-                preload_for_isolated_checks(peft=any(check.uses_peft for check in checks))
+                preload_for_isolated_checks(peft=any(getattr(_check(item), "uses_peft", False) for item in served))
 
     def _protocol(self, item: pytest.Item, nextitem: Optional[pytest.Item]) -> None:
         self._hang_in()

@@ -186,7 +186,8 @@ def test_{n}(check):
     ("_check(isolated=True, uses_peft=True), _check(), _check(world_size=2)", [True]),
     ("_check(world_size=2), _check()", [False]),
     ("_check(isolated=True, uses_peft=True, needs_gpus=1), _check()", []),  # skips without a GPU: nothing to share
-], ids=["peft-check", "ranks-only", "gpu-only"])
+    ("'a repo parameter named check', 3", []),  # not this plugin's checks
+], ids=["peft-check", "ranks-only", "gpu-only", "not-checks"])
 def test_what_the_checks_children_import_is_imported_once_before_the_lanes_fork(pytester, monkeypatch, checks,
                                                                                  preloaded):
     from pytest_llmload.runners import ranks
