@@ -122,9 +122,10 @@ SETTINGS = (
         "With pytest-html installed, the same pictures go into its report as extras.")),
     # --- how the tests run (pytest_llmload.runners.lanes)
     Setting("lanes", "count", metavar="N", default=1, help=(
-        "run the tests in N processes: after the first test, pytest forks N-1 times and each fork takes tests "
-        "beside it, its reports joining this run's (the main job uses 2 where 2 CPUs are usable). One lane under "
-        "xdist, with -x, --maxfail, --pdb, --trace or --sw, or where a GPU is visible. Default 1.")),
+        "run the tests in N processes: once the tests are collected, pytest forks N-1 times and each fork takes "
+        "tests beside it, its reports joining this run's (the main job uses 2 where 2 CPUs are usable). One lane "
+        "under xdist, with -x, --maxfail, --pdb, --trace, --sw or --collect-only, where a GPU is visible, or for "
+        "fewer than 3 tests. Default 1.")),
     # --- hangs (pytest_llmload.hung_loader)
     Setting("wait_after_hang", "bool", help=(
         "after the loader under test hangs (a deadline passes inside its call), run every later test that uses it "

@@ -87,6 +87,12 @@ class Check(NamedTuple):
         return self.label or self.function.__name__
 
     @property
+    def forks(self) -> bool:
+        """Whether the check runs in children forked from its process (isolated, or ranks), which inherit what that
+        process imported first (:func:`pytest_llmload.runners.ranks.preload_for_isolated_checks`)."""
+        return self.isolated or self.world_size > 1
+
+    @property
     def uses_peft(self) -> bool:
         """Whether the check's process needs peft: an adapter check, or a train check (the loader may use LoRA)."""
         return self.uses_adapters or self.purpose == "train"
@@ -119,7 +125,7 @@ class Check(NamedTuple):
 
             pytest.skip(f"{self.name}: loader {args[0].name} is declared for {' and '.join(declared)} only; this "
                         f"check needs a {self.purpose} load")
-        if self.isolated or self.world_size > 1:  # its children inherit these instead of each importing them
+        if self.forks:  # its children inherit these instead of each importing them
             from pytest_llmload.runners.ranks import preload_for_isolated_checks
 
             preload_for_isolated_checks(args[1], peft=self.uses_peft)

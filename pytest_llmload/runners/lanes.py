@@ -155,15 +155,16 @@ class Lanes:
     def _preload(self) -> None:
         """What the checks' children import, imported here once before forking: each lane imported it again (about
         3.5 s of CPU a lane on 2 cores, measured), and the imports are one chain in either process."""
-        served = [item for item in self.items if _ranks(item) > 1 or getattr(_check(item), "isolated", False)]
-        served = [item for item in served if not getattr(_check(item), "needs_gpus", 0)]  # (they skip here)
+        # (a test's "check" parameter may be a repo's own, not a Check; one that needs a GPU skips here)
+        served = [check for check in map(_check, self.items)
+                  if getattr(check, "forks", False) and not getattr(check, "needs_gpus", 0)]
         if served:
             from pytest_llmload.runners.ranks import preload_for_isolated_checks
 
             # An import that fails here (a broken bitsandbytes raises more than ImportError) fails again in the
             # check that needs it, where it is that check's error, not the run's.
             with contextlib.suppress(Exception):
-                preload_for_isolated_checks(peft=any(getattr(_check(item), "uses_peft", False) for item in served))
+                preload_for_isolated_checks(peft=any(check.uses_peft for check in served))
 
     def _protocol(self, item: pytest.Item, nextitem: Optional[pytest.Item]) -> None:
         self._hang_in()
@@ -226,7 +227,7 @@ class Lanes:
         capturing = capman is not None and capman.is_globally_capturing()
         if capturing:
             capman.stop_global_capturing()
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        fd = jsonl.open_for_appending(path)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)

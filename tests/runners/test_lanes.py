@@ -168,12 +168,12 @@ def pytest_runtest_setup(item):
 
 # Tests parametrized by "check" as the main job's suite is: the lanes read what each check needs from it.
 CHECK_PARAMS = """
-import types
 import pytest
+from pytest_llmload.failures.base import Check
+from pytest_llmload.failures.offload_hang import FAILURE
 
 def _check(**needs):
-    return types.SimpleNamespace(**{{"isolated": False, "uses_peft": False, "needs_gpus": 0, "world_size": 1,
-                                    **needs}})
+    return Check(function=print, failure=FAILURE, **needs)  # (never called: the tests only carry it)
 
 @pytest.mark.parametrize("check", [{checks}])
 def test_{n}(check):
@@ -183,9 +183,9 @@ def test_{n}(check):
 
 
 @pytest.mark.parametrize("checks, preloaded", [
-    ("_check(isolated=True, uses_peft=True), _check(), _check(world_size=2)", [True]),
+    ("_check(isolated=True, uses_adapters=True), _check(), _check(world_size=2)", [True]),
     ("_check(world_size=2), _check()", [False]),
-    ("_check(isolated=True, uses_peft=True, needs_gpus=1), _check()", []),  # skips without a GPU: nothing to share
+    ("_check(isolated=True, uses_adapters=True, needs_gpus=1), _check()", []),  # skips without a GPU: nothing to share
     ("'a repo parameter named check', 3", []),  # not this plugin's checks
 ], ids=["peft-check", "ranks-only", "gpu-only", "not-checks"])
 def test_what_the_checks_children_import_is_imported_once_before_the_lanes_fork(pytester, monkeypatch, checks,
@@ -208,7 +208,7 @@ def test_a_preload_that_raises_leaves_the_error_to_the_checks_that_need_it(pytes
         raise RuntimeError("bitsandbytes: no usable backend")
 
     monkeypatch.setattr(ranks, "preload_for_isolated_checks", broken)
-    _tests(pytester, CHECK_PARAMS.replace("{checks}", "_check(isolated=True, uses_peft=True), _check()"), count=3)
+    _tests(pytester, CHECK_PARAMS.replace("{checks}", "_check(isolated=True, uses_adapters=True), _check()"), count=3)
     result = pytester.runpytest("-p", "no:randomly", "--llmload-lanes", "2")
     assert result.ret == pytest.ExitCode.OK, result.stdout.str()  # no INTERNALERROR: the run goes on in its lanes
     assert len({pid for _, pid in _ran(pytester)}) == 2
