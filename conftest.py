@@ -96,6 +96,7 @@ SLOW_FILES = (
     "tests/runners/test_xdist_gpus.py", "tests/test_plugin_load_cost.py", "tests/runners/test_child_coverage.py",
     "tests/test_extension_checks.py", "tests/test_downstream_repo.py", "tests/test_readme_adapter.py",
     "tests/test_hung_loader.py", "tests/runners/test_warm_server.py", "tests/runners/test_lanes.py",
+    "tests/test_write_ups_as_written.py",
 )
 SLOW_TESTS = {
     "tests/failures/test_adapter_on_offloaded.py": ("test_check_passes_on_the_fixed_loader",),

@@ -62,22 +62,43 @@ def llmload_checkpoint(llmload_checkpoint_factory) -> Path:
 def llmload_loader(request, llmload_offline) -> LoaderUnderTest:
     """The loader under test (``--llmload-loader``, ``$PYTEST_LLMLOAD_LOADER``, ini ``llmload_loader``,
     else the built-in reference loader), called as ``llmload_loader(LoadRequest) -> LoadResult``."""
-    from pytest_llmload import settings
-    from pytest_llmload.loading import (
-        LoaderSpecError, as_loader_under_test, chosen_loader, import_loader, parse_purposes)
+    from pytest_llmload.loading import LoaderSpecError, as_loader_under_test, chosen_loader, import_loader
 
     choice = chosen_loader(request.config)
     try:
         function = import_loader(choice)
+        loader = declared_by_configuration(as_loader_under_test(function, name=choice.spec, source=choice.source),
+                                           request.config)
     except LoaderSpecError as exc:  # normally caught at collection; here for plugins loaded by hand
         pytest.fail(str(exc), pytrace=False)
-    loader = as_loader_under_test(function, name=choice.spec, source=choice.source)
-    declared = settings.given(request.config, "loader_purposes")
-    if declared:
-        try:
-            loader = loader._replace(purposes=parse_purposes(*declared))
-        except LoaderSpecError as exc:
-            pytest.fail(str(exc), pytrace=False)
+    return loader
+
+
+def declared_by_configuration(loader: "LoaderUnderTest", config: pytest.Config) -> "LoaderUnderTest":
+    """``loader`` with what the configuration declares about it (``llmload_loader_purposes`` and
+    ``llmload_loader_dtypes`` win over the loader's own attribute; ``llmload_not_applicable`` adds to it, the
+    configuration's reason first), and its not-applicable declarations checked against the checks' names."""
+    from pytest_llmload import settings
+    from pytest_llmload.loading import LoaderSpecError, parse_dtypes, parse_not_applicable, parse_purposes
+
+    for key, field, parse in (("loader_purposes", "purposes", parse_purposes), ("loader_dtypes", "dtypes", parse_dtypes),
+                              ("not_applicable", "not_applicable", parse_not_applicable)):
+        declared = settings.given(config, key)
+        if declared:
+            value = parse(*declared)
+            if field == "not_applicable":
+                value += tuple(pair for pair in loader.not_applicable if pair[0] not in dict(value))
+            loader = loader._replace(**{field: value})
+    if loader.not_applicable:
+        from pytest_llmload.conformance import all_checks
+        from pytest_llmload.keys import checks_key
+
+        names = {check.name for check in config.stash.get(checks_key, None) or all_checks()}
+        unknown = sorted({name for name, _ in loader.not_applicable} - names - {n.removesuffix("_cuda") for n in names})
+        if unknown:
+            raise LoaderSpecError(
+                f"loader {loader.name} declares {unknown} not applicable, which are not checks; the checks are: "
+                f"{', '.join(sorted(names))}. Fix the name in llmload_not_applicable.")
     return loader
 
 

@@ -24,5 +24,14 @@ configured_check_options: contextvars.ContextVar[dict[str, Any]] = contextvars.C
 # "simulated: ..." where a machine this runner lacks was stood in for.
 check_notes: contextvars.ContextVar["list[str] | None"] = contextvars.ContextVar("llmload_check_notes", default=None)
 notes_key = pytest.StashKey[list]()
+
+
+def add_note(text: str) -> None:
+    """Say in the current check's row how it judged (once per text: ranks and retries say the same)."""
+    notes = check_notes.get()
+    if notes is not None and text not in notes:
+        notes.append(text)
+
+
 # On a report another lane ran and sent to lane 0 (runners.lanes): its row was written there already.
 LANE_ATTRIBUTE = "llmload_lane"

@@ -18,6 +18,8 @@ from pytest_llmload.surface import (  # noqa: F401  (the names the plugin declar
     HOOK_ATTRIBUTE,
     HOOK_INI,
     HOOK_OPTION,
+    DTYPES_ATTRIBUTE,
+    NOT_APPLICABLE_ATTRIBUTE,
     PURPOSES_ATTRIBUTE,
     PURPOSES_INI,
     LOADER_ENV as ENV_VAR,
@@ -241,12 +243,21 @@ def normalise_result(value: Any, *, loader_name: str, request: "LoadRequest") ->
 
 class LoaderUnderTest(NamedTuple):
     """A loader together with its name, called under the contract: ``loader(request) -> LoadResult``.
-    ``purposes`` is what the loader declares it is for (``None``: anything)."""
+    What the loader declares about itself, as scikit-learn's estimator tags do: ``purposes``, what it is for
+    (``None``: anything); ``dtypes``, the dtypes it loads (``None``: observed, see
+    :func:`pytest_llmload.failures.contract.load`); ``not_applicable``, ``(check name, reason)`` pairs for the
+    checks that do not apply to the repo."""
 
     function: Callable[["LoadRequest"], Any]
     name: str
     source: str = "fixture"
     purposes: Optional[tuple[str, ...]] = None
+    dtypes: Optional[tuple[str, ...]] = None
+    not_applicable: tuple[tuple[str, str], ...] = ()
+
+    def not_applicable_reason(self, check: str) -> Optional[str]:
+        """Why the repo declared ``check`` not to apply to it, or ``None``."""
+        return next((reason for name, reason in self.not_applicable if name == check), None)
 
     def __call__(self, request: "LoadRequest") -> LoadResult:
         return call_loader(self.function, request, loader_name=self.name)
@@ -270,12 +281,15 @@ def call_loader(loader: Callable[["LoadRequest"], Any], request: "LoadRequest", 
         closed = "sys.stdout" if getattr(sys.stdout, "closed", False) else "sys.stderr"
         raise LoaderContractError(f"loader {name} closed {closed} while loading ({_phase_detail(request)}): the "
                                   "process it runs in still writes there; a loader must leave the process's streams open.")
-    if accelerate_state is not None and not accelerate_state and _accelerate_state():
-        raise LoaderContractError(
-            f"loader {name} created accelerate's process-wide state (an Accelerator() or AcceleratorState()) while "
-            "loading: the training script and the harness make their own, and the one a loader fixes first wins "
-            "(distributed type, mixed precision, device). Create the Accelerator in the training script, not the loader."
-        )
+    if not accelerate_state and _accelerate_state():
+        # An evaluation harness or a script that makes its own Accelerator() before loading is correct for how its
+        # users run it; what the check does next (its own Accelerator, DeepSpeed, a Trainer) must start from the
+        # environment, not from the loader's choice, so the state is reset here and the row says so.
+        _reset_accelerate_state()
+        from pytest_llmload.keys import add_note
+
+        add_note(f"the loader made its own Accelerator() while loading; accelerate's process-wide state was reset "
+                 "after the load, so the check's own set-up starts from the environment as a training script's would")
     track_model(result.model, request.model_path, timed.seconds)
     return result
 
@@ -289,8 +303,11 @@ def _exits_refused(name: str, request: "LoadRequest"):
     """A loader that ends its process (``sys.exit``, ``os._exit``) is an error row saying so, not a dead child
     blamed on the check's failure."""
     real_exit = os._exit
+    loading_pid = os.getpid()
 
     def refuse(code=0):
+        if os.getpid() != loading_pid:  # a child the loader forked ends as fork children do: that is no exit of ours
+            real_exit(code)
         raise _LoaderExited(code)
 
     os._exit = refuse
@@ -303,6 +320,15 @@ def _exits_refused(name: str, request: "LoadRequest"):
             f"({_phase_detail(request)}); a loader must return the model or raise, never exit.") from None
     finally:
         os._exit = real_exit
+
+
+def _reset_accelerate_state() -> None:
+    state = sys.modules.get("accelerate.state")
+    for cls in ("AcceleratorState", "GradientState"):
+        reset = getattr(getattr(state, cls, None), "_reset_state", None)
+        if reset is not None:
+            with contextlib.suppress(Exception):  # older accelerate: no reset, the state stays (as before)
+                reset(True) if cls == "AcceleratorState" else reset()
 
 
 def _accelerate_state() -> Optional[bool]:
@@ -334,7 +360,11 @@ def as_loader_under_test(loader: Any, *, name: str = "", source: str = "fixture"
     name = name or (f"{module}:{qualname}" if module and qualname else repr(loader))
     declared = getattr(loader, PURPOSES_ATTRIBUTE, None)
     purposes = None if declared is None else parse_purposes(declared, f"{name}.{PURPOSES_ATTRIBUTE}")
-    return LoaderUnderTest(loader, name, source, purposes)
+    declared = getattr(loader, DTYPES_ATTRIBUTE, None)
+    dtypes = None if declared is None else parse_dtypes(declared, f"{name}.{DTYPES_ATTRIBUTE}")
+    declared = getattr(loader, NOT_APPLICABLE_ATTRIBUTE, None)
+    not_applicable = () if declared is None else parse_not_applicable(declared, f"{name}.{NOT_APPLICABLE_ATTRIBUTE}")
+    return LoaderUnderTest(loader, name, source, purposes, dtypes, not_applicable)
 
 
 def training_args_hook(loader: LoaderUnderTest) -> Optional[Callable[[Any, Any], Any]]:
@@ -358,3 +388,40 @@ def parse_purposes(declared: Any, source: str) -> tuple[str, ...]:
             "e.g. load.llmload_purposes = ('inference',) for an evaluation loader."
         )
     return purposes
+
+
+def parse_dtypes(declared: Any, source: str) -> tuple[str, ...]:
+    """``("bfloat16",)`` from an attribute or ini lines (``torch.bfloat16``, ``"bf16"`` too); :class:`LoaderSpecError`
+    naming ``source`` otherwise."""
+    from pytest_llmload.request import DTYPES, _dtype_name
+
+    values = (declared,) if isinstance(declared, str) or not hasattr(declared, "__iter__") else declared
+    try:
+        dtypes = tuple(dict.fromkeys(_dtype_name(v) for v in values if str(v).strip()))
+    except (TypeError, ValueError):
+        dtypes = ()
+    if not dtypes:
+        raise LoaderSpecError(
+            f"{source} = {declared!r} is not a list of dtypes; use {', '.join(DTYPES)} (or torch dtypes), "
+            "e.g. load.llmload_dtypes = ('bfloat16',) for a loader that loads bfloat16 whatever is asked.")
+    return dtypes
+
+
+def parse_not_applicable(declared: Any, source: str) -> tuple[tuple[str, str], ...]:
+    """``(("check_x", "why"), ...)`` from a ``{check: reason}`` attribute or ``'check: reason'`` lines;
+    :class:`LoaderSpecError` naming ``source`` otherwise. Which names are checks is verified where the checks are
+    known (:func:`pytest_llmload.failures.base.Check.__call__` only sees its own)."""
+    items = declared.items() if hasattr(declared, "items") else None
+    if items is None:
+        lines = (declared,) if isinstance(declared, str) else declared
+        try:
+            items = [str(line).partition(":")[::2] for line in lines if str(line).strip()]
+        except TypeError:
+            items = None
+    pairs = tuple((str(name).strip(), str(reason).strip()) for name, reason in (items or ()))
+    if not pairs or any(not name or not reason for name, reason in pairs):
+        raise LoaderSpecError(
+            f"{source} = {declared!r} does not declare checks with their reasons; use a mapping "
+            "{'check_name': 'why it does not apply to this repo'} (or ini lines 'check_name: why'), e.g. "
+            "load.llmload_not_applicable = {'check_offload_inference': 'we never offload'}.")
+    return pairs

@@ -542,8 +542,10 @@ def json_records(results: list[dict]) -> list[dict]:
         outcome = record["outcome"]
         failure = record.get("failure") if outcome in ("failed", "predicted") else None
         detail = _in_main_job_terms(_summary(record)) if outcome in FAILED_OUTCOMES else record["reason"]
-        records.append({"check": record["check"], "outcome": outcome, "failure": failure,
-                        "cause": record.get("cause"), "note": record.get("note"), "reason": record["reason"],
+        records.append({"check": record["check"], "outcome": outcome, "verdict": record.get("verdict", outcome),
+                        "failure": failure, "cause": record.get("cause"), "note": record.get("note"),
+                        "notes": record.get("notes") or ([record["note"]] if record.get("note") else []),
+                        "fix": record.get("fix"), "loader": record.get("loader"), "reason": record["reason"],
                         "seconds": record["seconds"], "detail": detail})
     return records
 

@@ -131,9 +131,11 @@ def _read_configuration(config: pytest.Config) -> None:
             config.getoption("llmload_loader"), os.environ, config.getini(surface.LOADER_INI))
         config.stash[hook_choice_key] = loading.choose_training_args_hook(
             config.getoption("llmload_training_args_hook"), config.getini(surface.HOOK_INI))
-        purposes = settings.given(config, "loader_purposes")
-        if purposes:
-            loading.parse_purposes(*purposes)
+        for key, parse in (("loader_purposes", loading.parse_purposes), ("loader_dtypes", loading.parse_dtypes),
+                           ("not_applicable", loading.parse_not_applicable)):
+            declared = settings.given(config, key)
+            if declared:
+                parse(*declared)
     except loading.LoaderSpecError as exc:
         raise pytest.UsageError(str(exc)) from None
     extra = settings.given(config, "checks")
@@ -316,27 +318,14 @@ def _check_imports(config: pytest.Config, used_fixtures) -> None:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     report = yield
     check = _check_of(item)
-    if check is not None and call.when == "call":
-        from pytest_llmload.keys import notes_key
-
-        notes = item.stash.get(notes_key, None)
-        if notes:
-            _record(item, report, [("llmload_note", "; ".join(notes))])
+    found = None
     if check is not None and call.when == "call" and call.excinfo is not None and report.failed:
         from pytest_llmload.failures import verdict
 
         found = verdict.of_exception(call.excinfo.value, check.failure)
-        if found is not None:
-            _record(item, report, found.properties())
-            if found.cause == "check":  # the check's own crash: say so first, the traceback below
-                report.longrepr = f"{found.sentence}\n\n{report.longreprtext}"
-    if check is not None and (call.when == "call" or report.skipped):
-        _describe_row(item, check, report)
-        _announce_result(item, check, report)
-    if report.failed and call.excinfo is not None:  # any failing test, llmload's or not
-        from pytest_llmload.diagnostics import known_failures
-
-        known_failures.annotate(item, call, report)
+        if found is not None and found.cause == "check":  # the check's own crash: say so first, the traceback below
+            report.longrepr = f"{found.sentence}\n\n{report.longreprtext}"
+    failed = report.failed and call.excinfo is not None  # (before --llmload-strict turns a skip into a failure)
     if report.skipped and item.config.stash.get(strict_key, False) and isinstance(report.longrepr, tuple):
         from pytest_llmload.failures.base import NOT_EXERCISED
 
@@ -344,6 +333,14 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         if reason.startswith(NOT_EXERCISED):
             report.outcome = "failed"
             report.longrepr = f"llmload strict: a check that exercised nothing is a failure here: {reason}"
+    if check is not None and (call.when == "call" or not report.passed):
+        row = _row(item, check, report, found)
+        _record(item, report, row.properties())
+        item.ihook.pytest_llmload_check_result(item=item, check=check, result=row.as_dict())
+    if failed:  # any failing test, llmload's or not; a check's section reads its row's verdict
+        from pytest_llmload.diagnostics import known_failures
+
+        known_failures.annotate(item, call, report)
     return report
 
 
@@ -406,33 +403,37 @@ def _check_of(item: pytest.Item):
     return check if hasattr(check, "failure") and hasattr(check, "function") else None
 
 
-def _describe_row(item: pytest.Item, check, report: pytest.TestReport) -> None:
-    """What a CI dashboard groups a check's row by (JUnit XML properties, ``report.user_properties``): the loader,
-    the failure the check guards against, and the verdict kind (passed, failed, predicted, error, not exercised,
-    skipped); a failed row's own verdict was added above."""
-    from pytest_llmload.failures.base import NOT_EXERCISED
-    from pytest_llmload.failures.verdict import VERDICT_PROPERTY
+def _row(item: pytest.Item, check, report: pytest.TestReport, found) -> "Row":
+    """The check's row (:class:`pytest_llmload.row.Row`), decided here once: the verdict judged from its exception
+    (``found``), else the report's outcome and skip reason; the notes it made wherever it ran; the loader that ran
+    (a ``parametrize_with_loader_checks`` test's own, else the configured one)."""
+    from pytest_llmload.failures.base import DECLARED_NOT_APPLICABLE, NOT_EXERCISED
+    from pytest_llmload.keys import notes_key
     from pytest_llmload.loading import chosen_loader
+    from pytest_llmload.progress import check_name, summary_line
+    from pytest_llmload.row import Row
 
-    props = dict(report.user_properties)
-    pairs = [("llmload_loader", chosen_loader(item.config).spec), ("llmload_guards", check.failure.id)]
-    if VERDICT_PROPERTY not in props:
-        reason = report.longrepr[2] if report.skipped and isinstance(report.longrepr, tuple) else ""
-        pairs.append((VERDICT_PROPERTY, ("not exercised" if NOT_EXERCISED in reason else "skipped")
-                      if report.skipped else report.outcome))
-    _record(item, report, pairs)
-
-
-def _announce_result(item: pytest.Item, check, report: pytest.TestReport) -> None:
-    """Call ``pytest_llmload_check_result`` (:mod:`pytest_llmload.hookspecs`) with the row's verdict."""
-    from pytest_llmload.failures.verdict import of_report
-    from pytest_llmload.progress import check_name
-
-    props, judged = dict(report.user_properties), of_report(report)
-    result = {"check": check_name(item.nodeid), "verdict": judged["kind"], "failure": judged["failure"],
-              "guards": props.get("llmload_guards"), "cause": judged["cause"], "loader": props.get("llmload_loader"),
-              "note": props.get("llmload_note"), "sentence": judged["sentence"]}
-    item.ihook.pytest_llmload_check_result(item=item, check=check, result=result)
+    ran = getattr(item, "callspec", None) and item.callspec.params.get("loader")
+    loader = getattr(ran, "name", None) or chosen_loader(item.config).spec
+    reason = report.longrepr[2].removeprefix("Skipped: ") if report.skipped and isinstance(report.longrepr, tuple) \
+        else ""
+    if hasattr(report, "wasxfail"):
+        verdict, sentence = ("xfailed" if report.skipped else "xpassed"), report.wasxfail
+    elif report.skipped:
+        verdict = "not exercised" if reason.startswith(NOT_EXERCISED) else \
+            "not applicable" if reason.startswith(DECLARED_NOT_APPLICABLE) else "skipped"
+        sentence = reason
+    elif found is not None:
+        verdict, sentence = found.kind, found.sentence
+    else:  # passed; failed under --llmload-strict; a setup or teardown that failed is an error, as pytest says
+        verdict = "error" if report.failed and report.when != "call" else report.outcome
+        sentence = summary_line(report) if report.failed else ""
+    failure = found.failure if found is not None and verdict in ("failed", "predicted") else None
+    known = check.failure if failure == check.failure.id else None
+    return Row(check=check_name(item.nodeid), verdict=verdict, guards=check.failure.id, failure=failure,
+               cause=found.cause if found is not None else report.when if verdict == "error" else None,
+               sentence=sentence,
+               notes=tuple(item.stash.get(notes_key, None) or ()), fix=getattr(known, "fix", None), loader=loader)
 
 
 def _record(item: pytest.Item, report: pytest.TestReport, pairs: list) -> None:

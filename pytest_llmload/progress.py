@@ -18,6 +18,7 @@ import pytest
 
 from pytest_llmload import jsonl
 from pytest_llmload.keys import LANE_ATTRIBUTE
+from pytest_llmload.row import Row, outcome_of
 
 progress_key = pytest.StashKey["ProgressWriter"]()
 _PARAM_ID = re.compile(r"\[(?:[^\]-]*-)?((?:check|predict)_[^\]]+)\]$")
@@ -96,7 +97,16 @@ class ProgressWriter:
         """One record per test, from the phase that decided its outcome (a later teardown error adds one)."""
         if (report.when != "call" and report.outcome == "passed") or getattr(report, LANE_ATTRIBUTE, None):
             return  # (another lane's report: that lane wrote its row)
-        outcome, reason = report.outcome, ""
+        started = self._started.get(report.nodeid, time.perf_counter())
+        row = Row.of_report(report)
+        if row is not None:  # a check's row, decided once by the plugin: written as it is
+            self.write(event="result", nodeid=report.nodeid, check=row.check, outcome=outcome_of(row),
+                       verdict=row.verdict, reason=row.sentence if outcome_of(row) in ("skipped", "xfailed", "xpassed")
+                       else "", summary=row.sentence, seconds=round(time.perf_counter() - started, 3),
+                       failure=row.failure, cause=row.cause, note=row.note or None, notes=list(row.notes),
+                       fix=row.fix, loader=row.loader, guards=row.guards)
+            return
+        outcome, reason = report.outcome, ""  # a test that runs no check (a repo's own, a prediction's)
         if hasattr(report, "wasxfail"):
             outcome, reason = ("xfailed" if report.skipped else "xpassed"), report.wasxfail
         elif report.skipped and isinstance(report.longrepr, tuple):
@@ -115,7 +125,6 @@ class ProgressWriter:
             # a check's failing row: its verdict was decided from the exception (failures.verdict)
             outcome, failure, cause = judged["kind"], judged["failure"], judged["cause"]
             summary = judged["sentence"] or summary  # the exception's own words, also from a child or a rank
-        started = self._started.get(report.nodeid, time.perf_counter())
         self.write(event="result", nodeid=report.nodeid, check=check_name(report.nodeid), outcome=outcome,
                    reason=reason, summary=summary,
                    seconds=round(time.perf_counter() - started, 3), failure=failure, cause=cause,

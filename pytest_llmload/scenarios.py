@@ -129,6 +129,16 @@ def train_step_problems(model, device: str) -> list[str]:
     return problems
 
 
+def train_optimizer(parameters: list, lr: float):
+    """AdamW as a training script makes it. For float16 weights with no float32 master copy, an eps float16 holds:
+    the default 1e-8 rounds to 0 there and the first step turns the weights into nan, where the scripts that train
+    so set a larger one."""
+    import torch
+
+    half = any(p.dtype == torch.float16 for p in parameters)
+    return torch.optim.AdamW(parameters, lr=lr, **({"eps": 1e-3} if half else {}))
+
+
 def refusal_problem(exc: BaseException) -> Optional[str]:
     """``None`` when ``exc`` is a refusal that names the memory budget, raised by the loader's own code (not from
     inside the loading libraries), else why it is not."""

@@ -43,10 +43,17 @@ class Setting(NamedTuple):
 LOADER_ENV = "PYTEST_LLMLOAD_LOADER"
 HOOK_ATTRIBUTE = "llmload_training_args_hook"
 PURPOSES_ATTRIBUTE = "llmload_purposes"
+DTYPES_ATTRIBUTE = "llmload_dtypes"
+NOT_APPLICABLE_ATTRIBUTE = "llmload_not_applicable"
 # How the repo trains, declared by a loader attribute, an ini key and an option of the same name (the option as
 # --llmload-trains-...): what a training check's keyword is called, and the help. A check that takes the keyword
 # skips "not exercised" when its scenario is not how the repo trains.
 TRAINING_DECLARATIONS = {
+    "trains_with_trainer": (
+        "this repo's training hands the model to transformers.Trainer (or a subclass: trl's SFTTrainer, "
+        "Seq2SeqTrainer) with no training-args hook: the Trainer check (dp-dtype) judges a stock Trainer and can fail; "
+        "without this, a hook, or a Trainer class its loader's modules import, it only says what it assumed."
+    ),
     "trains_without_trainer": (
         "this repo's training never hands the model to transformers.Trainer (a custom loop, accelerate, FSDP or "
         "DeepSpeed scripts): the Trainer check (dp-dtype) skips 'not exercised'."
@@ -76,6 +83,16 @@ SETTINGS = (
         "what the loader under test is for: inference and/or train (default: both; the option may be repeated, "
         "the ini key takes one a line). Checks of the other purpose skip, saying so. After the ini key, the loader "
         f"function's attribute: load.{PURPOSES_ATTRIBUTE} = ('inference',).")),
+    Setting("loader_dtypes", "lines", metavar="DTYPE", help=(
+        "the dtypes the loader under test loads (float32, float16, bfloat16; the option may be repeated, the ini key "
+        "takes one a line): every check asks in one of them, its budgets sized for it. Default: observed, a loader "
+        "that returns weights in another dtype than asked is asked again in the dtype its weights have. After the "
+        f"ini key, the loader function's attribute: load.{DTYPES_ATTRIBUTE} = ('bfloat16',).")),
+    Setting("not_applicable", "lines", metavar="'CHECK: REASON'", help=(
+        "checks that do not apply to this repo, one 'check_name: reason' each (the option may be repeated, the ini "
+        "key takes one a line): each skips, showing the declaration and its reason, and does not fail the run. "
+        f"After the ini key, the loader function's attribute: load.{NOT_APPLICABLE_ATTRIBUTE} = "
+        "{'check_offload_inference': 'we never offload'}.")),
     # --- verdicts (pytest_llmload.plugin, pytest_llmload.conformance)
     Setting("strict", "bool", help=(
         "count a check that could not judge the loader (skipped 'not exercised: ...', e.g. nothing was offloaded, "

@@ -1,8 +1,11 @@
 """Tiny real checkpoints, built locally: configs shipped in this package, a tokenizer trained here.
 
 A checkpoint is what a real one is: ``config.json``, several safetensors shards with an index,
-``generation_config.json`` and a fast tokenizer. Nothing comes from a hub. The tokenizer has no pad token,
-like the checkpoints of write-up 000, so a loader's pad-token handling is exercised.
+``generation_config.json`` and a tokenizer every tokenizer class can load: the fast one (``tokenizer.json``), its
+byte-level BPE as ``vocab.json`` + ``merges.txt`` (the slow GPT-2/Qwen2 classes) and a SentencePiece
+``tokenizer.model`` (the slow ``LlamaTokenizer``, which on transformers 4.x is the sentencepiece one). Nothing comes
+from a hub. The tokenizer has no pad token, like the checkpoints of write-up 000, so a loader's pad-token handling
+is exercised.
 """
 
 from __future__ import annotations
@@ -59,6 +62,69 @@ def build_tokenizer(vocab_size: int):
                                    model_input_names=["input_ids", "attention_mask"])
 
 
+def build_sentencepiece_model(vocab_size: int) -> bytes:
+    """A SentencePiece BPE model (a serialized ``ModelProto``, the bytes of a ``tokenizer.model``) trained on the
+    same built-in corpus, laid out as Llama's: byte fallback (``<0x00>``..``<0xFF>``), digits split, no
+    normalization. Its special ids are the fast tokenizer's: bos 0, eos 1 (the tiny configs' ``bos_token_id``,
+    ``eos_token_id``), then its ``<unk>`` at 2 (the fast tokenizer has none). At most ``vocab_size`` pieces, so
+    every id it gives is an embedding row; ``vocab_size`` must be at least 310 (the 3 specials, 256 bytes and the
+    corpus's characters; sentencepiece refuses fewer). The same bytes every run (one thread; sentencepiece 0.2.0,
+    0.2.1 and 0.2.3 alike), in about 10 ms."""
+    import io
+    import warnings
+
+    with warnings.catch_warnings():  # sentencepiece 0.2.1's SWIG types: "builtin type SwigPyPacked has no __module__"
+        warnings.filterwarnings("ignore", "builtin type .*Swig", DeprecationWarning)
+        import sentencepiece as spm
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(_CORPUS), model_writer=model, model_type="bpe", vocab_size=vocab_size,
+        hard_vocab_limit=False,  # the corpus is small: fewer pieces than asked rather than an error
+        bos_id=0, eos_id=1, unk_id=2, pad_id=-1, bos_piece=BOS, eos_piece=EOS, unk_piece="<unk>",
+        byte_fallback=True, split_digits=True, character_coverage=1.0, allow_whitespace_only_pieces=True,
+        normalization_rule_name="identity", add_dummy_prefix=True, remove_extra_whitespaces=False,
+        num_threads=1, minloglevel=2,
+    )
+    return model.getvalue()
+
+
+def save_tokenizer(tokenizer, dest: os.PathLike | str, vocab_size: int) -> None:
+    """Save ``tokenizer`` (from ``build_tokenizer``) to ``dest`` with the files of the slow tokenizer classes beside
+    it: ``vocab.json`` + ``merges.txt`` (its own BPE, same ids) and ``tokenizer.model`` (``build_sentencepiece_model``),
+    the latter only where sentencepiece is installed (the ``hf`` extra installs it; without it transformers 4.x's
+    ``LlamaTokenizer`` refuses with its own error naming sentencepiece, and the fast tokenizer is unaffected)."""
+    dest = Path(dest)
+    tokenizer.save_pretrained(dest)
+    tokenizer.backend_tokenizer.model.save(str(dest))  # vocab.json, merges.txt
+    try:
+        model = build_sentencepiece_model(vocab_size)
+    except ImportError:
+        return
+    (dest / "tokenizer.model").write_bytes(model)
+
+
+# Every tokenizer file a tiny checkpoint has (``save_tokenizer``); ``copy_tokenizer`` carries them all.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt")
+
+
+def copy_tokenizer(checkpoint: os.PathLike | str, dest: os.PathLike | str) -> Path:
+    """Copy a tiny checkpoint's tokenizer files to ``dest`` (a derived checkpoint, an adapter folder), byte for byte.
+
+    ``AutoTokenizer.from_pretrained(checkpoint).save_pretrained(dest)`` writes only the fast tokenizer's files: the
+    slow classes' ``tokenizer.model``, ``vocab.json`` and ``merges.txt`` would be lost, and transformers 4.x's
+    ``LlamaTokenizer`` then fails in sentencepiece with a bare ``TypeError: not a string``. Returns ``dest``."""
+    import shutil
+
+    src, dest = Path(checkpoint), Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dest / name)
+    return dest
+
+
 def build_tiny_checkpoint(
     dest: os.PathLike | str,
     arch: str = "llama",
@@ -92,7 +158,7 @@ def build_tiny_checkpoint(
     # A shard limit just under total/shards yields `shards` (or one more) files, as a real sharded checkpoint.
     max_shard_size = max(1, total_bytes // shards + 1)
     model.save_pretrained(dest, max_shard_size=max_shard_size, safe_serialization=True)
-    tokenizer.save_pretrained(dest)
+    save_tokenizer(tokenizer, dest, raw["vocab_size"])
     return dest
 
 

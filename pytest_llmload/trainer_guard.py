@@ -28,18 +28,21 @@ Call it after building the arguments and before building the trainer (trl's ``SF
     (1, True)
     >>> tmp.cleanup()
 
-:func:`observe_trainer` hands a model to a stock ``Trainer`` with ``n_gpu`` set as a machine with more
-GPUs would set it, runs one training step, and reports what Trainer decided; the check in
+:func:`observe_trainer` hands a model to a stock ``Trainer`` with ``n_gpu`` and the device set as a machine with
+more GPUs would set them, lets Trainer's own ``__init__`` and ``_wrap_model`` decide (model parallel, ``n_gpu``,
+``nn.DataParallel``), runs one training step on the cpu with what it decided, and reports it; the check in
 :mod:`pytest_llmload.failures.dp_dtype` is built on it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
 import os
 from typing import Any, Callable, Optional
+from unittest import mock
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +151,7 @@ class TrainerObservation:
     transformers_version: str
     simulated_n_gpu: Optional[int]
     placement: Placement
-    is_model_parallel: bool  # Trainer's own reading of hf_device_map
+    is_model_parallel: bool  # Trainer's own reading of hf_device_map (on the simulated machine, where simulated)
     n_gpu: int  # args.n_gpu as training used it
     wrapper: Optional[str]  # "DataParallel" when Trainer wrapped the model
     per_device_batch: int
@@ -158,6 +161,10 @@ class TrainerObservation:
     reference_loss: Optional[float]  # the model's own loss on the same rows, outside Trainer
     lm_head_calls: tuple[tuple[str, str, bool], ...]  # (input dtype, weight dtype, autocast on)
     error: Optional[str]
+    # The hf_device_map Trainer read when it decided (None: the model had none), and the device it was deciding for
+    # ("cuda:0" on a simulated machine, where TrainingArguments would have put this process).
+    device_map: Optional[dict] = None
+    decided_on: Optional[str] = None
 
     @property
     def data_parallel(self) -> bool:
@@ -180,8 +187,12 @@ class TrainerObservation:
     def describe(self) -> str:
         """One line: the upstream behaviour seen, with the figures."""
         n = "machine's" if self.simulated_n_gpu is None else f"simulated {self.simulated_n_gpu}"
+        read = ""
+        if self.decided_on is not None:
+            seen = "no hf_device_map" if not self.device_map else f"hf_device_map on {_devices_of(self.device_map)}"
+            read = f", Trainer deciding for {self.decided_on} with {seen}"
         parts = [
-            f"transformers {self.transformers_version}, n_gpu {n}: model {self.placement}",
+            f"transformers {self.transformers_version}, n_gpu {n}{read}: model {self.placement}",
             f"Trainer.is_model_parallel={self.is_model_parallel}, n_gpu used={self.n_gpu}",
             "wrapped in nn.DataParallel" if self.data_parallel else "not wrapped",
             f"batch {self.per_device_batch} per device -> {self.train_batch_size} per step",
@@ -196,6 +207,68 @@ class TrainerObservation:
         if self.error:
             parts.append(f"first step raised {self.error}")
         return "; ".join(parts)
+
+
+def _devices_of(device_map: dict) -> str:
+    """``cuda:0 (2 modules), cuda:1 (6 modules)``: where a device map sends the modules."""
+    counts: dict[str, int] = {}
+    for where in device_map.values():
+        counts[_device_name(where)] = counts.get(_device_name(where), 0) + 1
+    return ", ".join(f"{d} ({n} module{'s' if n > 1 else ''})" for d, n in sorted(counts.items()))
+
+
+@contextlib.contextmanager
+def _device_reads_as(args: Any, device: Any):
+    """``args.device`` reads ``device`` (what ``TrainingArguments`` computes where CUDA is visible: ``cuda:0``)
+    while Trainer decides; every other ``TrainingArguments`` keeps its own."""
+    original = getattr(type(args), "device")  # the property itself
+
+    def device_of(self):
+        return device if self is args else original.__get__(self, type(self))
+
+    with mock.patch.object(type(args), "device", property(device_of)):
+        yield
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerDecision:
+    """What a stock ``Trainer`` decided for a model, in its own ``__init__`` and ``_wrap_model``."""
+
+    is_model_parallel: bool
+    n_gpu: int  # args.n_gpu after Trainer's __init__ (1 where it saw model parallelism)
+    wraps: bool  # _wrap_model returned nn.DataParallel
+    train_batch_size: int
+    device_map: Optional[dict]  # the hf_device_map Trainer read
+
+
+def trainer_decision(model: Any, args: Any, *, device: Optional[str] = None,
+                     prepare_args: Optional[Callable[[Any, Any], Any]] = None) -> TrainerDecision:
+    """Build a stock ``Trainer`` for ``model`` with ``args`` (after ``prepare_args(args, model)``, the training
+    script's hook) and ask its own code what it does: ``__init__`` reads the model's placement (``hf_device_map``,
+    and up to 4.57 ``is_parallelizable``/``model_parallel``), sets ``is_model_parallel`` and resets ``n_gpu`` to 1
+    for it; ``_wrap_model`` wraps in ``nn.DataParallel`` or not (up to 4.57 every model but 8-bit ones, from 5.x
+    not 4-bit ones either). Nothing is trained. ``args.n_gpu`` keeps what Trainer set.
+
+    ``device``: the device ``args.device`` reads while Trainer decides, for a machine this one is not (``cuda:0``:
+    what ``TrainingArguments`` computes where GPUs are visible, and what Trainer compares a one-device
+    ``hf_device_map`` with); Trainer's move of the model to that device is skipped (the weights stay put)."""
+    import torch
+    from transformers import Trainer
+
+    with contextlib.ExitStack() as simulated:
+        if device is not None:
+            simulated.enter_context(_device_reads_as(args, torch.device(device)))
+            simulated.enter_context(mock.patch.object(Trainer, "_move_model_to_device",
+                                                      lambda self, model, device: None))
+        if prepare_args is not None:
+            prepare_args(args, model)
+        trainer = Trainer(model=model, args=args)
+        wrapped = trainer._wrap_model(trainer.model_wrapped, training=True)
+    device_map = getattr(model, "hf_device_map", None)
+    return TrainerDecision(
+        is_model_parallel=bool(trainer.is_model_parallel), n_gpu=args.n_gpu,
+        wraps=type(wrapped).__name__ == "DataParallel", train_batch_size=trainer._train_batch_size,
+        device_map=None if device_map is None else {str(k): str(v) for k, v in dict(device_map).items()})
 
 
 def _rows(vocab_size: int, rows: int, seq_len: int):
@@ -225,14 +298,18 @@ def observe_trainer(
     bf16: bool = True,
     per_device_batch: int = 2,
     seq_len: int = 16,
+    after_decision: Optional[Callable[[], None]] = None,
 ) -> TrainerObservation:
     """Hand ``model`` to a stock ``Trainer`` and run one training step; report what Trainer decided.
 
     ``simulated_n_gpu`` is written to ``args._n_gpu`` before the Trainer is built: that is the value
-    ``TrainingArguments`` computes from ``torch.cuda.device_count()`` where that many GPUs are visible, and
-    every later decision (Trainer's model-parallel override, ``_wrap_model``, the batch size) is
-    Trainer's own. ``None`` keeps the machine's count (and its device). ``prepare_args(args, model)`` is
-    the training script's hook between the two, where write-up 003 put its fix.
+    ``TrainingArguments`` computes from ``torch.cuda.device_count()`` where that many GPUs are visible. Trainer's
+    decisions are then its own code's (:func:`trainer_decision`), made with ``args.device`` reading ``cuda:0`` as
+    on that machine, on the model as given (a caller simulating the machine's placement gives it the
+    ``hf_device_map`` from_pretrained would have set there, and restores it in ``after_decision``); the training
+    step runs on the cpu with the ``n_gpu`` Trainer kept. ``None`` keeps the machine's count and device, and the
+    Trainer that trains decides. ``prepare_args(args, model)`` is the training script's hook between
+    ``TrainingArguments`` and ``Trainer``, where write-up 003 put its fix.
     """
     import torch
     import transformers
@@ -251,10 +328,15 @@ def observe_trainer(
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
+    decision = None
     if simulated_n_gpu is not None:
         _ = args.device  # resolve the devices first: that is where n_gpu is computed
         args._n_gpu = simulated_n_gpu
-    if prepare_args is not None:
+        decision = trainer_decision(model, args, prepare_args=prepare_args,
+                                    device="cuda:0" if simulated_n_gpu > 0 else None)
+        if after_decision is not None:
+            after_decision()
+    elif prepare_args is not None:
         prepare_args(args, model)
 
     vocab_size = base_model(model).config.vocab_size
@@ -280,11 +362,12 @@ def observe_trainer(
         handle.remove()
     logged = [entry for entry in trainer.state.log_history if "loss" in entry]
     wrapped = trainer.model_wrapped
+    device_map = getattr(model, "hf_device_map", None) if decision is None else decision.device_map
     return TrainerObservation(
         transformers_version=transformers.__version__,
         simulated_n_gpu=simulated_n_gpu,
         placement=placement_of(model),
-        is_model_parallel=bool(trainer.is_model_parallel),
+        is_model_parallel=bool(trainer.is_model_parallel if decision is None else decision.is_model_parallel),
         n_gpu=args.n_gpu,
         wrapper=type(wrapped).__name__ if wrapped is not trainer.model else None,
         per_device_batch=per_device_batch,
@@ -294,6 +377,8 @@ def observe_trainer(
         reference_loss=reference,
         lm_head_calls=tuple(dict.fromkeys(calls)),
         error=error,
+        device_map=None if device_map is None else {str(k): str(v) for k, v in dict(device_map).items()},
+        decided_on=None if decision is None or simulated_n_gpu == 0 else "cuda:0",
     )
 
 

@@ -147,7 +147,8 @@ def test_a_loaders_own_error_is_an_error_row_not_a_known_failure_and_its_log_is_
     assert document["order"] == "collection order" and "transformers" in document["stack"]
     (record,) = document["results"]
     assert (record["check"], record["outcome"], record["failure"]) == ("check_train_request_trains", "error", None)
-    assert set(record) == {"check", "outcome", "failure", "reason", "seconds", "detail", "cause", "note"}
+    assert set(record) == {"check", "outcome", "verdict", "failure", "reason", "seconds", "detail", "cause", "note",
+                           "notes", "fix", "loader"}
 
 
 def test_a_check_that_exercised_nothing_skips_and_strict_fails_it(odd_loaders):

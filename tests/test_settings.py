@@ -18,6 +18,8 @@ SAMPLE_BY_KEY = {  # settings whose values are checked at configure
     "expected_failed_checks": ("check_zero3_load: tracked", ["check_zero3_load: tracked"]),
     "checks": ("pytest_llmload.failures.offload_hang:CHECKS", ["pytest_llmload.failures.offload_hang:CHECKS"]),
     "gpu_fixtures": ("my_gpu", ["my_gpu"]),
+    "loader_dtypes": ("bfloat16", ["bfloat16"]),
+    "not_applicable": ("check_zero3_load: we train with DDP only", ["check_zero3_load: we train with DDP only"]),
 }
 BAD = {"bool": "maybe", "seconds": "soon", "fraction": "2", "gpus": "two", "count": "0"}
 

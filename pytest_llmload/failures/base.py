@@ -18,6 +18,10 @@ from typing import Any, Callable, NamedTuple, Optional
 NOT_EXERCISED = "not exercised: "
 
 
+# A check the repo declared not to apply to it (``llmload_not_applicable``) skips with a reason that starts so.
+DECLARED_NOT_APPLICABLE = "declared not applicable: "
+
+
 def not_exercised(check: str, did_instead: str, missing: str) -> None:
     """Skip: ``check`` cannot judge this loader, which ``did_instead``, so ``missing`` was not exercised."""
     import pytest
@@ -119,12 +123,11 @@ class Check(NamedTuple):
             if keyword in accepted and options.get(keyword) is None:
                 options[keyword] = bool(getattr(args[0].function, SETTING[keyword].ini, False))
         kwargs = {k: v for k, v in options.items() if k in accepted and v is not None}
-        declared = args[0].purposes
-        if declared is not None and self.purpose not in declared:
+        reason = self.inapplicable_reason(args[0])
+        if reason is not None:
             import pytest
 
-            pytest.skip(f"{self.name}: loader {args[0].name} is declared for {' and '.join(declared)} only; this "
-                        f"check needs a {self.purpose} load")
+            pytest.skip(reason)
         if self.forks:  # its children inherit these instead of each importing them
             from pytest_llmload.runners.ranks import preload_for_isolated_checks
 
@@ -140,6 +143,24 @@ class Check(NamedTuple):
         """The same check on ``cuda:0`` (the write-ups' own setup), named ``<name>_cuda``, needing 1 GPU."""
         return self._replace(function=OnCuda(self.function, f"{self.name}_cuda"), label=f"{self.name}_cuda",
                              needs_gpus=1)
+
+    def inapplicable_reason(self, loader: Any) -> Optional[str]:
+        """Why this check does not apply to ``loader`` (a :class:`~pytest_llmload.loading.LoaderUnderTest`), decided
+        in this one place before anything loads: the installed transformers has no such failure, the loader is
+        declared for another purpose, or the repo declared the check not applicable to it. ``None``: it applies.
+        (What the loader then does, a scenario that did not happen, is the check's ``not exercised``.)"""
+        version = self.version_skip_reason()
+        if version is not None:
+            return version
+        purposes = getattr(loader, "purposes", None)
+        if purposes is not None and self.purpose not in purposes:
+            return (f"{self.name}: loader {loader.name} is declared for {' and '.join(purposes)} only; this check "
+                    f"needs a {self.purpose} load")
+        declared = getattr(loader, "not_applicable_reason", lambda name: None)
+        reason = declared(self.name) or declared(self.name.removesuffix("_cuda"))
+        if reason is not None:
+            return f"{DECLARED_NOT_APPLICABLE}{self.name}: {reason} (declared for loader {loader.name})"
+        return None
 
     def version_skip_reason(self) -> Optional[str]:
         """Why this check does not apply to the installed transformers, or ``None`` when it does."""

@@ -45,6 +45,7 @@ from pytest_llmload.fixes import DISTRIBUTED_ENV_VARS, is_distributed, local_ran
 from pytest_llmload.loading import LoaderModelError
 from pytest_llmload.probes import spy_classmethod
 from pytest_llmload.request import LoadRequest
+from pytest_llmload.scenarios import train_optimizer
 from pytest_llmload.runners import ranks
 
 Loader = Callable[[LoadRequest], Any]
@@ -251,7 +252,7 @@ def _load_prepare_and_step(loader: Loader, checkpoint: str, workdir: str, mode: 
     calls: list = []
     try:
         with spy_classmethod(PreTrainedModel, "from_pretrained", calls):
-            model = contract.load(loader, request, check="check_distributed_train_step").model
+            model, request = contract.load(loader, request, check="check_distributed_train_step").model_and_request
     except LoaderError as exc:
         placement = _placement(calls)
         pinned = placement.get("device_map")
@@ -262,7 +263,7 @@ def _load_prepare_and_step(loader: Loader, checkpoint: str, workdir: str, mode: 
             simulated = f"device_map={pinned!r}"
             calls.clear()
             with spy_classmethod(PreTrainedModel, "from_pretrained", calls), _pins_on_cpu():
-                model = contract.load(loader, request, check="check_distributed_train_step").model  # else its error
+                model, request = contract.load(loader, request, check="check_distributed_train_step").model_and_request
             result = _prepare_and_step(model, calls, checkpoint, request, mode, backend, rank)
             return {**result, "simulated": simulated}
         if mode == "ddp-budget" and refusal_problem(exc.original) is None:
@@ -319,7 +320,11 @@ def _prepare_and_step(model, calls: list, checkpoint: str, request: LoadRequest,
         expected = DistributedType.MULTI_CPU if backend == "gloo" else DistributedType.MULTI_GPU
     if accelerator.distributed_type != expected:  # the harness is wrong, not the loader
         raise RuntimeError(f"accelerate chose {accelerator.distributed_type}, expected {expected} on rank {rank}")
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not trainable:  # a frozen base: DDP and DeepSpeed refuse to prepare it whatever its placement
+        return {"skip": "returned a model with no trainable parameter (a frozen base): nothing for a distributed "
+                        "job to prepare and train"}
+    optimizer = train_optimizer(trainable, LEARNING_RATE)
     try:
         model, optimizer = accelerator.prepare(model, optimizer)
     except Exception as exc:  # noqa: BLE001 - whatever prepare() refuses is the finding

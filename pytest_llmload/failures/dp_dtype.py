@@ -5,25 +5,46 @@ under a 2-GPU Trainer with ``expected mat1 and mat2 to have the same dtype, but 
 the tell was the step count halving. Its fix: ``training_args._n_gpu = 1``
 (:func:`pytest_llmload.trainer_guard.prepare_training_args_for_placed_model`).
 
-The check, a model loaded for training handed to a stock ``transformers.Trainer`` that sees more than one GPU,
-runs on CPU.
-The check runs on CPU. "More than one GPU" is set where Trainer reads it, ``TrainingArguments.n_gpu``
-(see :func:`pytest_llmload.trainer_guard.observe_trainer`); everything after that is Trainer's own code.
-A training script's fix goes in ``prepare_args(args, model)``, called between the two, where the
-write-up put ``training_args._n_gpu = 1``.
+The check, a model loaded for training handed to a stock ``transformers.Trainer`` on a machine with 2 GPUs, runs
+on CPU, the machine simulated where Trainer reads it:
+
+- the placement: what the loader passes to ``from_pretrained`` (``device_map``, ``max_memory``) is planned for 2
+  GPUs of 80 GiB by the planner the predictions and the distributed check use
+  (:func:`pytest_llmload.prediction.predict.place`: transformers' own placement, its quantizer's included); where
+  that puts modules on the GPUs, the weights load on the cpu and the model carries the planned ``hf_device_map``,
+  as from_pretrained sets it there, for whatever the loader does next and for Trainer to read;
+- ``TrainingArguments`` as there: ``n_gpu`` 2, ``device`` ``cuda:0``
+  (:func:`pytest_llmload.trainer_guard.trainer_decision`).
+
+Everything after that is Trainer's own code (``__init__``: model parallel or not, ``n_gpu`` reset to 1 for it;
+``_wrap_model``: ``nn.DataParallel`` or not), and the training step runs on the cpu with the ``n_gpu`` it kept. A
+loader that spreads the model over both GPUs on purpose (``device_map="auto"`` with a per-GPU ``max_memory``,
+``"balanced"``) is model parallelism that Trainer sees: it passes. Each row says what was simulated.
+
+A training script's fix goes in ``prepare_args(args, model)``, called between ``TrainingArguments`` and
+``Trainer``, where the write-up put ``training_args._n_gpu = 1``. Whether the repo trains with Trainer at all is
+declared (a training-args hook; ``llmload_trains_with_trainer``; ``llmload_trains_without_trainer`` or
+``llmload_trains_under_deepspeed``, which skip) or observed (a ``transformers.Trainer`` class, trl's ``SFTTrainer``
+included, bound in the loader's own modules). Where neither says it does, the row is never FAILED: a model a stock
+Trainer would take wrongly is a skip that says what was assumed and what Trainer would do, and a model it takes
+rightly passes, with a note saying nothing was declared.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
+import sys
+import types
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
-from pytest_llmload.failures.base import Check, KnownFailure, not_exercised
+from pytest_llmload.failures.base import NOT_EXERCISED, Check, KnownFailure, not_exercised
 from pytest_llmload.failures import contract
 from pytest_llmload.loading import LoaderModelError
 from pytest_llmload.request import LoadRequest
+from pytest_llmload.tiny_models import copy_tokenizer
 from pytest_llmload.scenarios import where_loaded
 
 logger = logging.getLogger(__name__)
@@ -42,12 +63,16 @@ FAILURE = KnownFailure(
         "steps halves (136 -> 68)."
     ),
     fix=(
-        "Do not let Trainer data-parallelise a placed model: set training_args._n_gpu = 1 when hf_device_map "
-        "spreads the model (pytest_llmload.fixes.prepare_training_args_for_placed_model does this), or launch one process per GPU instead; name "
-        "that hook to the check (--llmload-training-args-hook), or declare llmload_trains_without_trainer where "
-        "the repo never trains with transformers.Trainer."
+        "Do not let Trainer data-parallelise a placed model: set training_args._n_gpu = 1 when the model is placed "
+        "(spread by hf_device_map, or quantized: pytest_llmload.fixes.prepare_training_args_for_placed_model does "
+        "this), or launch one process per GPU instead; name that hook to the check (--llmload-training-args-hook). "
+        "The check judges Trainer where the repo declares it (the hook, llmload_trains_with_trainer) or its loader's "
+        "modules import a Trainer class; declare llmload_trains_without_trainer where the repo never trains with "
+        "transformers.Trainer."
     ),
-    occurs="2+ GPUs; transformers Trainer up to 4.57 wraps 4-bit models, later versions skip 4-bit.",
+    occurs=("2+ GPUs seen by one process, the model placed where Trainer sees no model parallelism (on one GPU, "
+            "or a spread its hf_device_map does not show); Trainer up to 4.57 wraps 4-bit models, later versions "
+            "skip 4-bit but still count n_gpu."),
     tell=r"data_parallel|parallel_apply",
     without_tell=(
         "no DataParallel frame in the traceback: the same dtype symptom, so look for another float/bf16 mix "
@@ -55,6 +80,20 @@ FAILURE = KnownFailure(
     ),
 )
 
+# How a repo says it trains with transformers.Trainer (the write-up's script does), read from the loader function
+# until surface.TRAINING_DECLARATIONS carries it (then also an ini key and option, passed as `trains_with_trainer`).
+TRAINS_WITH_TRAINER_ATTRIBUTE = "llmload_trains_with_trainer"
+ASSUMED_NO_TRAINER = (
+    "assumed: this repo's training does not hand the model to transformers.Trainer (nothing declares how it trains: "
+    "declare llmload_trains_with_trainer or name its llmload_training_args_hook to have this judged, or "
+    "llmload_trains_without_trainer to confirm)")
+ASSUMED_EITHER_WAY = (
+    "assumed: nothing declares whether this repo trains with transformers.Trainer (llmload_trains_with_trainer, "
+    "llmload_training_args_hook, llmload_trains_without_trainer); judged as a stock Trainer would take the model, "
+    "it passes, so the verdict holds either way")
+# The simulated machine: the distributed check's GPUs (80 GiB each), a host that holds anything.
+SIMULATED_GPU_BYTES = 80 * 2**30
+SIMULATED_HOST_BYTES = 2**40
 STAGE1_SHARDS = 4
 # The first step's loss may differ a little from the model's own (dropout, bf16 rounding); a Trainer that
 # counts n_gpu devices it does not use scales it by n_gpu.
@@ -75,6 +114,7 @@ def write_stage1_checkpoint(checkpoint: Path, dest: Path) -> Path:
     total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     model.save_pretrained(dest, max_shard_size=total_bytes // STAGE1_SHARDS + 1, safe_serialization=True)
     AutoTokenizer.from_pretrained(checkpoint, local_files_only=True).save_pretrained(dest)
+    copy_tokenizer(checkpoint, dest)  # the slow classes' files too, which save_pretrained leaves out
     return dest
 
 
@@ -113,6 +153,132 @@ def four_bit_refusal() -> Optional[str]:
     return None
 
 
+def trainer_use_observed(function: Any) -> list[str]:
+    """Trainer classes the loader's own modules bind: ``["mypkg.train.SFTTrainer (trl.trainer.sft_trainer.SFTTrainer,
+    a transformers.Trainer)"]``; empty where none does.
+
+    Read from the modules as imported, never their text: the loader function's module, and the modules of the same
+    top-level package it reaches through its module-level names (modules, functions and classes imported from them),
+    at most 64. A class counts where it is ``transformers.Trainer`` or a subclass of it (trl's ``SFTTrainer``,
+    ``Seq2SeqTrainer``, a repo's own). This package's own modules are not a repo's."""
+    from transformers import Trainer
+
+    start = getattr(function, "__module__", None)
+    if not start or start not in sys.modules or start.split(".")[0] == "pytest_llmload":
+        return []
+    top = start.split(".")[0]
+    found, seen, queue = [], set(), [start]
+    while queue and len(seen) < 64:
+        name = queue.pop(0)
+        if name in seen or name not in sys.modules:
+            continue
+        seen.add(name)
+        for attr, value in list(vars(sys.modules[name]).items()):
+            if isinstance(value, type):
+                try:
+                    is_trainer = issubclass(value, Trainer)
+                except TypeError:
+                    is_trainer = False
+                if is_trainer:
+                    found.append(f"{name}.{attr} ({value.__module__}.{value.__qualname__}, a transformers.Trainer)")
+                    continue
+            if isinstance(value, types.ModuleType):
+                reached = value.__name__
+            elif isinstance(value, (type, types.FunctionType)):
+                reached = getattr(value, "__module__", None)
+            else:
+                continue
+            if isinstance(reached, str) and reached.split(".")[0] == top and reached not in seen:
+                queue.append(reached)
+    return found
+
+
+class Simulated(NamedTuple):
+    """One ``from_pretrained`` call the check placed as on the simulated machine."""
+
+    asked: dict  # device_map / max_memory as the loader passed them
+    planned: dict  # {module: "cuda:0" | "cpu" | "disk"}: the hf_device_map from_pretrained would set there
+    model: Any  # what from_pretrained returned here (the weights on the cpu), carrying ``planned``
+    own_map: Any  # its hf_device_map on this machine (_NONE where it had none)
+
+
+_NONE = object()
+
+
+def _accelerator(where: str) -> bool:
+    return where not in ("cpu", "disk", "meta")
+
+
+@contextlib.contextmanager
+def placed_as_on_gpus(request: LoadRequest, n_gpu: int, seen: list, problems: list):
+    """``from_pretrained`` as on a machine with ``n_gpu`` GPUs of :data:`SIMULATED_GPU_BYTES`: where the loader's
+    ``device_map``/``max_memory`` puts modules on the GPUs (the predictions' planner, :func:`predict.place`), the
+    weights load on the cpu instead (``device_map={"": "cpu"}``) and the model gets the planned ``hf_device_map``
+    (``cuda:N``). Each such call is appended to ``seen``; a placement that cannot be planned here to ``problems``
+    (and the call runs as the loader made it). A placement from_pretrained would refuse there raises its refusal,
+    from the loader's call."""
+    from transformers import PreTrainedModel
+
+    from pytest_llmload.prediction import architectures, predict, profiles
+
+    profile = profiles.RunnerProfile(name=f"{n_gpu} simulated GPUs", devices=n_gpu,
+                                     device_memory=SIMULATED_GPU_BYTES, host_memory=SIMULATED_HOST_BYTES,
+                                     disk=SIMULATED_HOST_BYTES)
+    original = PreTrainedModel.__dict__["from_pretrained"]
+    depth = [0]
+
+    def from_pretrained(klass, *args, **kwargs):
+        if depth[0] or kwargs.get("device_map") is None:  # no map: loaded whole, moved by Trainer, as there
+            return original.__func__(klass, *args, **kwargs)
+        depth[0] += 1
+        try:
+            asked = {key: kwargs[key] for key in ("device_map", "max_memory") if kwargs.get(key) is not None}
+            path = args[0] if args else kwargs.get("pretrained_model_name_or_path", request.model_path)
+            planned = None
+            try:
+                config = architectures.load_config(path, source="from_pretrained")
+                planned = predict.place(config, kwargs, request, profile)[1]
+            except predict._PlacementRefused as refused:
+                raise ValueError(f"on {n_gpu} simulated GPUs, from_pretrained would refuse this placement "
+                                 f"({asked}): {type(refused.refusal).__name__}: {refused.refusal}") from None
+            except Exception as exc:  # noqa: BLE001 - a placement the planner cannot take: judged as loaded here
+                problems.append(f"{asked} could not be planned for {n_gpu} GPUs ({type(exc).__name__}: {exc})")
+            planned = {name: f"cuda:{where}" if str(where).isdigit() else str(where)
+                       for name, where in (planned or {}).items()}
+            if not any(_accelerator(where) for where in planned.values()):
+                return original.__func__(klass, *args, **kwargs)
+            here = {key: value for key, value in kwargs.items() if key != "max_memory"}
+            model = original.__func__(klass, *args, **{**here, "device_map": {"": "cpu"}})
+            seen.append(Simulated(asked, planned, model, model.__dict__.get("hf_device_map", _NONE)))
+            model.hf_device_map = dict(planned)
+            return model
+        finally:
+            depth[0] -= 1
+
+    PreTrainedModel.from_pretrained = classmethod(from_pretrained)
+    try:
+        yield
+    finally:
+        PreTrainedModel.from_pretrained = original
+
+
+def _own_maps_back(seen: list) -> None:
+    """Each simulated model's own ``hf_device_map`` back (this machine's), where the loader left the planned one."""
+    for call in seen:
+        if call.model.__dict__.get("hf_device_map", _NONE) == call.planned:
+            if call.own_map is _NONE:
+                del call.model.hf_device_map
+            else:
+                call.model.hf_device_map = call.own_map
+
+
+def _where(planned: dict) -> str:
+    counts: dict[str, int] = {}
+    for where in planned.values():
+        counts[where] = counts.get(where, 0) + 1
+    return ", ".join(f"{d} ({n} module{'s' if n > 1 else ''})" for d, n in sorted(counts.items()))
+
+
 def check_trainer_does_not_wrap_placed_model(
     loader: Callable[[LoadRequest], Any],
     checkpoint: Path,
@@ -122,8 +288,9 @@ def check_trainer_does_not_wrap_placed_model(
     simulated_n_gpu: int = 2,
     trains_without_trainer: bool = False,
     trains_under_deepspeed: bool = False,
+    trains_with_trainer: bool = False,
 ) -> None:
-    """Seed 003: a train/4-bit/LoRA model from a local bf16 (stage-1) checkpoint, given to a stock Trainer with 2 GPUs, is not wrapped in nn.DataParallel and its first step runs with consistent dtypes; needs bitsandbytes 4-bit (its CPU backend will do)."""
+    """Seed 003: a train/4-bit/LoRA model from a local bf16 (stage-1) checkpoint, placed as the loader asks on 2 GPUs, is not data-parallelised by a stock Trainer (its own decision) and its first step runs with consistent dtypes; FAILED only where the repo declares or imports Trainer; needs bitsandbytes 4-bit (its CPU backend will do)."""
     from pytest_llmload.trainer_guard import observe_trainer
 
     if trains_without_trainer or trains_under_deepspeed:
@@ -135,6 +302,14 @@ def check_trainer_does_not_wrap_placed_model(
         import pytest
 
         pytest.skip(f"write-up 003's model is 4-bit: {refusal}")
+    function = getattr(loader, "function", loader)
+    declared = ("a training-args hook" if prepare_args is not None
+                else TRAINS_WITH_TRAINER_ATTRIBUTE if trains_with_trainer
+                or getattr(function, TRAINS_WITH_TRAINER_ATTRIBUTE, False) else None)
+    observed = [] if declared else trainer_use_observed(function)
+    if observed:
+        contract.note(f"observed: the loader's modules import {'; '.join(observed[:2])}: judged as a stock Trainer "
+                      "takes the model (declare llmload_trains_without_trainer where it never does)")
     workdir = Path(workdir)
     stage1 = workdir / "stage1"
     if stage1.exists():
@@ -143,12 +318,30 @@ def check_trainer_does_not_wrap_placed_model(
 
     request = LoadRequest(stage1, purpose="train", dtype="bfloat16", device="cpu", quantization="4bit", lora=True,
                           gpu_count=simulated_n_gpu)
-    model = contract.load(loader, request, check="check_trainer_does_not_wrap_placed_model").model
+    seen: list[Simulated] = []
+    unplanned: list[str] = []
+    simulating = placed_as_on_gpus(request, simulated_n_gpu, seen, unplanned) if simulated_n_gpu \
+        else contextlib.nullcontext()
+    with simulating:
+        model = contract.load(loader, request, check="check_trainer_does_not_wrap_placed_model").model
+    if simulated_n_gpu:
+        placed = "; ".join(dict.fromkeys(
+            f"from_pretrained({', '.join(f'{k}={v!r}' for k, v in call.asked.items())}) planned as "
+            f"{_where(call.planned)}" for call in seen)) or "it puts nothing on a GPU: judged as loaded here"
+        contract.note(f"simulated: {simulated_n_gpu} GPUs of {SIMULATED_GPU_BYTES // 2**30} GiB for Trainer's own "
+                      f"decision (TrainingArguments n_gpu={simulated_n_gpu}, device cuda:0); the loader's placement "
+                      f"by the predictions' planner ({placed}); the weights and the training step on the cpu"
+                      + (f"; not planned: {'; '.join(unplanned)}" if unplanned else ""))
     if not _is_4bit(model):
         # DataParallel over a plain, unplaced model is ordinary and works: not this failure's scenario.
-        not_exercised("check_trainer_does_not_wrap_placed_model", f"ignored the 4-bit request: it returned an "
-                      f"unquantized model, {where_loaded(model)}", "a placed 4-bit model handed to Trainer")
-    obs = observe_trainer(model, workdir / "trainer", simulated_n_gpu=simulated_n_gpu, prepare_args=prepare_args)
+        _own_maps_back(seen)
+        got = contract.observe(model).quantization
+        not_exercised("check_trainer_does_not_wrap_placed_model", f"ignored the 4-bit request: it returned "
+                      f"{'an ' + got if got else 'an unquantized'} model, {where_loaded(model)}",
+                      "a placed 4-bit model handed to Trainer")
+    obs = observe_trainer(model, workdir / "trainer", simulated_n_gpu=simulated_n_gpu,
+                          prepare_args=prepare_args, after_decision=lambda: _own_maps_back(seen))
+    _own_maps_back(seen)  # (without a simulated machine there was no decision to come back from)
     reading = _upstream_reading(obs)
     logger.info("seed 003: %s -- %s", obs.describe(), reading)
 
@@ -176,11 +369,23 @@ def check_trainer_does_not_wrap_placed_model(
     # Under nn.DataParallel on CPU the module runs unsplit, so its loss figure means nothing off CPU.
     if not obs.data_parallel and ratio is not None and abs(ratio - 1) > LOSS_RATIO_TOLERANCE:
         problems.append(f"the first step's loss is x{ratio:.3f} the model's own loss on the same rows")
+    if not declared and not observed:  # how the repo trains is unknown: never FAILED on an assumption
+        if problems or others:
+            import pytest
+
+            contract.note(ASSUMED_NO_TRAINER)
+            pytest.skip(f"{NOT_EXERCISED}check_trainer_does_not_wrap_placed_model: {ASSUMED_NO_TRAINER}. Were it "
+                        f"handed to a stock Trainer on {simulated_n_gpu} GPUs: "
+                        f"{'; '.join(problems + others)} ({reading})")
+        contract.note(ASSUMED_EITHER_WAY)
+        return
     if others and not problems:
         raise LoaderModelError(f"the loader's 4-bit model does not train under a stock Trainer, for a reason that is "
                                f"not write-up 003's ({'; '.join(others)}).\n{obs.describe()}")
     problems += others
     if problems:
+        basis = (f"Trainer use declared ({declared})" if declared
+                 else f"Trainer use observed: the loader's modules import {'; '.join(observed[:2])}")
         hint = (
             "" if prepare_args is not None else
             " This judges a stock Trainer (no training-args hook was given). Fix it in the training script: call "
@@ -191,7 +396,7 @@ def check_trainer_does_not_wrap_placed_model(
         )
         raise AssertionError(
             f"seed 003 (DataParallel over a placed model): {'; '.join(problems)}.\n"
-            f"Upstream behaviour seen: {reading}.\n{obs.describe()}.{hint}"
+            f"Upstream behaviour seen: {reading}.\n{obs.describe()}.\n{basis}.{hint}"
         )
 
 

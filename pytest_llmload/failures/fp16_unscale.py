@@ -160,10 +160,12 @@ def check_fp16_train_request_keeps_fp32_master_weights(loader: Loader, checkpoin
             "take an fp16 mixed-precision step (fp16-unscale: GradScaler needs float32 trainable weights; "
             "keep them float32, e.g. pytest_llmload.fixes.upcast_trainable_parameters):\n  "
             + "\n  ".join(failures))
-    if untrainable:
-        ran = f" (passed: {'; '.join(passed)})" if passed else ""
+    if untrainable and not passed:
         not_exercised("check_fp16_train_request_keeps_fp32_master_weights", f"returned a model with no trainable "
-                      f"parameter ({'; '.join(untrainable)}){ran}", "an fp16 mixed-precision step")
+                      f"parameter ({'; '.join(untrainable)})", "an fp16 mixed-precision step")
+    if untrainable:  # judged on the requests that trained, as the train check does (a frozen base without LoRA)
+        contract.note(f"{len(untrainable)} of {len(untrainable) + len(passed)} float16 train requests got a model "
+                      f"with no trainable parameter (a frozen base): nothing to judge there")
 
 
 # Isolated, like every check that calls the loader in this process (a hang is killed with the child).

@@ -21,7 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from pytest_llmload.failures.base import Check, KnownFailure
+from pytest_llmload.failures.base import Check, KnownFailure, not_exercised
 from pytest_llmload.failures import contract
 from pytest_llmload.loading import LoaderError, LoaderModelError
 from pytest_llmload.request import LoadRequest
@@ -69,15 +69,13 @@ def check_train_request_trains(loader: Loader, checkpoint, workdir, *, device: s
 
     failures, others, outcomes = [], [], []
     for budget, lora, gc in variants:
-        label = (f"{'max_memory=' + str(offload_budget(checkpoint, device)) if budget else 'no max_memory'}, "
-                 f"lora={lora}, gradient_checkpointing={gc}")
         request = LoadRequest(
             checkpoint, purpose="train", device=device, lora=lora, gradient_checkpointing=gc,
             max_memory=offload_budget(checkpoint, device) if budget else None,
             offload_folder=Path(workdir) / f"offload-train-{len(outcomes)}",
         )
         try:
-            model = contract.load(loader, request, check="check_train_request_trains").model
+            model, request = contract.load(loader, request, check="check_train_request_trains").model_and_request
         except LoaderError as exc:
             # Refusing a budget that cannot hold the model for training is write-up 002's fix; any other error
             # is the loader's own, reported as such (an error, not this failure).
@@ -85,6 +83,12 @@ def check_train_request_trains(loader: Loader, checkpoint, workdir, *, device: s
                 outcomes.append("refused")
                 continue
             raise
+        label = (f"{'max_memory=' + str(request.max_memory) if budget else 'no max_memory'}, lora={lora}, "
+                 f"gradient_checkpointing={gc}" + (f", {request.dtype}" if request.dtype != "float32" else ""))
+        if not any(p.requires_grad for p in model.parameters()):  # a frozen base: there is nothing to train
+            outcomes.append("frozen")
+            del model
+            continue
         placed, stepped = placement_problems(model, device), train_step_problems(model, device)
         problems = placed + stepped
         if placed or any(_META_GRADIENT in problem for problem in stepped):  # the mechanism: offloaded weights
@@ -93,13 +97,21 @@ def check_train_request_trains(loader: Loader, checkpoint, workdir, *, device: s
             others.append(f"[{label}]\n    " + "\n    ".join(problems))
         outcomes.append("trained" if not problems else "cannot train")
         del model
+    frozen = outcomes.count("frozen")
+    if not failures and not others and frozen and frozen + outcomes.count("refused") == len(outcomes):
+        not_exercised("check_train_request_trains", f"returned a model with no trainable parameter for {frozen} of "
+                      f"{len(outcomes)} train requests (a frozen base; the others refused the budget)",
+                      "a train step")
+    if frozen:
+        contract.note(f"{frozen} of {len(outcomes)} train requests got a model with no trainable parameter (a "
+                      "frozen base): nothing to judge there")
     if not failures and others:
         raise LoaderModelError(
             f"the loader's model, loaded whole with nothing offloaded, cannot train ({len(others)} of "
             f"{len(outcomes)} train requests; not write-up 002's failure):\n  " + "\n  ".join(others))
     if failures:
         failures += [f"(also, not 002's) {other}" for other in others]
-        counts = {o: outcomes.count(o) for o in ("trained", "refused", "cannot train")}
+        counts = {o: outcomes.count(o) for o in ("trained", "refused", "cannot train", "frozen")}
         raise AssertionError(
             f"{len(failures)} of {len(outcomes)} train requests failed (write-up 002: a model that will be "
             f"trained must not be offloaded); outcomes {counts}:\n  " + "\n  ".join(failures)

@@ -233,7 +233,7 @@ def check_offloaded_model_not_moved(loader: Loader, checkpoint, workdir, *, devi
                           max_memory=offload_budget(checkpoint, device, fraction=fraction),
                           offload_folder=Path(workdir) / "offload")
     try:
-        model = contract.load(loader, request, check="check_offloaded_model_not_moved").model
+        model, request = contract.load(loader, request, check="check_offloaded_model_not_moved").model_and_request
     except LoaderError as exc:
         move = find_move(exc.original)
         if move is None:

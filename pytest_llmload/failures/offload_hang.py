@@ -25,6 +25,7 @@ from typing import Any, Callable
 from pytest_llmload.diagnostics.phases import phase
 from pytest_llmload.failures.base import Check, KnownFailure, not_exercised
 from pytest_llmload.failures import contract
+from pytest_llmload.loading import LoaderModelError
 from pytest_llmload.probes import deadline, record_network, record_writes, spy_classmethod, system_tempdir
 from pytest_llmload.request import LoadRequest
 from pytest_llmload.scenarios import input_ids, offload_budget, offloaded_parts, plain_model, where_loaded
@@ -58,26 +59,28 @@ def check_offload_inference(loader: Loader, checkpoint, workdir, *, device: str 
     The ``max_memory`` forces cpu + disk (gpu + cpu on ``cuda:N``). The load returns within ``deadline_s``
     (a hang fails naming the blocked frame, with every thread's stack), ``generate`` makes ``new_tokens``
     tokens as the model loaded whole does, and the logits equal that model's (``torch.testing.assert_close``
-    float32 defaults: rtol 1.3e-6, atol 1e-5)."""
+    defaults for the dtype the loader loads: float32 rtol 1.3e-6, atol 1e-5)."""
     import torch
 
     request = LoadRequest(checkpoint, purpose="inference", device=device,
                           max_memory=offload_budget(checkpoint, device), offload_folder=Path(workdir) / "offload")
     start = time.monotonic()
     with deadline(deadline_s, f"the offloading inference load of {checkpoint} (max_memory={request.max_memory_dict})"):
-        model = contract.load(loader, request, check="check_offload_inference").model
+        loaded = contract.load(loader, request, check="check_offload_inference",
+                               needs=("unquantized",))  # (compared with the checkpoint)
+    model, request = loaded.model, loaded.request  # (in the dtype the loader loads)
     load_s = time.monotonic() - start
     if not offloaded_parts(model):
         not_exercised("check_offload_inference", f"loaded the model {where_loaded(model)} under "
                       f"max_memory={request.max_memory}: nothing was offloaded", "the offloaded path")
     model.eval()
-    whole = plain_model(checkpoint, device)
+    whole = plain_model(checkpoint, device, request.dtype)
     ids = input_ids(whole, device)
     with torch.no_grad(), deadline(deadline_s, "a forward pass of the offloaded model"), \
             phase("forward", f"offloaded and whole, batch {ids.shape[0]} x {ids.shape[1]} tokens"):
         got, want = contract.checkpoint_logits(model(input_ids=ids).logits, request), whole(input_ids=ids).logits
-    try:
-        torch.testing.assert_close(got.float().cpu(), want.float().cpu())
+    try:  # with the tolerances of the dtype the model computes in (float32's: rtol 1.3e-6, atol 1e-5)
+        torch.testing.assert_close(got.cpu().to(want.dtype), want.cpu())
     except AssertionError as exc:
         diff = (got.float().cpu() - want.float().cpu()).abs().max().item()
         raise AssertionError(
@@ -111,7 +114,8 @@ def check_load_writes_only_offload_folder(loader: Loader, checkpoint, workdir, *
                           max_memory=offload_budget(checkpoint, device), offload_folder=offload_folder)
     before = os.stat(system_tmp).st_mtime_ns
     with system_tempdir(system_tmp), record_writes() as writes:
-        model = contract.load(loader, request, check="check_load_writes_only_offload_folder").model
+        loaded = contract.load(loader, request, check="check_load_writes_only_offload_folder")
+    model, request = loaded.model, loaded.request
     inside = os.path.realpath(offload_folder) + os.sep
     outside = [w for w in writes if not w.at_import and not (w.path + os.sep).startswith(inside)]
     touched_tmp = os.stat(system_tmp).st_mtime_ns != before
@@ -158,6 +162,12 @@ def check_pad_token_set_offline(loader: Loader, checkpoint, workdir, *, device: 
     pad = next((p for p in (getattr(tokenizer, "pad_token_id", None), getattr(generation_config, "pad_token_id", None),
                             getattr(generation_config, "eos_token_id", None), model.config.eos_token_id)
                 if isinstance(p, int)), 0)
+    rows = contract.observe(model).vocab
+    if rows is not None and not 0 <= pad < rows:  # a token added to the tokenizer, never to the model's embeddings
+        raise LoaderModelError(
+            f"the loader's pad token id {pad} is outside its model's {rows} embedding rows: the tokenizer got a token "
+            "the model cannot embed (add it with model.resize_token_embeddings(len(tokenizer)) after adding it); "
+            "batched generation with it fails whatever the placement (not write-up 000's failure)")
     prompts = [[2, 3, 4, 5, 6], [7, 8]]
     width = max(map(len, prompts))
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)  # left-padded

@@ -266,7 +266,8 @@ def check_quantized_request_keeps_dtype(loader: Loader, checkpoint, workdir, *, 
         refused: list = []
         try:
             with record_cast_refusals(refused):
-                model = contract.load(loader, request, check="check_quantized_request_keeps_dtype").model
+                model, request = contract.load(loader, request,
+                                               check="check_quantized_request_keeps_dtype").model_and_request
         except contract.ContractGap:
             if not refused:
                 raise
@@ -291,7 +292,7 @@ def check_quantized_request_keeps_dtype(loader: Loader, checkpoint, workdir, *, 
         quantized, plain = quantized_layers(model, quantization)
         if not quantized:
             layer = "Linear4bit" if quantization == "4bit" else "Linear8bitLt"
-            not_run.append(f"[{label}] the loader returned no bitsandbytes {layer} layer ({len(plain)} plain "
+            not_run.append(f"[{label}] returned no bitsandbytes {layer} layer ({len(plain)} plain "
                            f"torch.nn.Linear): it ignored the {quantization} request")
             del model
             continue
@@ -299,7 +300,8 @@ def check_quantized_request_keeps_dtype(loader: Loader, checkpoint, workdir, *, 
         model.eval()
         # No cast was seen: whatever else is wrong is the loader's own (the contract layer caught the weights'
         # dtype already), not this failure's mechanism.
-        problems = dtype_problems(model, quantization, dtype) + forward_problems(model, device)
+        # (in the dtype the loader loads: a loader of one dtype is judged in it, and the row says so)
+        problems = dtype_problems(model, quantization, request.dtype) + forward_problems(model, device)
         if problems:
             others.append(f"[{label}] {len(quantized)} {quantization} layers, but " + "; ".join(problems))
         del model

@@ -39,11 +39,18 @@ class Verdict(NamedTuple):
 def of_exception(exc: BaseException, failure: Any) -> Optional[Verdict]:
     """The verdict of a check guarding ``failure`` (a :class:`~.base.KnownFailure`) that raised ``exc``; ``None``
     for an outcome that is not a failure (a skip)."""
+    if _is_skip(exc):
+        return None
+    judged = _judge(exc, failure)
+    if judged is not None and judged.kind == "error" and judged.cause in ("loader", "model"):
+        return _same_bug(judged, failure)
+    return judged
+
+
+def _judge(exc: BaseException, failure: Any) -> Optional[Verdict]:
     from pytest_llmload.loading import LOADER_FRAME, LoaderContractError, LoaderError, LoaderModelError
     from pytest_llmload.runners.isolation import child_outcomes
 
-    if _is_skip(exc):
-        return None
     outcomes = child_outcomes(exc)
     if outcomes is not None:  # an isolated child or the ranks: judge what they raised, then how they ended
         return _of_children(exc, outcomes, failure)
@@ -52,13 +59,13 @@ def of_exception(exc: BaseException, failure: Any) -> Optional[Verdict]:
         cause = {"ContractGap": "contract", "LoaderContractError": "contract", "LoaderError": "loader",
                  "LoaderModelError": "model", "LoaderFailedOnRank": "model"}.get(kind)
         if cause is not None:
-            return Verdict("error", None, cause, _first_line(exc).partition(": ")[2])
+            return Verdict("error", None, cause, _whole(exc).partition(": ")[2])
     if isinstance(exc, LoaderContractError):
-        return Verdict("error", None, "contract", _first_line(exc))
+        return Verdict("error", None, "contract", _whole(exc))
     if isinstance(exc, LoaderError):
-        return Verdict("error", None, "loader", _first_line(exc))
+        return Verdict("error", None, "loader", _whole(exc))
     if isinstance(exc, LoaderModelError):
-        return Verdict("error", None, "model", _first_line(exc))
+        return Verdict("error", None, "model", _whole(exc))
     if _is_timeout(exc):
         in_loader = LOADER_FRAME.search(str(exc) + "".join(traceback.format_tb(exc.__traceback__))) is not None
         return _hang(failure, in_loader, _first_line(exc))
@@ -67,6 +74,21 @@ def of_exception(exc: BaseException, failure: Any) -> Optional[Verdict]:
     if type(exc) is AssertionError or type(exc).__name__ == "FailureObserved":
         return Verdict("failed", failure.id, "mechanism", _head(exc))
     return _check_broke(exc)
+
+
+def _same_bug(judged: Verdict, failure: Any) -> Verdict:
+    """An error row whose text is another known failure's own error (a ``model.to()`` after an offloaded load breaks
+    every check that offloads): it stays an error here, where this check's mechanism was not observed, and says
+    which failure it is and which check judges it, so that one bug reads as one bug."""
+    from pytest_llmload.failures import REGISTRY, match
+
+    others = [known for known in match(judged.sentence) if known.id != getattr(failure, "id", None)]
+    if not others:
+        return judged
+    known = others[0]
+    checks = sorted({check.name for check in REGISTRY if check.failure.id == known.id and not check.needs_gpus})
+    return judged._replace(sentence=f"{judged.sentence}\nthe same bug as {', '.join(checks) or known.id}: "
+                                    f"{known.id} ({known.title}); fix: {known.fix}")
 
 
 def _of_children(exc: BaseException, outcomes: list, failure: Any) -> Verdict:
@@ -141,6 +163,19 @@ def _head(exc: BaseException) -> str:
     if not lines or not lines[0].endswith(":"):
         return _first_line(exc)
     return "\n".join(lines[:SUMMARY_LINES])
+
+
+WHOLE_LINES = 40
+
+
+def _whole(exc: BaseException) -> str:
+    """An error row's reason, every line of it (up to :data:`WHOLE_LINES`): the one thing to change is often after
+    the first (``loader error: ImportError:`` with the module on the next line)."""
+    lines = [line.rstrip() for line in str(exc).splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    cut = f"\n... ({len(lines) - WHOLE_LINES} more lines in the log)" if len(lines) > WHOLE_LINES else ""
+    return "\n".join(lines[:WHOLE_LINES]).strip() + cut
 
 
 def _first_line(exc: BaseException) -> str:

@@ -58,6 +58,7 @@ from pytest_llmload.failures.distributed_device_map import (
 from pytest_llmload.failures import contract
 from pytest_llmload.loading import LoaderError, LoaderModelError
 from pytest_llmload.request import LoadRequest
+from pytest_llmload.scenarios import train_optimizer
 from pytest_llmload.runners import ranks
 
 Loader = Callable[[LoadRequest], Any]
@@ -153,6 +154,10 @@ def check_zero3_load(
         not_exercised("check_zero3_load", f"built the model outside ZeRO-3's zero.Init (rank {rank}: none of its "
                       f"{r['params']} parameters has a ds_id; is_deepspeed_zero3_enabled() was {r['zero3_after']} "
                       "after the load)", "from_pretrained's device_map decision under ZeRO-3")
+    frozen = [rank for rank, r in enumerate(results) if r.get("trainable") == 0]
+    if frozen:
+        not_exercised("check_zero3_load", f"returned a model with no trainable parameter under ZeRO-3 (ranks "
+                      f"{frozen}; it loaded without a device_map, as ZeRO-3 needs)", "a ZeRO-3 train step")
     problems = judge_step(results, after="the loss after the step")
     if problems:
         raise LoaderFailedOnRank(
@@ -244,9 +249,10 @@ def _load_under_zero3(loader: Loader, checkpoint: str, workdir: str, device: str
         "ds_numel": sum(getattr(p, "ds_numel", 0) for p in params),
         "zero3_after": is_deepspeed_zero3_enabled(),
     }
-    if found["ds_params"] == 0:
-        return found
-    optimizer = torch.optim.AdamW([p for p in params if p.requires_grad], lr=LEARNING_RATE)
+    trainable = [p for p in params if p.requires_grad]
+    if found["ds_params"] == 0 or not trainable:  # (a frozen base: nothing for a step to train)
+        return {**found, "trainable": len(trainable)}
+    optimizer = train_optimizer(trainable, LEARNING_RATE)
     try:
         model, optimizer = accelerator.prepare(model, optimizer)
         losses = step_and_probe(accelerator, model, optimizer, rank)

@@ -54,18 +54,28 @@ def plan(model: Any, device_map: Any, max_memory: Optional[dict], *, dtype: Any,
     try:
         planned = get_device_map(model, device_map, max_memory, hf_quantizer, dtype)
     except RuntimeError:  # accelerate < 1.15 resolves torch.device(0) to balance, which fails without accelerators
-        balanced = balanced_by_hand(model, max_memory, dtype) if device_map != "sequential" else max_memory
+        balanced = (balanced_by_hand(model, max_memory, dtype, hf_quantizer=hf_quantizer)
+                    if device_map != "sequential" else max_memory)
         planned = get_device_map(model, "sequential", balanced, hf_quantizer, dtype)
     return {name: str(where) for name, where in planned.items()}
 
 
-def balanced_by_hand(model: Any, max_memory: dict, dtype: Any) -> dict:
+def balanced_by_hand(model: Any, max_memory: dict, dtype: Any, *, hf_quantizer: Any = None) -> dict:
     """What accelerate's ``get_balanced_memory`` gives (the weights shared out over the GPUs, plus the largest
-    unsplittable block as headroom), for accelerate versions whose own cannot run without accelerators."""
+    unsplittable block as headroom), for accelerate versions whose own cannot run without accelerators.
+
+    With ``hf_quantizer`` (a quantized load), the weights are counted as from_pretrained hands them to
+    ``get_balanced_memory``: at the quantizer's target dtype (:func:`shares`' count). Counted in ``dtype`` instead,
+    a 4-bit model's share was its bf16 size, which then held the whole 4-bit model on GPU 0."""
     from accelerate.utils import compute_module_sizes
 
     no_split = getattr(model, "_no_split_modules", None) or []
-    sizes = compute_module_sizes(model, dtype=dtype)
+    if hf_quantizer is None:
+        sizes = compute_module_sizes(model, dtype=dtype)
+    else:
+        from pytest_llmload.transformers_compat import module_sizes
+
+        sizes = module_sizes(model, hf_quantizer, dtype)
     blocks = [sizes[name] for name, module in model.named_modules() if type(module).__name__ in no_split]
     gpus = [key for key in max_memory if isinstance(key, int)]
     share = sizes[""] // max(len(gpus), 1) + max(blocks, default=0)

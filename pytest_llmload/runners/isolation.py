@@ -297,9 +297,11 @@ def _receive(proc, conn, outcome: ChildOutcome) -> None:
         outcome.status, outcome.exitcode = "died", proc.exitcode
     elif message[0] == "ok":
         outcome.status, outcome.value = "ok", message[1]
+        _keep_notes(message[2])
     else:
-        _, outcome.error, outcome.traceback, pickled, outcome.rendered = message
+        _, outcome.error, outcome.traceback, pickled, outcome.rendered, notes = message
         outcome.status = "raised"
+        _keep_notes(notes)
         if pickled is not None:
             with contextlib.suppress(Exception):
                 outcome.exception = pickle.loads(pickled)
@@ -416,6 +418,7 @@ def _child_main(index, spec, conn, workdir, parent_pid, log_level, coverage_sett
     stacks = open(os.path.join(workdir, f"child{index}.stacks"), "w")  # noqa: SIM115 - lives as long as the child
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     succeeded = False
+    notes = _collect_notes()
     try:
         if go is not None:
             go.wait()  # (the parent dying meanwhile ends this child too: start_child)
@@ -423,13 +426,13 @@ def _child_main(index, spec, conn, workdir, parent_pid, log_level, coverage_sett
             spec.prepare()
         value = spec.fn(*spec.args, **spec.kwargs)
         try:
-            payload = pickle.dumps(("ok", value))
+            payload = pickle.dumps(("ok", value, notes))
         except Exception as exc:  # noqa: BLE001
             raise TypeError(
                 f"{spec.label} returned a {type(value).__name__} that cannot be pickled: {exc}") from None
         succeeded = True
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent, KeyboardInterrupt too
-        payload = _error_payload(exc, spec.render)
+        payload = _error_payload(exc, spec.render, notes)
     child_coverage.save(cov)  # os._exit skips coverage's own save; before the answer, after which the parent may kill
     with contextlib.suppress(Exception):
         sys.stdout.flush()
@@ -487,13 +490,31 @@ def _rebuild_exception(module, qualname, args, state):
     return exc
 
 
-def _error_payload(exc: BaseException, render) -> bytes:
+def _error_payload(exc: BaseException, render, notes: list) -> bytes:
     pickled = _pickle_exception(exc)
     rendered = None
     if render is not None:
         with contextlib.suppress(Exception):
             rendered = render(exc)
-    return pickle.dumps(("raised", f"{type(exc).__name__}: {exc}", traceback.format_exc(), pickled, rendered))
+    return pickle.dumps(("raised", f"{type(exc).__name__}: {exc}", traceback.format_exc(), pickled, rendered,
+                         [str(note) for note in notes]))
+
+
+def _collect_notes() -> list:
+    """A fresh list for what the child's check says about how it judged (``keys.check_notes``), sent back with its
+    answer: the row is written in the parent (a forkserver child would not even see the parent's list)."""
+    notes: list = []
+    keys = sys.modules.get("pytest_llmload.keys")  # (only a check's child has it: it is a pytest module)
+    if keys is not None:
+        keys.check_notes.set(notes)
+    return notes
+
+
+def _keep_notes(notes) -> None:
+    keys = sys.modules.get("pytest_llmload.keys")
+    for note in notes or ():
+        if keys is not None:
+            keys.add_note(note)
 
 
 def _die_with_parent(parent_pid) -> None:

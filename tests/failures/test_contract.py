@@ -41,16 +41,15 @@ def loads_nothing(request):
     return model, AutoTokenizer.from_pretrained(request.model_path)
 
 
-def narrows_after_loading(request):
-    """A loader that loads as asked, then casts the model to bfloat16 (under ZeRO-3 too, where a model built on
+def shrinks_the_vocabulary(request):
+    """A loader that loads as asked, then drops rows of the embeddings (under ZeRO-3 too, where a model built on
     meta cannot even be partitioned: that is the loader's own error there)."""
-    import torch
-
     model, tokenizer = reference(request)
-    return model.to(torch.bfloat16), tokenizer
+    model.resize_token_embeddings(model.config.vocab_size - 4)
+    return model, tokenizer
 
 
-BREACHES = {"check_zero3_load": (narrows_after_loading, "the loader returned bfloat16 weights for a float32 request")}
+BREACHES = {"check_zero3_load": (shrinks_the_vocabulary, "rows for a checkpoint of")}
 
 
 @pytest.mark.parametrize("check", CPU_CHECKS)
@@ -89,14 +88,63 @@ def test_every_parameter_on_meta_is_nothing_loaded(llmload_checkpoint):
     assert "every parameter on the meta device" in _gap(empty, LoadRequest(llmload_checkpoint))
 
 
-def test_a_train_request_may_get_float32_master_weights_never_a_narrower_dtype(llmload_checkpoint):
-    fp32 = reference(LoadRequest(llmload_checkpoint))[0]
-    contract.verify(fp32, LoadRequest(llmload_checkpoint, purpose="train", dtype="bfloat16"), check="check_x")
-    assert _gap(fp32, LoadRequest(llmload_checkpoint, dtype="bfloat16")) == \
-        "the loader returned float32 weights for a bfloat16 request"
-    bf16 = reference(LoadRequest(llmload_checkpoint, dtype="bfloat16"))[0]
-    assert _gap(bf16, LoadRequest(llmload_checkpoint, purpose="train")).startswith(
-        "the loader returned bfloat16 weights for a float32 request")
+def float16_whatever_is_asked(request):
+    """A loader of one dtype (a vision-language project's LLM, write-up 002's script): float16, with the budget."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    calls.append(request)
+    return AutoModelForCausalLM.from_pretrained(
+        request.model_path, torch_dtype=torch.float16, local_files_only=True, max_memory=request.max_memory_dict,
+        device_map="auto" if request.max_memory else {"": request.device}, offload_folder=request.offload_folder)
+
+
+calls: list = []
+
+
+def test_a_loader_of_one_dtype_is_asked_again_in_it_with_its_budget_resized(llmload_checkpoint, tmp_path):
+    from pytest_llmload.keys import check_notes
+    from pytest_llmload.scenarios import offload_budget, offloaded_parts
+
+    notes: list = []
+    token = check_notes.set(notes)
+    calls.clear()
+    contract._ANSWERED_DTYPE.clear()
+    try:
+        budget = offload_budget(llmload_checkpoint)  # half of the float32 weights: all of the float16 ones
+        asked = LoadRequest(llmload_checkpoint, max_memory=budget, offload_folder=tmp_path / "offload")
+        loaded = contract.load(float16_whatever_is_asked, asked, check="check_x")
+        assert loaded.request == asked.replace(dtype="float16", max_memory={"cpu": budget["cpu"] // 2})
+        assert offloaded_parts(loaded.model), "the resized budget offloads the float16 model as the check meant"
+        assert [c.dtype for c in calls] == ["float32", "float16"]
+        model, tokenizer = loaded  # unpacks as a LoadResult
+        contract.load(float16_whatever_is_asked, asked, check="check_x")  # asked in float16 at once, now
+        assert [c.dtype for c in calls] == ["float32", "float16", "float16"]
+    finally:
+        check_notes.reset(token)
+    assert notes == ["judged in float16, the dtype its weights came in when asked float32 (max_memory budgets sized "
+                     "for float16)"]
+
+
+def test_a_declared_dtype_is_asked_at_once_and_a_train_request_may_get_float32(llmload_checkpoint):
+    from pytest_llmload.loading import as_loader_under_test
+
+    def declared(request):
+        return float16_whatever_is_asked(request)
+
+    declared.llmload_dtypes = ("fp16",)
+    calls.clear()
+    loaded = contract.load(as_loader_under_test(declared), LoadRequest(llmload_checkpoint), check="check_x")
+    assert [c.dtype for c in calls] == ["float16"] and loaded.request.dtype == "float16"
+    fp32 = contract.load(reference, LoadRequest(llmload_checkpoint, purpose="train", dtype="bfloat16"), check="c")
+    assert fp32.request.dtype == "bfloat16", "float32 master weights answer a train request as asked"
+
+
+def test_budgets_are_resized_by_the_weights_size_in_the_dtype(llmload_checkpoint):
+    request = LoadRequest(llmload_checkpoint, max_memory={0: "1GiB", "cpu": 1000})
+    assert contract.in_dtype(request, "bfloat16").max_memory == {0: 2**29, "cpu": 500}
+    assert contract.in_dtype(request.replace(dtype="float16"), "float32").max_memory == {0: 2**31, "cpu": 2000}
+    assert contract.in_dtype(request, "float32") is request
 
 
 def test_a_distributed_or_deepspeed_train_request_may_get_the_model_whole_on_the_cpu(llmload_checkpoint, monkeypatch):
@@ -156,23 +204,76 @@ def closes_stdout(request):
     return model
 
 
+@pytest.mark.parametrize("name", ["check_offload_inference", "check_adapter_on_offloaded_base"])
 @pytest.mark.parametrize(("loader", "said"), [
     (exits, "tried to end its process with os._exit(0)"),
     (exits_politely, "tried to end its process with sys.exit(3)"),
 ])
-def test_a_loader_that_exits_is_an_error_saying_so(loader, said, llmload_checkpoint, tmp_path):
-    (check,) = [c for c in REGISTRY if c.name == "check_offload_inference"]  # isolated: the exit is in a child
+def test_a_loader_that_exits_is_an_error_saying_so(name, loader, said, llmload_checkpoint, tmp_path):
+    # (the adapter check reads a refusal of its budget from the loader's error text, which an exit's message, naming
+    # the request's max_memory, must never pass for)
+    (check,) = [c for c in REGISTRY if c.name == name]  # isolated: the exit is in a child
     got = _verdict_of(check, loader, llmload_checkpoint, tmp_path)
-    assert (got.kind, got.failure, got.cause) == ("error", None, "contract") and said in got.sentence, got
+    assert got is not None and (got.kind, got.failure, got.cause) == ("error", None, "contract"), got
+    assert said in got.sentence, got
+
+
+def forks_a_worker(request):
+    """A loader that starts a worker process (a tokenizer pool, a download helper) which ends as fork children do."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return reference(request)
+
+
+def test_a_child_the_loader_forks_may_end_with_os_exit(llmload_checkpoint, tmp_path):
+    (check,) = [c for c in REGISTRY if c.name == "check_pad_token_set_offline"]
+    assert _verdict_of(check, forks_a_worker, llmload_checkpoint, tmp_path) is None
+
+
+# --- premises per check: what a check's mechanism needs, and only that ------------------------------------------
+
+
+def frozen_float16(request):
+    """A vision-language project's LLM: float16 whatever is asked, every base weight frozen, whole on the device."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(request.model_path, torch_dtype=torch.float16,
+                                                 local_files_only=True)
+    model.requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize("name", ["check_train_request_trains", "check_zero3_load", "check_distributed_train_step"])
+def test_a_frozen_base_is_not_exercised_by_a_train_check_never_an_error(name, llmload_checkpoint, tmp_path):
+    (check,) = [c for c in REGISTRY if c.name == name]
+    with pytest.raises(pytest.skip.Exception, match="not exercised: .*no trainable parameter"):
+        check(frozen_float16, llmload_checkpoint, tmp_path)
+
+
+# --- verdicts from exceptions alone --------------------------------------------------------------------------------
+
+
+def test_an_error_row_keeps_every_line_of_its_reason_and_names_a_known_failure_it_is():
+    from pytest_llmload.failures import BY_ID
+    from pytest_llmload.loading import LoaderError
+
+    error = LoaderError(ImportError("\n  No module named 'flash_attn': pip install flash-attn"), "l", LoadRequest("/x"))
+    judged = verdict.of_exception(error, BY_ID["meta-backward"])
+    assert judged.sentence.startswith("loader error: ImportError:") and "pip install flash-attn" in judged.sentence
+    moved = LoaderError(RuntimeError("You can't move a model that has some modules offloaded to cpu or disk."), "l",
+                        LoadRequest("/x"))
+    judged = verdict.of_exception(moved, BY_ID["offload-hang"])
+    assert (judged.kind, judged.failure, judged.cause) == ("error", None, "loader")
+    assert "the same bug as check_offloaded_model_not_moved: move-offloaded" in judged.sentence, judged.sentence
 
 
 def test_a_loader_that_closes_stdout_is_an_error_saying_so(llmload_checkpoint, tmp_path):
     (check,) = [c for c in REGISTRY if c.name == "check_pad_token_set_offline"]
     got = _verdict_of(check, closes_stdout, llmload_checkpoint, tmp_path)
     assert (got.kind, got.failure, got.cause) == ("error", None, "contract") and "closed sys.stdout" in got.sentence
-
-
-# --- verdicts from exceptions alone --------------------------------------------------------------------------------
 
 
 def test_verdicts_come_from_the_exception_not_from_the_report_text():

@@ -30,6 +30,13 @@ caller's enabled flag (parallel_apply.py:77-80, 109) though not its dtype, so "n
 whole story either; trl 1.16 gives another reason (replicas run a forward bound to the original model,
 sft_trainer.py:1115-1123). The two-GPU test below asserts the error itself where it can happen.
 
+The check judges the placement the loader asks for on the 2 GPUs it simulates (issue 35): what the loader passes
+to ``from_pretrained`` is planned by the predictions' planner and set as the model's ``hf_device_map`` (the weights
+stay on the cpu), and Trainer decides with ``args.device`` reading ``cuda:0``. A spread over both GPUs is model
+parallelism Trainer sees (``n_gpu`` 1): it passes, ``"balanced"`` included, which is why the before-loader hands
+its model on without ``hf_device_map`` (its docstring). A repo that declares nothing about Trainer, and imports no
+Trainer class, is never FAILED: a skip that says what was assumed.
+
 On one GPU it did not happen (H100, torch 2.11, transformers 5.17; docs/gpu.md): ``nn.DataParallel`` with
 ``device_ids=[0, 0]`` (two replicas on cuda:0, in two threads) over the write-up's model trained a step with
 and without Trainer's bf16 autocast. There ``"balanced"`` puts everything on cuda:0, transformers records no
@@ -316,3 +323,190 @@ def test_the_declaration_by_ini_key_or_option_reaches_a_repos_own_parametrized_t
     result.assert_outcomes(skipped=1)
     result.stdout.fnmatch_lines(["*not exercised: check_trainer_does_not_wrap_placed_model: the loader is declared to "
                                  "train without transformers.Trainer*"])
+
+
+# -- issue 35, point 4: the placement the loader makes on the simulated GPUs; Trainer declared, observed or assumed --
+
+
+def _judged(function, checkpoint, workdir, **options):
+    """The check as the plugin runs it in-process, with the row's notes: ``(outcome, text, notes)``, the outcome
+    ``"passed"``, ``"skipped"`` or ``"failed"``."""
+    from pytest_llmload.keys import check_notes
+
+    notes: list = []
+    token = check_notes.set(notes)
+    try:
+        check_trainer_does_not_wrap_placed_model(function, checkpoint, workdir, **options)
+    except pytest.skip.Exception as exc:
+        return "skipped", str(exc), notes
+    except AssertionError as exc:
+        return "failed", str(exc), notes
+    finally:
+        check_notes.reset(token)
+    return "passed", "", notes
+
+
+def _model_parallel_repo(request):
+    """Written like a repo that spreads the model over its GPUs on purpose (qlora's get_accelerate_model, the QLoRA
+    'naive pipeline parallelism' recipes): ``device_map="auto"`` with a budget for each of the run's GPUs, 4-bit,
+    LoRA, trained by Trainer."""
+    import torch
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    n_gpus = request.gpu_count if request.gpu_count is not None else torch.cuda.device_count()
+    model = AutoModelForCausalLM.from_pretrained(
+        request.model_path, local_files_only=True, dtype=request.torch_dtype,
+        device_map="auto", max_memory={i: "20GiB" for i in range(n_gpus)},
+        quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=request.torch_dtype))
+    model = prepare_model_for_kbit_training(model)
+    return get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+
+
+_model_parallel_repo.llmload_trains_with_trainer = True
+
+
+def _balanced_as_written(request):
+    """Write-up 003's stage-2 load as its words state it (4-bit, ``device_map="balanced"``, LoRA), the placement left
+    as from_pretrained makes it (the before-loader's stand-in line left out)."""
+    import torch
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    model = AutoModelForCausalLM.from_pretrained(
+        request.model_path, local_files_only=True, dtype=torch.bfloat16, device_map="balanced",
+        quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16))
+    model = prepare_model_for_kbit_training(model)
+    return get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+
+
+_balanced_as_written.llmload_trains_with_trainer = True
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("loader", [_model_parallel_repo, _balanced_as_written],
+                         ids=["auto-with-a-budget-per-gpu", "balanced"])
+def test_a_model_spread_over_both_gpus_on_purpose_is_model_parallel_for_trainer(llmload_checkpoint, tmp_path, loader):
+    """Planned for the 2 simulated GPUs, the placement is spread over both: Trainer's own __init__ reads it in
+    hf_device_map (through the peft wrapper), sets n_gpu to 1 and wraps nothing. Before, the check judged the model
+    as the CPU runner placed it (whole on the cpu), or the loader's per-GPU budget could not load here at all."""
+    _require_4bit_here()
+    outcome, text, notes = _judged(loader, llmload_checkpoint, tmp_path)
+    assert outcome == "passed", text
+    (simulated,) = [n for n in notes if n.startswith("simulated: ")]
+    assert "2 GPUs of 80 GiB" in simulated and "cuda:0 (" in simulated and "cuda:1 (" in simulated, simulated
+    assert "the weights and the training step on the cpu" in simulated, simulated
+
+
+@pytest.mark.timeout(120)
+def test_a_4bit_model_pinned_to_one_gpu_is_what_trainer_data_parallelises(llmload_checkpoint, tmp_path):
+    """The same 4-bit LoRA model on one GPU of the two: Trainer's hf_device_map reading sees one device, the one it
+    trains on, so it keeps n_gpu=2 (4.56 wraps it, 5.x doubles the batch): FAILED where Trainer use is declared."""
+    _require_4bit_here()
+    import torch
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    def pinned(request):
+        model = AutoModelForCausalLM.from_pretrained(
+            request.model_path, local_files_only=True, dtype=torch.bfloat16, device_map={"": 0},
+            quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16))
+        model = prepare_model_for_kbit_training(model)
+        return get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+
+    pinned.llmload_trains_with_trainer = True
+    outcome, text, notes = _judged(pinned, llmload_checkpoint, tmp_path)
+    assert outcome == "failed", text
+    assert "2 rows per device became 4 per step" in text and "Trainer deciding for cuda:0 with hf_device_map on " \
+        "cuda:0 (1 module)" in text, text
+    assert "Trainer use declared (llmload_trains_with_trainer)" in text, text
+
+
+def _declares_nothing(request):
+    return before_dp_dtype.load(request)  # the write-up's loader, without its llmload_trains_with_trainer
+
+
+@pytest.mark.timeout(120)
+def test_a_repo_that_declares_nothing_about_trainer_is_not_failed_and_its_row_says_what_was_assumed(
+        llmload_checkpoint, tmp_path):
+    _require_4bit_here()
+    outcome, text, notes = _judged(_declares_nothing, llmload_checkpoint, tmp_path)
+    assert outcome == "skipped", text
+    assert text.startswith("not exercised: check_trainer_does_not_wrap_placed_model: assumed: this repo's training "
+                           "does not hand the model to transformers.Trainer"), text
+    assert "Were it handed to a stock Trainer on 2 GPUs: " in text and "rows per device became 4" in text, text
+    assert any(n.startswith("assumed: this repo's training does not hand the model to transformers.Trainer")
+               for n in notes), notes
+
+
+@pytest.mark.timeout(120)
+def test_a_repo_that_declares_nothing_and_passes_says_the_verdict_holds_either_way(llmload_checkpoint, tmp_path):
+    _require_4bit_here()
+
+    def spread_declaring_nothing(request):
+        return _model_parallel_repo(request)
+
+    outcome, text, notes = _judged(spread_declaring_nothing, llmload_checkpoint, tmp_path)
+    assert outcome == "passed", text
+    assert any(n.startswith("assumed: nothing declares whether this repo trains with transformers.Trainer") and
+               "verdict holds either way" in n for n in notes), notes
+
+
+_TRAINING_MODULE = '''
+from transformers import Trainer
+
+class RecipeTrainer(Trainer):
+    pass
+'''
+_ADAPTER_MODULE = '''
+from llmload_probe_repo.train import RecipeTrainer  # noqa: F401  (the repo's training script, imported)
+from fixtures.loaders import before_dp_dtype
+
+
+def load(request):
+    return before_dp_dtype.load(request)
+'''
+
+
+@pytest.mark.timeout(120)
+def test_trainer_use_observed_in_the_loaders_own_modules_is_judged(llmload_checkpoint, tmp_path, monkeypatch):
+    """A loader whose package imports a transformers.Trainer subclass: Trainer use is observed, so the row is
+    judged (FAILED here) without a declaration, and says what it observed."""
+    _require_4bit_here()
+    import types
+
+    from pytest_llmload.failures.dp_dtype import trainer_use_observed
+
+    package = types.ModuleType("llmload_probe_repo")
+    package.__path__ = []
+    train, adapter = types.ModuleType("llmload_probe_repo.train"), types.ModuleType("llmload_probe_repo.adapter")
+    for module in (package, train, adapter):
+        monkeypatch.setitem(__import__("sys").modules, module.__name__, module)
+    exec(_TRAINING_MODULE, train.__dict__)
+    exec(_ADAPTER_MODULE, adapter.__dict__)
+    assert trainer_use_observed(adapter.load) == [
+        "llmload_probe_repo.adapter.RecipeTrainer (llmload_probe_repo.train.RecipeTrainer, a transformers.Trainer)"]
+    assert trainer_use_observed(_declares_nothing) == []  # tests.* binds no Trainer class
+    assert trainer_use_observed(before_dp_dtype.load) == []
+    outcome, text, notes = _judged(adapter.load, llmload_checkpoint, tmp_path)
+    assert outcome == "failed", text
+    assert "Trainer use observed: the loader's modules import llmload_probe_repo.adapter.RecipeTrainer" in text, text
+    assert any(n.startswith("observed: ") for n in notes), notes
+
+
+@pytest.mark.timeout(120)
+def test_the_write_up_loader_fails_and_with_its_fix_passes_through_the_registry(llmload_checkpoint, tmp_path):
+    """As the plugin runs it (the registry's Check, isolated): write-up 003's before-loader, declared to train with
+    Trainer, FAILS; the same loader naming the write-up's fix as its training-args hook passes."""
+    _require_4bit_here()
+    from pytest_llmload.failures import REGISTRY
+
+    (check,) = [c for c in REGISTRY if c.name == "check_trainer_does_not_wrap_placed_model"]
+    with pytest.raises(AssertionError, match="rows per device became 4 per step"):
+        check(before_dp_dtype.load, llmload_checkpoint, tmp_path / "before")
+
+    def fixed(request):
+        return before_dp_dtype.load(request)
+
+    fixed.llmload_training_args_hook = "pytest_llmload.trainer_guard:prepare_training_args_for_placed_model"
+    check(fixed, llmload_checkpoint, tmp_path / "fixed")

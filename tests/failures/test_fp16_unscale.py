@@ -229,12 +229,22 @@ def test_check_skips_when_the_loader_returns_nothing_trainable(llmload_checkpoin
     assert "an fp16 mixed-precision step was not exercised" in reason
 
 
-def test_check_skips_naming_what_passed_when_one_variant_is_untrainable(llmload_checkpoint, tmp_path):
-    with pytest.raises(pytest.skip.Exception) as excinfo:
+def test_check_judges_what_trained_and_notes_an_untrainable_variant(llmload_checkpoint, tmp_path):
+    """A frozen base without LoRA is nothing to judge; the LoRA request that trains is judged (issue 35: as the
+    train check does). Only when nothing trains does the check skip."""
+    from pytest_llmload.keys import check_notes
+
+    notes: list = []
+    token = check_notes.set(notes)
+    try:
         CHECK(freezes_the_full_fine_tune, llmload_checkpoint, tmp_path)
-    reason = str(excinfo.value)
-    assert "dtype=float16, lora=False: none of its" in reason
-    assert f"passed: dtype=float16, lora=True: {tiny_llama.LORA_WEIGHTS} float32 trainable parameters" in reason
+    finally:
+        check_notes.reset(token)
+    assert notes == ["1 of 2 float16 train requests got a model with no trainable parameter (a frozen base): nothing "
+                     "to judge there"], notes
+    with pytest.raises(pytest.skip.Exception, match="dtype=float16, lora=False: none of its"):
+        fp16_unscale.check_fp16_train_request_keeps_fp32_master_weights(
+            freezes_the_full_fine_tune, llmload_checkpoint, tmp_path, variants=(False,))
 
 
 def test_a_loaders_own_error_propagates_as_it_is(llmload_checkpoint, tmp_path):

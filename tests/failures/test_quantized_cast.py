@@ -243,7 +243,7 @@ def test_check_passes_on_the_downstream_loader_and_says_8bit_was_not_exercised(l
     caplog.set_level(logging.INFO, logger="pytest_llmload")
     quantized_cast.check_quantized_request_keeps_dtype(downstream_fixed.load, llmload_checkpoint, tmp_path)
     (line,) = [r.getMessage() for r in caplog.records if "not exercised" in r.getMessage()]
-    assert line.endswith("[8bit, float16] the loader returned no bitsandbytes Linear8bitLt layer "
+    assert line.endswith("[8bit, float16] returned no bitsandbytes Linear8bitLt layer "
                          f"({QUANTIZED + 1} plain torch.nn.Linear): it ignored the 8bit request"), line
 
 
@@ -263,7 +263,7 @@ def test_check_skips_when_the_loader_ignores_the_quantization_request(llmload_ch
         quantized_cast.check_quantized_request_keeps_dtype(ignores_quantization, llmload_checkpoint, tmp_path)
     reason = str(excinfo.value)
     assert reason.startswith("not exercised: check_quantized_request_keeps_dtype: the loader [4bit, float16] ")
-    assert (f"[4bit, float16] the loader returned no bitsandbytes Linear4bit layer ({QUANTIZED + 1} plain "
+    assert (f"[4bit, float16] returned no bitsandbytes Linear4bit layer ({QUANTIZED + 1} plain "
             "torch.nn.Linear): it ignored the 4bit request") in reason
 
 

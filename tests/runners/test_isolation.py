@@ -610,3 +610,24 @@ def test_a_forked_child_starts_with_this_heap_frozen_and_the_callers_freeze_is_k
         assert (gc.get_freeze_count() > 0) == frozen_by_caller
     finally:
         gc.unfreeze()
+
+
+def _notes_a_row():
+    from pytest_llmload.keys import add_note
+
+    add_note("simulated: said in the child")
+    raise pytest.skip.Exception("not exercised: x")
+
+
+def test_what_a_child_says_about_its_row_comes_back_with_its_answer():
+    """A check's note (contract.note: how it judged) is made where the check runs; the row is written here."""
+    from pytest_llmload.keys import check_notes
+
+    notes: list = []
+    token = check_notes.set(notes)
+    try:
+        with pytest.raises(pytest.skip.Exception):
+            run_isolated(_notes_a_row, (), timeout=30, label="notes")
+    finally:
+        check_notes.reset(token)
+    assert notes == ["simulated: said in the child"]
