@@ -81,7 +81,8 @@ def declared_by_configuration(loader: "LoaderUnderTest", config: pytest.Config) 
     from pytest_llmload import settings
     from pytest_llmload.loading import LoaderSpecError, parse_dtypes, parse_not_applicable, parse_purposes
 
-    for key, field, parse in (("loader_purposes", "purposes", parse_purposes), ("loader_dtypes", "dtypes", parse_dtypes),
+    for key, field, parse in (("loader_purposes", "purposes", parse_purposes),
+                              ("loader_dtypes", "dtypes", parse_dtypes),
                               ("not_applicable", "not_applicable", parse_not_applicable)):
         declared = settings.given(config, key)
         if declared:

@@ -413,7 +413,8 @@ def check_adapter_on_offloaded_base(loader: Loader, checkpoint, workdir, *, devi
     del truth, base
 
     facts = contract.observe(model, request)
-    contract.require(bool(facts.offloaded), name, f"loaded the base {facts.where} under max_memory={request.max_memory}: nothing "
+    contract.require(bool(facts.offloaded), name, f"loaded the base {facts.where} under "
+                     f"max_memory={request.max_memory}: nothing "
                      "was offloaded", "an adapter on an offloaded base")
     model.eval()  # as a server puts it before generating
     lora = _lora_parameters(model)

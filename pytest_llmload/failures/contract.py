@@ -210,7 +210,8 @@ def observe(model: Any, request: Optional[LoadRequest] = None) -> Facts:
     mapped = {str(v) for v in (getattr(model, "hf_device_map", None) or {}).values()}
     return Facts(
         weight_dtype=weight_dtype, quantized=quantized,
-        quantization=("4bit" if "Linear4bit" in layers else "8bit") if layers else None, compute_dtypes=compute, adapter_weights=adapter, adapter_on_meta=adapter_meta,
+        quantization=("4bit" if "Linear4bit" in layers else "8bit") if layers else None, compute_dtypes=compute,
+        adapter_weights=adapter, adapter_on_meta=adapter_meta,
         offloaded=tuple(offloaded_parts(model)), devices=devices, vocab=vocab,
         checkpoint_vocab=None if request is None else checkpoint_vocab(request.model_path),
         all_on_meta=bool(params) and devices == ("meta",) and not (mapped - {"meta"}),

@@ -124,8 +124,10 @@ def check_load_writes_only_offload_folder(loader: Loader, checkpoint, workdir, *
         shown = "\n  ".join(f"{w.event} {w.path}" for w in outside[:12])
         kinds = [w.event for w in outside]
         summary = ", ".join(f"{k} {kinds.count(k)}" for k in sorted(set(kinds), key=lambda k: (-kinds.count(k), k)))
+        loads = "" if request.dtype == "float32" or getattr(loader, "dtypes", None) else (
+            f" (over this check's two loads: asked in float32, then again in the {request.dtype} the loader loads)")
         raise AssertionError(
-            f"the offloading load wrote outside its offload folder {offload_folder}: {len(outside)} write(s) "
+            f"the offloading load wrote outside its offload folder {offload_folder}{loads}: {len(outside)} write(s) "
             f"({summary}), {len(in_tmp)} of them in the system temp dir (redirected to {system_tmp}); the temp dir "
             f"{'was' if touched_tmp else 'was not'} modified. A silent temporary round-trip of the weights "
             f"(offload_state_dict=True, write-up 000) looks like a hang on a large model.\n  {shown}"
