@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 import pytest
 
 from pytest_llmload import gpus
-from pytest_llmload.runners import isolation, ranks
+from pytest_llmload.runners import isolation, ranks, wire
 from pytest_llmload.runners.isolation import ChildOutcome
 from pytest_llmload.runners.launcher import RESULT_MARGIN_S, Launch, Meeting, agree, agreed, meeting_of, test_key
 from pytest_llmload.runners.ranks import DistributedEnv, DistributedRunFailed
@@ -56,10 +56,9 @@ class LaunchedEnv(DistributedEnv):
             if launch.rank == 0:
                 # A fresh store for this run's process group: a group made by env:// on a store that earlier
                 # groups used would find their keys. The ranks connect to it as clients, as to torchrun's agent.
-                import torch.distributed as dist
-
-                server = dist.TCPStore(launch.master_addr, 0, launch.world_size, is_master=True,
-                                       wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout))
+                # It listens on MASTER_ADDR's address only, not on every interface (runners.wire).
+                server = wire.loopback_store(launch.world_size, datetime.timedelta(seconds=timeout),
+                                             host=launch.master_addr)
             ready = meeting.gather(f"{key}/ready", server.port if server else None,
                                    abort=functools.partial(_peer_left, meeting, f"{test}/call", what))
             outcome = _run_here(launch, fn, args, kwargs, backend, timeout, env, init_process_group, ready[0])

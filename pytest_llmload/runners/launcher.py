@@ -170,18 +170,20 @@ class Meeting:
         return self._store
 
     def post(self, key: str, value: Any) -> None:
-        import pickle  # (not at plugin load: a plain run never needs it)
+        from pytest_llmload.runners import wire  # (not at plugin load: a plain run never needs it)
 
-        self.store.set(f"{key}/{self.launch.rank}", pickle.dumps(value))
+        self.store.set(f"{key}/{self.launch.rank}", wire.dumps(value))
         self.store.add(f"{key}/count", 1)
 
     def posted(self, key: str) -> int:
         return self.store.add(f"{key}/count", 0)
 
     def read(self, key: str, rank: int) -> Any:
-        import pickle
+        """Rank ``rank``'s value under ``key``, as plain data only: anything that reaches the store's port can write a
+        key, so nothing read there is unpickled as it is (:mod:`pytest_llmload.runners.wire`)."""
+        from pytest_llmload.runners import wire
 
-        return pickle.loads(self.store.get(f"{key}/{rank}"))
+        return wire.loads(self.store.get(f"{key}/{rank}"), what=f"rank {rank}'s value under {key!r}")
 
     def gather(self, key: str, value: Any, *, deadline: Optional[float] = None,
                abort: Optional[Callable[[], None]] = None) -> dict[int, Any]:

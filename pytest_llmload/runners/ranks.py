@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional
 
 from pytest_llmload import gpus
-from pytest_llmload.runners import isolation
+from pytest_llmload.runners import isolation, wire
 from pytest_llmload.runners.isolation import ChildOutcome, describe_exitcode  # noqa: F401  (part of this API)
 
 # ---------------------------------------------------------------------------------------------------------
@@ -218,8 +218,8 @@ def run_rank_groups(
     # Each group's rendezvous store lives here, bound to a port the OS picked, for as long as the ranks run: nothing
     # has to guess a free port and race another test or xdist worker for it. The ranks connect to it as
     # clients, as torchrun's workers connect to their agent's store.
-    stores = [dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
-                            timeout=datetime.timedelta(seconds=timeout)) for _ in groups]
+    # On the loopback interface only (runners.wire): another user's process on a shared runner cannot write a key.
+    stores = [wire.loopback_store(world_size, datetime.timedelta(seconds=timeout)) for _ in groups]
     group_of = [g for g in range(len(groups)) for _ in range(world_size)]
 
     def grace_once_the_others_are_done(outcomes):

@@ -1,0 +1,102 @@
+"""What crosses a socket between ranks (pytest_llmload.runners.wire): plain data only, and stores bound where only
+the run's ranks reach them (issue 36: a pickle posted to the launcher's store by another process ran in rank 0)."""
+
+import datetime
+import os
+import pickle
+import socket
+
+import pytest
+
+from pytest_llmload.runners import wire
+from pytest_llmload.runners.launcher import Launch, Meeting
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Payload:
+    """What an attacker posts: unpickling it runs ``os.system``."""
+
+    def __init__(self, command):
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+def test_plain_data_goes_and_comes_back_as_it_was():
+    value = {"outcome": "failed", "text": "x", "agreed": False, "ranks": [0, 1], "pair": (1, 2.5), "none": None,
+             "bytes": b"\x00", "set": {3}, "error": ValueError("bad")}
+    back = wire.loads(wire.dumps(value))
+    assert {k: v for k, v in back.items() if k != "error"} == {k: v for k, v in value.items() if k != "error"}
+    assert type(back["error"]) is ValueError and back["error"].args == ("bad",)
+
+
+def test_a_pickle_that_runs_code_is_refused_before_any_of_it_runs(tmp_path):
+    marker = tmp_path / "ran"
+    data = pickle.dumps(Payload(f"touch {marker}"))
+    with pytest.raises(wire.UnsafeValue, match=r"rank 1's value under 'k' refers to posix.system, which is not "
+                                               r"plain data"):
+        wire.loads(data, what="rank 1's value under 'k'")
+    assert not marker.exists()
+    with pytest.raises(wire.UnsafeValue, match="a value to send refers to posix.system"):
+        wire.dumps(Payload("true"))
+
+
+class FakeStore:
+    """The store interface a Meeting uses, as a dict anyone can write (as anyone who reaches the port can)."""
+
+    def __init__(self):
+        self.values: dict = {}
+
+    def set(self, key, value):
+        self.values[key] = value
+
+    def get(self, key):
+        return self.values[key]
+
+    def add(self, key, amount):
+        self.values[key] = self.values.get(key, 0) + amount
+        return self.values[key]
+
+    def check(self, keys):
+        return all(key in self.values for key in keys)
+
+
+def test_the_meeting_reads_what_another_process_posted_as_data_only(tmp_path):
+    store = FakeStore()
+    meeting = Meeting(Launch("srun", 0, 2, 0, "127.0.0.1", 29500, False), store=store)
+    marker = tmp_path / "ran"
+    store.set("collected/1", pickle.dumps(Payload(f"touch {marker}")))  # a hostile process posts for rank 1
+    with pytest.raises(wire.UnsafeValue, match="rank 1's value under 'collected'"):
+        meeting.read("collected", 1)
+    assert not marker.exists()
+    meeting.post("collected", ["test_a", "test_b"])
+    assert meeting.read("collected", 0) == ["test_a", "test_b"]
+
+
+def test_a_store_for_one_machines_ranks_listens_on_loopback_only():
+    import torch.distributed as dist
+
+    store = wire.loopback_store(2, datetime.timedelta(seconds=10))
+    try:
+        client = dist.TCPStore("127.0.0.1", store.port, 2, is_master=False, timeout=datetime.timedelta(seconds=10))
+        client.set("k", "v")
+        assert store.get("k") == b"v"
+        address = _an_address_that_is_not_loopback()
+        if address is None:
+            pytest.skip("this machine has no address beside loopback to try the store's port from")
+        with pytest.raises(OSError):
+            socket.create_connection((address, store.port), timeout=2).close()
+    finally:
+        del store
+
+
+def _an_address_that_is_not_loopback():
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("10.255.255.255", 1))  # no packet is sent: the kernel picks the outgoing interface
+            address = probe.getsockname()[0]
+        except OSError:
+            return None
+    return None if address.startswith("127.") else address
