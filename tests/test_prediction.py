@@ -47,9 +47,14 @@ def test_a_profile_of_ones_own_is_a_json_file(tmp_path):
     ("{bad}", "cannot be read"),
     ('{"devices": -1, "host_memory": "1GiB"}', "devices=-1 is not a count of GPUs"),
     ('{"devices": 1, "device_memory": "lots", "host_memory": "1GiB"}', "device_memory 'lots' is not a size"),
-])
+    # Hostile files (issue 36): refused before anything is allocated for them, as usage errors, never a traceback.
+    ('{"devices": 100000000, "device_memory": "80GiB", "host_memory": "1GiB"}', "more GPUs than one runner holds"),
+    ("[" * 100000 + "]" * 100000, "nested too deeply"),
+    ('{"devices": 1, "pad": "' + "x" * (2 << 20) + '"}', "more than the 1.0 MiB such a file ever needs"),
+    ("[1, 2]", "holds a JSON list, not an object"),
+], ids=["unknown", "not-json", "negative-devices", "bad-size", "1e8-devices", "nested", "2MiB", "list"])
 def test_a_bad_profile_says_what_and_where(tmp_path, value, said):
-    if value.startswith("{"):
+    if value.startswith(("{", "[")):
         path = tmp_path / "bad.json"
         path.write_text(value)
         value = str(path)
@@ -78,6 +83,18 @@ def test_each_shipped_architecture_builds_empty_at_its_public_size(name, empty_b
     model = empty_bf16_model(name)
     assert {p.device.type for p in model.parameters()} == {"meta"}
     assert architectures.parameter_count(model) / 1e9 == pytest.approx(PUBLIC_SIZE_B[name], rel=0.01)
+
+
+@pytest.mark.parametrize(("change", "said"), [
+    ({"hidden_size": 10**9}, r"hidden_size=1000000000 is not a size a model has"),
+    ({"num_hidden_layers": 10**6, "hidden_size": 10**5}, r"about .* parameters, more than the 1e\+13"),
+    ({"vocab_size": "big"}, "vocab_size='big' is not a size"),
+])
+def test_a_config_of_no_real_model_is_refused_before_anything_is_built(tmp_path, change, said):
+    config = {**architectures.load_config("llama-3-8b"), **change}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(architectures.ArchitectureError, match=said):
+        architectures.load_config(tmp_path)
 
 
 def test_an_unknown_model_says_what_to_pass():

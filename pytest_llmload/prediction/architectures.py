@@ -32,13 +32,44 @@ def load_config(name_or_path: Union[str, Path], *, source: str = "--model") -> d
     if not path.is_file():
         raise ArchitectureError(f"{source} {text!r} is neither a shipped architecture ({', '.join(shipped_names())}) "
                                 "nor a config.json (or a directory holding one); pass one of those.")
+    from pytest_llmload.prediction.profiles import read_small_json
+
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
+        config = read_small_json(path)
         if not isinstance(config, dict) or "model_type" not in config:
             raise ValueError("it has no model_type")
-    except ValueError as exc:
+        _check_sizes(config)
+    except (OSError, ValueError) as exc:
         raise ArchitectureError(f"{source} {text!r}: {path} is not a transformers config ({exc}).") from None
     return {k: v for k, v in config.items() if not k.startswith("_")}
+
+
+# The largest architecture a prediction plans (about 10 trillion parameters: far beyond any published model) and the
+# largest of the sizes a model's buffers are made from (rotary tables, masks), checked before anything is built.
+MAX_PARAMETERS = 10**13
+MAX_DIMENSION = 10**8
+_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size", "max_position_embeddings",
+          "num_attention_heads", "num_key_value_heads", "num_local_experts", "moe_intermediate_size", "head_dim")
+
+
+def _check_sizes(config: dict) -> None:
+    """``ValueError`` for a config whose sizes no real model has: each size below :data:`MAX_DIMENSION`, and the
+    parameters a decoder of those sizes holds (embeddings, attention, MLP per expert) below :data:`MAX_PARAMETERS`."""
+    sizes = {}
+    for key in _SIZES:
+        value = config.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_DIMENSION:
+            raise ValueError(f"{key}={value!r} is not a size a model has (a whole number up to {MAX_DIMENSION:,})")
+        sizes[key] = value
+    hidden, layers = sizes.get("hidden_size", 0), sizes.get("num_hidden_layers", 0)
+    mlp = sizes.get("moe_intermediate_size") or sizes.get("intermediate_size", 4 * hidden)
+    experts = max(1, sizes.get("num_local_experts", 1))
+    estimate = 2 * sizes.get("vocab_size", 0) * hidden + layers * (4 * hidden * hidden + 3 * hidden * mlp * experts)
+    if estimate > MAX_PARAMETERS:
+        raise ValueError(f"its sizes make about {estimate:.3g} parameters, more than the {MAX_PARAMETERS:.0e} a "
+                         "prediction plans")
 
 
 def empty_model(config: dict, dtype: Any, *, quantizer: Any = None, device_map: Any = None) -> Any:

@@ -15,6 +15,10 @@ from typing import NamedTuple, Union
 from pytest_llmload.sizes import format_bytes, parse_size
 
 SHIPPED = Path(__file__).parent / "profiles"
+# Bounds checked before anything is allocated for a file a user names: a profile is a few hundred bytes, a
+# config.json a few KiB; a runner has at most a few dozen GPUs.
+MAX_FILE_BYTES = 1 << 20
+MAX_DEVICES = 1024
 
 
 class ProfileError(ValueError):
@@ -46,6 +50,19 @@ class RunnerProfile(NamedTuple):
         return f"{self.name}: {gpus}, host {format_bytes(self.host_memory)}, disk {format_bytes(self.disk)}"
 
 
+def read_small_json(path: Path) -> object:
+    """The JSON in ``path``, refused (``ValueError`` saying why) when the file is larger than
+    :data:`MAX_FILE_BYTES` or nested deeper than Python's parser can follow, before either is read into memory."""
+    size = path.stat().st_size
+    if size > MAX_FILE_BYTES:
+        raise ValueError(f"it is {format_bytes(size)}, more than the {format_bytes(MAX_FILE_BYTES)} such a file "
+                         "ever needs")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except RecursionError:
+        raise ValueError("its JSON is nested too deeply to read") from None
+
+
 def shipped_names() -> list[str]:
     return sorted(p.stem for p in SHIPPED.glob("*.json"))
 
@@ -60,10 +77,14 @@ def load_profile(name_or_path: Union[str, Path], *, source: str = "--runner") ->
                            "(a path ending in .json); copy a shipped one from "
                            f"{SHIPPED} and edit it for your runner.")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = read_small_json(path)
+        if not isinstance(data, dict):
+            raise ValueError(f"it holds a JSON {type(data).__name__}, not an object")
         devices = data["devices"]
         if isinstance(devices, bool) or not isinstance(devices, int) or devices < 0:
             raise ValueError(f"devices={devices!r} is not a count of GPUs")
+        if devices > MAX_DEVICES:
+            raise ValueError(f"devices={devices} is more GPUs than one runner holds (at most {MAX_DEVICES} here)")
         return RunnerProfile(
             name=str(data.get("name") or path.stem), devices=devices,
             device_memory=parse_size(data.get("device_memory", 0), what="device_memory") if devices else 0,
