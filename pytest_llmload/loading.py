@@ -271,7 +271,7 @@ def call_loader(loader: Callable[["LoadRequest"], Any], request: "LoadRequest", 
 
     name = loader_name or getattr(loader, "__qualname__", None) or repr(loader)
     accelerate_state = _accelerate_state()
-    with phase("load", _phase_detail(request)) as timed, _exits_refused(name, request):
+    with phase("load", _phase_detail(request)) as timed, _exits_refused(name, request), _torch_defaults_kept(name):
         try:
             returned = loader(request)
         except Exception as exc:
@@ -292,6 +292,40 @@ def call_loader(loader: Callable[["LoadRequest"], Any], request: "LoadRequest", 
                  "after the load, so the check's own set-up starts from the environment as a training script's would")
     track_model(result.model, request.model_path, timed.seconds)
     return result
+
+
+@contextlib.contextmanager
+def _torch_defaults_kept(name: str):
+    """torch's process-wide defaults (``set_default_dtype``, ``set_default_device``) as they were before the loader
+    ran: a loader that leaves them changed (a model builder that sets bfloat16 or "meta" and never resets it) would
+    make whatever runs next in the process (the check's ground truth, the training script) build its tensors there.
+    They are put back, and the row names the loader as the one that changed them."""
+    torch = sys.modules.get("torch")
+    before = None if torch is None else (torch.get_default_dtype(), _default_device(torch))
+    try:
+        yield
+    finally:
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            dtype, device = before or (torch.float32, "cpu")
+            left = []
+            if torch.get_default_dtype() != dtype:
+                left.append(f"torch.set_default_dtype({torch.get_default_dtype()})")
+                torch.set_default_dtype(dtype)
+            if str(_default_device(torch)) != str(device):
+                left.append(f"torch.set_default_device({str(_default_device(torch))!r})")
+                torch.set_default_device(None if str(device) == "cpu" else device)
+            if left:
+                from pytest_llmload.keys import add_note
+
+                add_note(f"the loader {name} left {' and '.join(left)} behind; put back to {dtype} on {device} for "
+                         "what runs after it in this process (a training script after such a loader would build its "
+                         "tensors there: reset it in the loader)")
+
+
+def _default_device(torch) -> str:
+    getter = getattr(torch, "get_default_device", None)  # (torch >= 2.3)
+    return str(getter()) if getter is not None else "cpu"
 
 
 class _LoaderExited(BaseException):

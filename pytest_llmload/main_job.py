@@ -30,6 +30,7 @@ from pytest_llmload import jsonl
 from pytest_llmload.loading import ENV_VAR, OPTION, LoaderSpecError, choose_loader
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+INTERRUPTED = 2  # pytest's ExitCode.INTERRUPTED, passed on as it is
 HEARTBEAT_SECONDS = 10.0
 # After passing a signal on, how long pytest gets to stop and clean up before its process group is killed.
 STOP_GRACE_S = 10.0
@@ -205,6 +206,43 @@ def _check_output_path(path: str, option: str) -> None:
                          "or name a file in an existing directory.")
     if not os.access(target.parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
         raise UsageError(f"{option} {path!r} cannot be written (no permission); name a file you can write.")
+    if target.exists() and not target.is_file() and os.path.realpath(target) != os.devnull:
+        raise UsageError(f"{option} {path!r} is not a regular file (a device or a pipe, where a write can fail after "
+                         "every check ran); name a file.")
+    free = _free_bytes(target.parent)
+    if free is not None and free < MIN_FREE_BYTES:
+        raise UsageError(f"{option} {path!r}: the file system of {str(target.parent)!r} has {free} bytes free, too "
+                         "few for the run's output; free some space or name a file elsewhere.")
+
+
+# What --log and --json need free at least before the run starts (the log of a run is tens of KiB).
+MIN_FREE_BYTES = 1 << 20
+
+
+def _free_bytes(directory: Path) -> Optional[int]:
+    try:
+        stat = os.statvfs(directory)
+    except (OSError, AttributeError):
+        return None
+    return stat.f_bavail * stat.f_frsize
+
+
+def _hold_log(path: Path):
+    """An open handle on ``--log``'s file holding an exclusive lock for the run: a second job given the same file is
+    refused instead of truncating the first one's log mid-run. ``None`` where the file system has no locks."""
+    import fcntl
+
+    handle = path.open("a", encoding="utf-8")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise UsageError(f"--log {str(path)!r} is the log of another job running now; give each job its own --log "
+                         "file.") from None
+    except OSError:  # a file system without locks: nothing to hold
+        handle.close()
+        return None
+    return handle
 
 
 class Interrupted(BaseException):
@@ -275,6 +313,8 @@ class MainJob:
         env = {**{k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"},  # (the main job decides; see above)
                "TMPDIR": str(self.tmp), PARENT_ENV: str(os.getpid()),
                PARENT_WORKDIR_ENV: str(self.workdir)}
+        if self.args.log:
+            self.log_lock = _hold_log(self.log_path)  # (closed with this process: the lock goes with it)
         with self.log_path.open("w", encoding="utf-8") as log:
             # Its own process group: a Ctrl-C in the terminal reaches this process only, which passes it on once.
             self.child = self.popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
@@ -343,13 +383,21 @@ class MainJob:
             child.wait()
             return False
 
-    def crash_rows(self, code: int) -> list[dict]:
+    def interrupted_rows(self) -> list[dict]:
+        """The rows of the checks that were running when the run was interrupted (pytest's exit 2)."""
+        reason = (f"interrupted while this check ran (a KeyboardInterrupt: raised in the loader or the check, or "
+                  f"Ctrl-C); its output: {self.log_path}")
+        return [{"event": "result", "check": check, "outcome": "error", "cause": "interrupted", "reason": reason,
+                 "summary": reason, "seconds": round(time.monotonic() - started, 3)}
+                for check, started in self.running.values()]
+
+    def crash_rows(self, code: int, what: str = "pytest itself ended") -> list[dict]:
         """The rows of the checks that were running when pytest itself ended abnormally (a signal, an internal
-        error): one, or one a lane."""
+        error), or ended with no result for a check it had started: one, or one a lane."""
         from pytest_llmload.runners.isolation import describe_exitcode
 
         how = describe_exitcode(code) if code < 0 else f"exit code {code}"
-        reason = f"pytest itself ended ({how}) while this check ran; its output: {self.log_path}"
+        reason = f"{what} ({how}) while this check ran; its output: {self.log_path}"
         return [{"event": "result", "check": check, "outcome": "error", "reason": reason, "summary": reason,
                  "seconds": round(time.monotonic() - started, 3)} for check, started in self.running.values()]
 
@@ -398,7 +446,11 @@ def run(argv: Optional[list[str]] = None, out=None, popen=None) -> int:
     try:
         with _signals_interrupt():
             try:
-                job.start()
+                try:
+                    job.start()
+                except UsageError as exc:  # (a --log another running job holds)
+                    print(f"llmload: error: {exc}", file=sys.stderr)
+                    return EXIT_USAGE
                 if job.checks is None:
                     job.checks = _every_check(args)
                     if isinstance(job.checks, str):  # an installed package's entry point that gives no checks
@@ -416,6 +468,20 @@ def run(argv: Optional[list[str]] = None, out=None, popen=None) -> int:
             shutil.rmtree(job.tmp, ignore_errors=True)
         else:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+LOG_TAIL_BYTES = 64 << 10
+
+
+def _tail(path: Path, limit: int = LOG_TAIL_BYTES) -> str:
+    """The last ``limit`` bytes of ``path`` as text: a log read back is bounded, whatever the run wrote."""
+    try:
+        with path.open("rb") as log:
+            log.seek(0, os.SEEK_END)
+            log.seek(max(0, log.tell() - limit))
+            return log.read().decode("utf-8", errors="replace")
+    except OSError as exc:
+        return f"(the log {path} could not be read: {exc})"
 
 
 def _every_check(args: argparse.Namespace) -> "tuple | str":
@@ -445,7 +511,11 @@ def _report(job: MainJob, code: int) -> tuple[int, bool]:
         print(f"llmload: collection error in {error['nodeid'] or 'the session'}:\n    "
               + _in_main_job_terms(error["message"].rstrip()).replace("\n", "\n    "), file=sys.stderr)
     crashed = code < 0 or code == 3 or code > 5
-    rows = job.crash_rows(code) if crashed else []
+    # pytest's exit 2 is an interruption (a KeyboardInterrupt: raised in the loader or the check, or Ctrl-C in its
+    # terminal); mid-check, the rows so far are the run's, and the check it stopped in says so.
+    interrupted = code == INTERRUPTED and bool(job.running)
+    rows = (job.crash_rows(code) if crashed else job.interrupted_rows() if interrupted
+            else job.crash_rows(code, "pytest ended without this check's result") if job.running else [])
     for row in rows:
         job.results.append(row)
         print(_row(len(job.results), job.total, row), file=out, flush=True)
@@ -453,7 +523,7 @@ def _report(job: MainJob, code: int) -> tuple[int, bool]:
         print(f"llmload: pytest itself ended (exit code {code}) between checks; its output: {job.log_path}",
               file=sys.stderr)
     if not job.results:  # a usage or collection error, or pytest died before any check ran
-        log_text = job.log_path.read_text(encoding="utf-8", errors="replace")
+        log_text = _tail(job.log_path)
         if not job.collect_errors:
             lines = [line for line in log_text.splitlines() if line.startswith("ERROR")] or log_text.splitlines()[-15:]
             for line in lines:
@@ -486,11 +556,21 @@ def _report(job: MainJob, code: int) -> tuple[int, bool]:
         names = ", ".join(r["check"] for r in fast)
         print(f"NOT RUN {names}: {_in_main_job_terms(_summary(fast[0]))}", file=out)
     if args.json_path:
-        Path(args.json_path).write_text(json.dumps(json_document(job), indent=1) + "\n", encoding="utf-8")
+        try:
+            Path(args.json_path).write_text(json.dumps(json_document(job), indent=1) + "\n", encoding="utf-8")
+        except OSError as exc:  # (the rows are above: the table was printed first)
+            print(f"llmload: --json {args.json_path!r} could not be written after the run ({type(exc).__name__}: "
+                  f"{exc}); the table above is the run's", file=sys.stderr)
+            failed = failed or [{"outcome": "error"}]
     summary = ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items()))
     keep = bool(failed) or crashed or bool(args.log)
     where = f"pytest output: {job.log_path}" if keep else "nothing failed: pytest output removed (--log PATH keeps it)"
     print(f"llmload: {summary} in {time.monotonic() - job.started:.1f}s; {where}", file=out)
+    if interrupted:
+        stopped = ", ".join(row["check"] for row in rows)
+        print(f"llmload: interrupted while {stopped} ran (pytest's exit {code}: a KeyboardInterrupt, raised in the "
+              "loader or the check, or Ctrl-C in its terminal); the rows before it are above", file=sys.stderr)
+        return INTERRUPTED, True
     return (EXIT_FAILED if failed or code not in (0, 5) else EXIT_OK), keep
 
 

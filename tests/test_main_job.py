@@ -121,6 +121,13 @@ def for_evaluation(request):
 
 
 for_evaluation.llmload_purposes = ("inference",)
+
+
+def interrupts(request):
+    """A loader that raises KeyboardInterrupt (a script's own Ctrl-C handling, a blocking read interrupted)."""
+    if request.max_memory is None:
+        raise KeyboardInterrupt
+    return load_model_and_tokenizer(request)
 '''
 
 
@@ -160,6 +167,17 @@ def test_a_check_that_exercised_nothing_skips_and_strict_fails_it(odd_loaders):
                            "--strict", cwd=odd_loaders)
     assert strict.returncode == 1, strict.stdout + strict.stderr
     assert "FAILED check_offload_inference: llmload strict: a check that exercised nothing is a failure" in strict.stdout
+
+
+def test_a_loaders_keyboard_interrupt_is_an_interruption_with_the_rows_so_far(odd_loaders):
+    """Before (issue 36): exit 2 and "pytest exited 2 before any check ran", the rows that had run lost."""
+    run = warm_main_job("--loader", "odd_loaders:interrupts", "--lanes", "1", "-k",
+                        "(offload_inference or pad_token) and not cuda", cwd=odd_loaders)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert re.search(r"^check_offload_inference +offload-hang \(000\) +passed", run.stdout, re.M), run.stdout
+    assert "ERROR check_pad_token_set_offline: interrupted while this check ran (a KeyboardInterrupt" in run.stdout
+    assert "llmload: interrupted while check_pad_token_set_offline ran (pytest's exit 2" in run.stderr
+    assert "before any check ran" not in run.stderr
 
 
 def test_an_inference_only_loader_skips_the_training_checks(odd_loaders):
@@ -459,3 +477,44 @@ def test_a_warm_start_starts_its_own_forkserver_not_this_processs(tmp_path):
     assert child.wait(120) == 0, (tmp_path / "out").read_text()
     theirs = int((tmp_path / "out").read_text().split("parent of the call")[1])
     assert theirs != ours and ours == warm_server.forkserver_pid() == run_isolated(os.getppid, start="forkserver")
+
+
+@pytest.mark.parametrize(("option", "path", "said"), [
+    ("--json", "/dev/full", "--json '/dev/full' is not a regular file"),
+    ("--log", "/dev/full", "--log '/dev/full' is not a regular file"),
+])
+def test_an_output_path_that_would_fail_after_the_run_is_refused_before_it(option, path, said):
+    """Before (issue 36): --json /dev/full ran every check, then a traceback and no JSON."""
+    run = warm_main_job(option, path)  # (refused before any pytest starts)
+    assert run.returncode == 2 and said in run.stderr, run.stdout + run.stderr
+
+
+def test_a_json_that_cannot_be_written_after_the_run_says_so_and_keeps_the_table(odd_loaders, monkeypatch):
+    from pytest_llmload import main_job as job_module
+
+    out = odd_loaders / "out.json"
+    real = job_module.Path.write_text
+
+    def full(self, *args, **kwargs):
+        if self == out:
+            raise OSError(28, "No space left on device")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(job_module.Path, "write_text", full)
+    run = warm_main_job("--loader", "odd_loaders:for_evaluation", "-k", "pad_token and not cuda", "--json", str(out),
+                        cwd=odd_loaders)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert re.search(r"^check_pad_token_set_offline +offload-hang \(000\) +passed", run.stdout, re.M), run.stdout
+    assert "could not be written after the run (OSError: [Errno 28] No space left on device)" in run.stderr
+
+
+def test_two_jobs_given_the_same_log_the_second_is_refused(odd_loaders):
+    import fcntl
+
+    log = odd_loaders / "shared.log"
+    with log.open("a") as first:  # a job running now holds its log
+        fcntl.flock(first, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        run = warm_main_job("--loader", "odd_loaders:for_evaluation", "-k", "pad_token and not cuda", "--log",
+                            str(log), cwd=odd_loaders)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "is the log of another job running now; give each job its own --log file" in run.stderr

@@ -307,3 +307,29 @@ def test_ranks_that_raise_at_once_are_no_hang():
     failed = DistributedRunFailed("2 of 2 ranks failed (gloo, deadline 120 s); first: rank 0 raised RuntimeError\n"
                                   'File "pytest_llmload/loading.py", line 1, in call_loader', outcomes)
     assert hang_in_loader(failed, "check_distributed_train_step") is None
+
+
+def leaves_meta_and_bf16_behind(request):
+    """A model builder that sets torch's defaults for its own construction and never puts them back."""
+    import torch
+
+    model = reference(request)
+    torch.set_default_dtype(torch.bfloat16)
+    torch.set_default_device("meta")
+    return model
+
+
+def test_torch_defaults_a_loader_leaves_behind_are_named_as_the_loaders_and_put_back(llmload_checkpoint, tmp_path):
+    """Before (issue 36): the check's own code then built its tensors on meta and the row called itself 'a bug in
+    pytest-llmload'. Now the check judges, and its row names the loader as the one that changed the defaults."""
+    from pytest_llmload.keys import check_notes
+
+    (check,) = [c for c in REGISTRY if c.name == "check_pad_token_set_offline"]
+    notes: list = []
+    token = check_notes.set(notes)
+    try:
+        assert _verdict_of(check, leaves_meta_and_bf16_behind, llmload_checkpoint, tmp_path) is None
+    finally:
+        check_notes.reset(token)
+    assert any("left torch.set_default_dtype(torch.bfloat16) and torch.set_default_device('meta') behind" in note
+               for note in notes), notes
