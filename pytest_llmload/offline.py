@@ -41,6 +41,7 @@ _ADDRESS_OF = {
     "socket.getaddrinfo": lambda args: (args[0], args[1]),  # a DNS query is already the network
     "socket.gethostbyname": lambda args: (args[0],),  # a name lookup: the host alone
     "socket.gethostbyaddr": lambda args: (args[0],),
+    "socket.getnameinfo": lambda args: args[0],  # a reverse lookup (sockaddr, flags): the network for a remote host
 }
 
 

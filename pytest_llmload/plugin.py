@@ -307,9 +307,11 @@ def _check_imports(config: pytest.Config, used_fixtures) -> None:
         choice = config.stash.get(key, None)
         if fixture in used_fixtures and choice is not None and not choice.is_reference:
             from pytest_llmload import loading
+            from pytest_llmload.offline import offline
 
             try:
-                loading.import_loader(choice)
+                with offline():  # (its module's own code runs now: offline, as the checks run it)
+                    loading.import_loader(choice)
             except loading.LoaderSpecError as exc:
                 raise pytest.UsageError(str(exc)) from None
 

@@ -99,6 +99,7 @@ def test_offline_only_while_llmload_tests_run_under_xdist(pytester, online_envir
     pytest.param(lambda: _socket.socket.connect(socket.socket(), FAKE), id="_socket-connect"),
     pytest.param(lambda: socket.socket().connect_ex(FAKE), id="connect_ex"),
     pytest.param(lambda: socket.create_connection(("huggingface.co", 443)), id="create_connection"),
+    pytest.param(lambda: socket.getnameinfo(FAKE, 0), id="getnameinfo"),  # (issue 36: it went through)
 ])
 def test_guard_refuses_every_way_out_naming_the_caller(reach):
     attempts = []
@@ -136,3 +137,26 @@ def test_hub_constant_of_a_module_imported_under_the_guard_is_restored(monkeypat
         imported_meanwhile.HF_HUB_OFFLINE = True
         sys.modules["huggingface_hub.constants"] = imported_meanwhile
     assert imported_meanwhile.HF_HUB_OFFLINE is False
+
+
+def test_the_loader_module_is_imported_offline_at_collection(pytester, online_environment):
+    """Code a loader module runs when it is imported (at collection) ran outside the guard (issue 36)."""
+    pytester.makepyfile(reaching="""
+        import socket
+
+        try:
+            socket.getaddrinfo("huggingface.co", 443)
+            REACHED = "reached"
+        except OSError as exc:
+            REACHED = type(exc).__name__
+
+        def load(request):
+            return None
+    """)
+    pytester.makepyfile(test_it="""
+        def test_it(llmload_loader):
+            import reaching
+            assert reaching.REACHED == "NetworkAccessBlocked", reaching.REACHED
+    """)
+    pytester.syspathinsert()
+    pytester.runpytest("--llmload-loader", "reaching:load", "-p", "no:cacheprovider").assert_outcomes(passed=1)
