@@ -419,12 +419,14 @@ def _child_main(index, spec, conn, workdir, parent_pid, log_level, coverage_sett
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     succeeded = False
     notes = _collect_notes()
+    _become_subreaper()  # what the code under test starts and orphans (a setsid daemon) comes back here to be ended
     try:
         if go is not None:
             go.wait()  # (the parent dying meanwhile ends this child too: start_child)
         if spec.prepare is not None:
             spec.prepare()
         value = spec.fn(*spec.args, **spec.kwargs)
+        _end_what_it_left(notes)
         try:
             payload = pickle.dumps(("ok", value, notes))
         except Exception as exc:  # noqa: BLE001
@@ -432,6 +434,8 @@ def _child_main(index, spec, conn, workdir, parent_pid, log_level, coverage_sett
                 f"{spec.label} returned a {type(value).__name__} that cannot be pickled: {exc}") from None
         succeeded = True
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent, KeyboardInterrupt too
+        with contextlib.suppress(Exception):
+            _end_what_it_left(notes)
         payload = _error_payload(exc, spec.render, notes)
     child_coverage.save(cov)  # os._exit skips coverage's own save; before the answer, after which the parent may kill
     with contextlib.suppress(Exception):
@@ -498,6 +502,71 @@ def _error_payload(exc: BaseException, render, notes: list) -> bytes:
             rendered = render(exc)
     return pickle.dumps(("raised", f"{type(exc).__name__}: {exc}", traceback.format_exc(), pickled, rendered,
                          [str(note) for note in notes]))
+
+
+def _become_subreaper() -> bool:
+    """Make this child the reaper of its orphaned descendants (Linux ``PR_SET_CHILD_SUBREAPER``): a daemon the code
+    under test double-forks (a new session) is then reparented here, not to init, and :func:`end_descendants` finds
+    it. ``False`` where the system has no such call."""
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        return False
+
+
+def _descendants(root: int) -> list[int]:
+    """The pids below ``root`` in the process tree, read from /proc (empty where there is none)."""
+    parent_of: dict[int, int] = {}
+    with contextlib.suppress(OSError):
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                with open(f"/proc/{entry}/stat", "rb") as stat:
+                    parent_of[int(entry)] = int(stat.read().rsplit(b")", 1)[1].split()[1])
+    found, frontier = [], [root]
+    while frontier:
+        children = [pid for pid, parent in parent_of.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def _command_line(pid: int) -> str:
+    with contextlib.suppress(OSError):
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            words = cmdline.read().split(b"\0")
+            return " ".join(w.decode(errors="replace") for w in words if w)[:120] or "?"
+    return "?"
+
+
+def end_descendants(grace: float = 1.0) -> list[str]:
+    """End every process below this one (SIGKILL: a daemon may ignore SIGTERM) and reap them; what was ended, as
+    ``"pid (command line)"``. Called by a child when the code it ran has ended: nothing it started outlives it."""
+    found = _descendants(os.getpid())
+    described = [f"{pid} ({_command_line(pid)})" for pid in found]
+    for pid in found:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    end = time.monotonic() + grace
+    while found and time.monotonic() < end:  # reap: they, and orphans of theirs, are children here now
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if pid == 0:
+            time.sleep(0.01)
+    return described
+
+
+def _end_what_it_left(notes: list) -> None:
+    """End what the code under test left running, and say so in its row (before the answer goes back)."""
+    left = end_descendants()
+    if left:
+        notes.append(f"{len(left)} process(es) the code under test started were still running when it ended, and "
+                     f"were ended: {'; '.join(left[:4])}")
 
 
 def _collect_notes() -> list:

@@ -631,3 +631,49 @@ def test_what_a_child_says_about_its_row_comes_back_with_its_answer():
     finally:
         check_notes.reset(token)
     assert notes == ["simulated: said in the child"]
+
+
+def _leaves_a_daemon_behind(marker: str):
+    """What a loader that starts a helper does: a child in a new session, and a double-forked daemon that ignores
+    SIGTERM (init would inherit it without a subreaper)."""
+    subprocess.Popen(["sleep", marker], start_new_session=True)
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            os.execvp("sleep", ["sleep", marker + "1"])
+        os._exit(0)
+    os.wait()
+    return "loaded"
+
+
+def _running(marker: str) -> list[str]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                    if marker.encode() in cmdline.read():
+                        found.append(entry)
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_CHILD_SUBREAPER and /proc are Linux's")
+def test_every_process_the_code_under_test_starts_is_gone_when_it_ends():
+    """Before (issue 36): a loader's setsid daemon outlived the job, one per loader call."""
+    from pytest_llmload.keys import check_notes
+
+    marker = f"{3000 + os.getpid() % 1000}.{time.time_ns() % 10**6}"
+    notes: list = []
+    token = check_notes.set(notes)
+    try:
+        assert run_isolated(_leaves_a_daemon_behind, (marker,), timeout=30, label="daemons") == "loaded"
+    finally:
+        check_notes.reset(token)
+    deadline = time.monotonic() + 5
+    while _running(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _running(marker) == []
+    assert len(notes) == 1 and notes[0].startswith("2 process(es) the code under test started were still running"), \
+        notes
+    assert f"sleep {marker}" in notes[0]
