@@ -16,6 +16,7 @@ A failing test is matched against the known failures in every run (the catalog i
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import types
@@ -310,10 +311,38 @@ def _check_imports(config: pytest.Config, used_fixtures) -> None:
             from pytest_llmload.offline import offline
 
             try:
-                with offline():  # (its module's own code runs now: offline, as the checks run it)
+                with offline(), _importing_within_limits(config, choice):  # (offline, as the checks run it)
                     loading.import_loader(choice)
             except loading.LoaderSpecError as exc:
                 raise pytest.UsageError(str(exc)) from None
+
+
+@contextlib.contextmanager
+def _importing_within_limits(config: pytest.Config, choice):
+    """A loader module's import, which runs its module-level code: a progress line every
+    ``llmload_phase_progress_seconds`` while it runs long, and a usage error with its stacks past
+    ``llmload_import_timeout`` (a module that waits on a lock or a network share is not a hang of the run)."""
+    import time
+
+    from pytest_llmload import settings
+    from pytest_llmload.diagnostics.phases import _stderr_line, heartbeat
+    from pytest_llmload.probes import DeadlineExceeded, deadline
+
+    module = choice.spec.partition(":")[0]
+    every, limit = settings.value(config, "phase_progress_seconds"), settings.value(config, "import_timeout")
+    started, key = time.monotonic(), ("llmload-import", module)
+    if every:
+        heartbeat().schedule(key, every, lambda _: _stderr_line(
+            f"llmload: still importing the loader's module {module!r} ({time.monotonic() - started:.0f}s)"),
+            every=every)
+    try:
+        with deadline(limit, f"importing the loader's module {module!r} ({choice.source})"):
+            yield
+    except DeadlineExceeded as exc:
+        raise pytest.UsageError(f"{exc}\nMake importing {module!r} quick (no work at import: put it in the loader "
+                                f"function), or raise --llmload-import-timeout.") from None
+    finally:
+        heartbeat().cancel(key)
 
 
 @pytest.hookimpl(wrapper=True, trylast=True)  # innermost: the known-failure section comes before the sub-plugins' ones

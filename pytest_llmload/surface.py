@@ -137,6 +137,10 @@ SETTINGS = (
         "write a self-contained HTML report to PATH: each check's verdict, and for each check that placed a model, "
         "its device map and its memory per phase, drawn (needs matplotlib: pip install 'pytest-llmload[report]'). "
         "With pytest-html installed, the same pictures go into its report as extras.")),
+    Setting("import_timeout", "seconds", metavar="SECONDS", default=300.0, help=(
+        "seconds the loader's module may take to import (at collection, offline); past it the run ends with a usage "
+        "error naming the line it was blocked in, with every thread's stack. A progress line is printed every "
+        "llmload_phase_progress_seconds meanwhile. Default 300.")),
     # --- how the tests run (pytest_llmload.runners.lanes)
     Setting("lanes", "count", metavar="N", default=1, help=(
         "run the tests in N processes: once the tests are collected, pytest forks N-1 times and each fork takes "

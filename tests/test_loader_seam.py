@@ -332,3 +332,25 @@ def test_a_conftest_reads_each_checks_result_through_the_plugins_hook(pytester):
     assert "make the loader honour LoadRequest.model_path" in rows[2]["sentence"], "the field to honour, named"
     # the loader each row really ran (parametrize_with_loader_checks'), not the configured one
     assert [row["loader"].rpartition(":")[2] for row in rows] == ["load_model_and_tokenizer", "bf16_always", "shrinks"]
+
+
+def test_a_loader_module_that_imports_too_long_is_a_usage_error_with_progress_meanwhile(pytester):
+    """Before (issue 36): a module that took 200 s to import gave 202 s of silence and no deadline."""
+    pytester.makepyfile(slow_module="""
+        import time
+
+        time.sleep(30)
+
+        def load(request):
+            return None
+    """)
+    pytester.makepyfile(test_it="def test_it(llmload_loader):\n    pass\n")
+    pytester.syspathinsert()
+    result = pytester.runpytest("--llmload-loader", "slow_module:load", "--llmload-import-timeout", "1.5",
+                                "--llmload-phase-progress-seconds", "0.5", "-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert result.duration < 20, result.duration
+    result.stderr.fnmatch_lines(["*still importing the loader's module 'slow_module' (*s)*",
+                                 "*importing the loader's module 'slow_module' (--llmload-loader) did not return: "
+                                 "deadline of 1.5 s exceeded, blocked in <module> (*slow_module.py:*)*",
+                                 "*Make importing 'slow_module' quick*"])

@@ -129,8 +129,12 @@ class Check(NamedTuple):
 
             pytest.skip(reason)
         if self.forks:  # its children inherit these instead of each importing them
-            from pytest_llmload.runners.ranks import preload_for_isolated_checks
+            from pytest_llmload.keys import add_note
+            from pytest_llmload.runners.ranks import preload_failure, preload_for_isolated_checks
 
+            failed_before = preload_failure()
+            if failed_before is not None:  # the first cause, which an import error in this check may be a result of
+                add_note(f"importing the checks' libraries before the lanes forked failed first with {failed_before}")
             preload_for_isolated_checks(args[1], peft=self.uses_peft)
         if not self.isolated:
             return self.function(*args, **kwargs)

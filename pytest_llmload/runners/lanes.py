@@ -159,12 +159,15 @@ class Lanes:
         served = [check for check in map(_check, self.items)
                   if getattr(check, "forks", False) and not getattr(check, "needs_gpus", 0)]
         if served:
-            from pytest_llmload.runners.ranks import preload_for_isolated_checks
+            from pytest_llmload.runners.ranks import preload_for_isolated_checks, remember_preload_failure
 
-            # An import that fails here (a broken bitsandbytes raises more than ImportError) fails again in the
-            # check that needs it, where it is that check's error, not the run's.
-            with contextlib.suppress(Exception):
+            # An import that fails here (a broken bitsandbytes raises more than ImportError; a read-only cache
+            # directory) is not the run's error: each check that needs it says it, with this first cause, which a
+            # second import of a half-imported module hides ("Artifact ... already registered").
+            try:
                 preload_for_isolated_checks(peft=any(check.uses_peft for check in served))
+            except Exception as exc:  # noqa: BLE001
+                remember_preload_failure(exc)
 
     def _protocol(self, item: pytest.Item, nextitem: Optional[pytest.Item]) -> None:
         self._hang_in()

@@ -445,6 +445,21 @@ def preload_for_isolated_checks(checkpoint: "os.PathLike[str] | str | None" = No
         answer_peft_type_checks()
 
 
+# The first failure of an import made before forking (the lanes' preload), for the rows of the checks it may break.
+_preload_failure: list[str] = []
+
+
+def remember_preload_failure(exc: BaseException) -> None:
+    """Keep the first error of a preload that could not finish, as its first words (:func:`preload_failure`)."""
+    if not _preload_failure:
+        _preload_failure.append(f"{type(exc).__name__}: {exc}".splitlines()[0][:300])
+
+
+def preload_failure() -> Optional[str]:
+    """What a preload that failed in this process raised first; ``None`` where none failed."""
+    return _preload_failure[0] if _preload_failure else None
+
+
 def answer_peft_type_checks() -> None:
     """Ask peft's ``isinstance(module, BaseTunerLayer)`` here, once: peft asks it of every module of a model it
     wraps, and the first negative answer in a process walks every subclass of that ABC (~0.3 s). Asked before
