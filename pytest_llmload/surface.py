@@ -199,4 +199,8 @@ MEMORY_LIMIT_HELP = (
 
 # --- set by the main job for its pytest child (pytest_llmload.runners.lifeline) ---------------------------
 PARENT_ENV = "PYTEST_LLMLOAD_PARENT_PID"  # the pid to die with
+# --- set by the user for a launched job (pytest_llmload.runners.launcher) -------------------------------------------
+# A secret every rank of a launched job shares (exported before srun/mpirun/torchrun): the ranks' keys in the launcher's
+# store live under it, so a process that reaches the port but does not know it cannot post a value they read.
+RUN_SECRET_ENV = "PYTEST_LLMLOAD_RUN_SECRET"
 PARENT_WORKDIR_ENV = "PYTEST_LLMLOAD_PARENT_WORKDIR"  # the temp dir to remove if it dies first

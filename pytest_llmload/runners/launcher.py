@@ -162,7 +162,7 @@ class Meeting:
             launch = self.launch
             # torchrun's agent already hosts a store there; under srun/mpirun rank 0 hosts it (multi_tenant: a
             # process group this process makes with env:// on the same port shares the server).
-            self._store = dist.PrefixStore("llmload/", dist.TCPStore(
+            self._store = dist.PrefixStore(meeting_prefix(os.environ), dist.TCPStore(
                 launch.master_addr, launch.master_port, launch.world_size,
                 is_master=launch.rank == 0 and not launch.agent_store, wait_for_workers=False, multi_tenant=True,
                 timeout=datetime.timedelta(seconds=STORE_CONNECT_S),
@@ -223,6 +223,19 @@ class Meeting:
             "; ".join(f"rank {r} ended its session (exit status {int(s)})" for r, s in ended.items())
             + f" while rank {self.launch.rank} still had tests to meet it at (-x or --maxfail on a test that ran on "
             "rank 0 only, or a usage error there): this rank stops too.", returncode=max(map(int, ended.values())))
+
+
+def meeting_prefix(environ: Mapping[str, str]) -> str:
+    """Where the ranks' keys live in the launcher's store (torch's ``PrefixStore`` adds the ``/``): ``llmload``, and
+    under it a digest of
+    ``$PYTEST_LLMLOAD_RUN_SECRET`` where the job exports one (every rank inherits it from the launcher): a process that
+    reaches the store's port without it cannot name a key the ranks read."""
+    import hashlib
+
+    from pytest_llmload.surface import RUN_SECRET_ENV
+
+    secret = environ.get(RUN_SECRET_ENV, "")
+    return "llmload" + ("/" + hashlib.sha256(secret.encode()).hexdigest()[:32] if secret else "")
 
 
 _COLLECTED = "collected"

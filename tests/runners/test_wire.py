@@ -100,3 +100,24 @@ def _an_address_that_is_not_loopback():
         except OSError:
             return None
     return None if address.startswith("127.") else address
+
+
+def test_a_launched_jobs_keys_live_under_its_secret_where_it_exports_one():
+    """A process that reaches the launcher's store but does not know $PYTEST_LLMLOAD_RUN_SECRET cannot name a key the
+    ranks read (issue 36: the per-run secret every rank presents)."""
+    import torch.distributed as dist
+
+    from pytest_llmload.runners.launcher import meeting_prefix
+
+    assert meeting_prefix({}) == "llmload"
+    prefix = meeting_prefix({"PYTEST_LLMLOAD_RUN_SECRET": "s3cret"})
+    assert prefix.startswith("llmload/") and len(prefix) > len("llmload/") + 16 and "s3cret" not in prefix
+    server = wire.loopback_store(2, datetime.timedelta(seconds=10))
+    launch = Launch("srun", 0, 2, 0, "127.0.0.1", server.port, True)  # (the store hosted here, as an agent's)
+    meeting = Meeting(launch, store=dist.PrefixStore(prefix, dist.TCPStore(
+        "127.0.0.1", server.port, 2, is_master=False, timeout=datetime.timedelta(seconds=10))))
+    meeting.post("collected", ["test_a"])
+    outsider = dist.TCPStore("127.0.0.1", server.port, 2, is_master=False, timeout=datetime.timedelta(seconds=10))
+    assert not outsider.check(["llmload/collected/0"]) and outsider.check([f"{prefix}/collected/0"])
+    outsider.set("llmload/collected/1", pickle.dumps(["forged"]))  # where a job without a secret would read it
+    assert not meeting.store.check(["collected/1"])
