@@ -159,14 +159,20 @@ class Meeting:
         if self._store is None:
             import torch.distributed as dist
 
+            from pytest_llmload.runners import wire
+
             launch = self.launch
-            # torchrun's agent already hosts a store there; under srun/mpirun rank 0 hosts it (multi_tenant: a
-            # process group this process makes with env:// on the same port shares the server).
-            self._store = dist.PrefixStore(meeting_prefix(os.environ), dist.TCPStore(
-                launch.master_addr, launch.master_port, launch.world_size,
-                is_master=launch.rank == 0 and not launch.agent_store, wait_for_workers=False, multi_tenant=True,
-                timeout=datetime.timedelta(seconds=STORE_CONNECT_S),
-            ))
+            timeout = datetime.timedelta(seconds=STORE_CONNECT_S)
+            # torchrun's agent already hosts a store there; under srun/mpirun rank 0 hosts it, listening on
+            # MASTER_ADDR's address only (multi_tenant: a process group this process makes with env:// on the same
+            # port shares the server).
+            if launch.rank == 0 and not launch.agent_store:
+                store = wire.loopback_store(launch.world_size, timeout, host=launch.master_addr,
+                                            port=launch.master_port, multi_tenant=True)
+            else:
+                store = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size, is_master=False,
+                                      wait_for_workers=False, multi_tenant=True, timeout=timeout)
+            self._store = dist.PrefixStore(meeting_prefix(os.environ), store)
         return self._store
 
     def post(self, key: str, value: Any) -> None:

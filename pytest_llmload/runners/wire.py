@@ -64,20 +64,21 @@ def loads(data: bytes, *, what: str = "a value read from the store") -> Any:
             "the function distributed_env runs, e.g. tensor.tolist().") from None
 
 
-def loopback_store(world_size: int, timeout, *, host: str = "127.0.0.1"):
-    """A ``TCPStore`` server on a port the OS picks, listening on ``host`` only (the loopback interface by default;
-    a launched job's store: the launcher's own address). The store owns the listening socket (it closes it when it
-    is deleted)."""
+def loopback_store(world_size: int, timeout, *, host: str = "127.0.0.1", port: int = 0, multi_tenant: bool = False):
+    """A ``TCPStore`` server on ``port`` (0: one the OS picks), listening on ``host`` only (the loopback interface by
+    default; a launched job's stores: the launcher's own address). The store owns the listening socket (it closes it
+    when it is deleted). ``multi_tenant``: a process group this process makes with env:// on the same port shares
+    the server, as torch's own multi-tenant store does."""
     import torch.distributed as dist
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM)
     try:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((host, 0))
+        listener.bind((host, port))
         listener.listen(max(128, world_size))
         store = dist.TCPStore(host, listener.getsockname()[1], world_size, is_master=True, wait_for_workers=False,
-                              timeout=timeout, master_listen_fd=listener.fileno())
+                              timeout=timeout, master_listen_fd=listener.fileno(), multi_tenant=multi_tenant)
     except BaseException:
         listener.close()
         raise

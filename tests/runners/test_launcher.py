@@ -288,3 +288,40 @@ def test_a_failure_wins_over_a_skip_and_a_skip_over_a_pass():
     with pytest.raises(AssertionError, match="rank 0's own") as excinfo:  # its own report, the other's as a note
         agree({0: {**FAILED, "text": "rank 0's"}, 1: FAILED}, 0, own, "this test")
     assert excinfo.value is own and "rank 1 failed this test too" in excinfo.value.__notes__[0]
+
+
+SRUN_TEST = '''
+def all_reduce():
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return dist.get_rank(), t.item()
+
+
+def test_agree(distributed_env):
+    assert distributed_env.run(all_reduce, world_size=2, backend="gloo") == [(0, 3.0), (1, 3.0)]
+'''
+
+
+def test_two_ranks_under_srun_meet_at_a_store_rank_0_hosts_on_master_addr_only(tmp_path):
+    """srun's ranks (its variables, set here by hand as srun sets them): rank 0 hosts the meeting store on
+    MASTER_ADDR's address only, shared with the env:// groups it makes (multi-tenant), and with a run secret the
+    ranks' keys live under it (issue 36)."""
+    import socket
+
+    (tmp_path / "test_srun.py").write_text(SRUN_TEST)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PYTEST_ADDOPTS",
+                                                           launcher.RANK_OF_ENV)}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), SLURM_STEP_NUM_TASKS="2", SLURM_NTASKS="2",
+               OMP_NUM_THREADS="1", PYTEST_LLMLOAD_RUN_SECRET="a secret of this job")
+    ranks = [subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_srun.py"],
+                              cwd=tmp_path, env={**env, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    outputs = [rank.communicate(timeout=120)[0] for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0], outputs
+    assert "1 passed" in outputs[0], outputs[0]
