@@ -518,3 +518,26 @@ def test_two_jobs_given_the_same_log_the_second_is_refused(odd_loaders):
                             str(log), cwd=odd_loaders)
     assert run.returncode == 2, run.stdout + run.stderr
     assert "is the log of another job running now; give each job its own --log file" in run.stderr
+
+
+def test_a_check_that_started_and_has_no_result_gets_a_row_saying_so(tmp_path):
+    """pytest ended normally (here: exit 1) while a check it had started had sent no result (its report lost): the
+    row is there, saying so, and the run fails (issue 36)."""
+    import argparse
+    import io
+    import time as clock
+
+    from pytest_llmload import main_job as job_module
+
+    job = job_module.MainJob.__new__(job_module.MainJob)
+    log = tmp_path / "pytest.log"
+    log.write_text("...")
+    job.args = argparse.Namespace(log=None, json_path=None, runner=None, pytest_args=[])
+    job.out, job.collect_errors, job.results, job.total, job.log_path = io.StringIO(), [], [], 1, log
+    job.order, job.checks, job.started = ["check_pad_token_set_offline"], (), clock.monotonic()
+    job.running = {"x::test_loader_check[check_pad_token_set_offline]": ("check_pad_token_set_offline",
+                                                                         clock.monotonic())}
+    code, kept = job_module._report(job, 1)
+    assert (code, kept) == (1, True)
+    assert "ERROR check_pad_token_set_offline: pytest ended without this check's result (exit code 1) while this " \
+           "check ran" in job.out.getvalue(), job.out.getvalue()
