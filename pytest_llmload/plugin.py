@@ -180,6 +180,9 @@ def _read_configuration(config: pytest.Config) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    ranks = sys.modules.get("pytest_llmload.runners.ranks")
+    if ranks is not None:  # a run's failed preload is that run's: not the next run's in this process (pytester)
+        ranks.forget_preload_failure()
     progress = sys.modules.get("pytest_llmload.progress")
     writer = None if progress is None else config.stash.get(progress.progress_key, None)
     if writer is not None:

@@ -159,11 +159,13 @@ class Lanes:
         served = [check for check in map(_check, self.items)
                   if getattr(check, "forks", False) and not getattr(check, "needs_gpus", 0)]
         if served:
-            from pytest_llmload.runners.ranks import preload_for_isolated_checks, remember_preload_failure
+            from pytest_llmload.runners.ranks import (
+                forget_preload_failure, preload_for_isolated_checks, remember_preload_failure)
 
             # An import that fails here (a broken bitsandbytes raises more than ImportError; a read-only cache
             # directory) is not the run's error: each check that needs it says it, with this first cause, which a
             # second import of a half-imported module hides ("Artifact ... already registered").
+            forget_preload_failure()  # (this run's preload: what an earlier run in this process saw is not its)
             try:
                 preload_for_isolated_checks(peft=any(check.uses_peft for check in served))
             except Exception as exc:  # noqa: BLE001

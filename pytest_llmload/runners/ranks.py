@@ -455,6 +455,10 @@ def remember_preload_failure(exc: BaseException) -> None:
         _preload_failure.append(f"{type(exc).__name__}: {exc}".splitlines()[0][:300])
 
 
+def forget_preload_failure() -> None:
+    _preload_failure.clear()
+
+
 def preload_failure() -> Optional[str]:
     """What a preload that failed in this process raised first; ``None`` where none failed."""
     return _preload_failure[0] if _preload_failure else None
