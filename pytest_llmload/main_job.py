@@ -462,6 +462,9 @@ def run(argv: Optional[list[str]] = None, out=None, popen=None) -> int:
             except Interrupted as stop:
                 return _interrupted(job, stop.signum)
     finally:
+        lock = getattr(job, "log_lock", None)
+        if lock is not None:  # (the --log's lock ends with the run, not when this object is collected)
+            lock.close()
         # Nothing is left but the log where --log put it, or in the temp dir while it explains a failure.
         if keep_log and not args.log:
             job.progress.unlink(missing_ok=True)
