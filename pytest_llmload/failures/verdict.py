@@ -96,8 +96,8 @@ def _of_children(exc: BaseException, outcomes: list, failure: Any) -> Verdict:
 
     verdicts = []
     for o in outcomes:
-        if o.status == "raised" and isinstance(o.exception, BaseException):
-            verdict = of_exception(o.exception, failure)
+        if o.status == "raised" and isinstance(o.exception, BaseException) and not _is_skip(o.exception):
+            verdict = _judge(o.exception, failure)  # (the same-bug line is added once, to the row's verdict)
             if verdict is not None and verdict.cause == "check":  # its frames are in the rank's traceback text
                 verdict = _check_broke(o.exception, o.traceback or "")
             verdicts.append(verdict)

@@ -268,6 +268,15 @@ def test_an_error_row_keeps_every_line_of_its_reason_and_names_a_known_failure_i
     judged = verdict.of_exception(moved, BY_ID["offload-hang"])
     assert (judged.kind, judged.failure, judged.cause) == ("error", None, "loader")
     assert "the same bug as check_offloaded_model_not_moved: move-offloaded" in judged.sentence, judged.sentence
+    # raised on a rank: judged through the ranks' outcomes, and said once
+    from pytest_llmload.runners.isolation import ChildOutcome
+
+    outcome = ChildOutcome(0, "rank 0")
+    outcome.status, outcome.exception = "raised", moved
+    ranks_failed = RuntimeError("1 of 2 ranks failed")
+    ranks_failed.outcomes = [outcome]
+    judged = verdict.of_exception(ranks_failed, BY_ID["distributed-device-map"])
+    assert judged.cause == "loader" and judged.sentence.count("the same bug as") == 1, judged.sentence
 
 
 def test_a_loader_that_closes_stdout_is_an_error_saying_so(llmload_checkpoint, tmp_path):
