@@ -79,11 +79,9 @@ def declared_by_configuration(loader: "LoaderUnderTest", config: pytest.Config) 
     ``llmload_loader_dtypes`` win over the loader's own attribute; ``llmload_not_applicable`` adds to it, the
     configuration's reason first), and its not-applicable declarations checked against the checks' names."""
     from pytest_llmload import settings
-    from pytest_llmload.loading import LoaderSpecError, parse_dtypes, parse_not_applicable, parse_purposes
+    from pytest_llmload.loading import LoaderSpecError, declaration_parsers
 
-    for key, field, parse in (("loader_purposes", "purposes", parse_purposes),
-                              ("loader_dtypes", "dtypes", parse_dtypes),
-                              ("not_applicable", "not_applicable", parse_not_applicable)):
+    for key, field, parse in declaration_parsers():
         declared = settings.given(config, key)
         if declared:
             value = parse(*declared)

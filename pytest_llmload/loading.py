@@ -288,7 +288,7 @@ def call_loader(loader: Callable[["LoadRequest"], Any], request: "LoadRequest", 
         _reset_accelerate_state()
         from pytest_llmload.keys import add_note
 
-        add_note(f"the loader made its own Accelerator() while loading; accelerate's process-wide state was reset "
+        add_note("the loader made its own Accelerator() while loading; accelerate's process-wide state was reset "
                  "after the load, so the check's own set-up starts from the environment as a training script's would")
     track_model(result.model, request.model_path, timed.seconds)
     return result
@@ -424,6 +424,13 @@ def parse_purposes(declared: Any, source: str) -> tuple[str, ...]:
     return purposes
 
 
+def declaration_parsers() -> tuple:
+    """``(setting key, LoaderUnderTest field, parser)`` for what a configuration declares about the loader: read at
+    configure (a bad value is one usage error) and applied by the ``llmload_loader`` fixture."""
+    return (("loader_purposes", "purposes", parse_purposes), ("loader_dtypes", "dtypes", parse_dtypes),
+            ("not_applicable", "not_applicable", parse_not_applicable))
+
+
 def parse_dtypes(declared: Any, source: str) -> tuple[str, ...]:
     """``("bfloat16",)`` from an attribute or ini lines (``torch.bfloat16``, ``"bf16"`` too); :class:`LoaderSpecError`
     naming ``source`` otherwise."""
@@ -443,8 +450,8 @@ def parse_dtypes(declared: Any, source: str) -> tuple[str, ...]:
 
 def parse_not_applicable(declared: Any, source: str) -> tuple[tuple[str, str], ...]:
     """``(("check_x", "why"), ...)`` from a ``{check: reason}`` attribute or ``'check: reason'`` lines;
-    :class:`LoaderSpecError` naming ``source`` otherwise. Which names are checks is verified where the checks are
-    known (:func:`pytest_llmload.failures.base.Check.__call__` only sees its own)."""
+    :class:`LoaderSpecError` naming ``source`` otherwise. Which names are checks is verified where the run's checks
+    are known (:func:`pytest_llmload.fixtures.declared_by_configuration`)."""
     items = declared.items() if hasattr(declared, "items") else None
     if items is None:
         lines = (declared,) if isinstance(declared, str) else declared

@@ -385,11 +385,8 @@ class MainJob:
 
     def interrupted_rows(self) -> list[dict]:
         """The rows of the checks that were running when the run was interrupted (pytest's exit 2)."""
-        reason = (f"interrupted while this check ran (a KeyboardInterrupt: raised in the loader or the check, or "
-                  f"Ctrl-C); its output: {self.log_path}")
-        return [{"event": "result", "check": check, "outcome": "error", "cause": "interrupted", "reason": reason,
-                 "summary": reason, "seconds": round(time.monotonic() - started, 3)}
-                for check, started in self.running.values()]
+        return self._running_rows(f"interrupted while this check ran (a KeyboardInterrupt: raised in the loader or "
+                                  f"the check, or Ctrl-C); its output: {self.log_path}", cause="interrupted")
 
     def crash_rows(self, code: int, what: str = "pytest itself ended") -> list[dict]:
         """The rows of the checks that were running when pytest itself ended abnormally (a signal, an internal
@@ -397,9 +394,13 @@ class MainJob:
         from pytest_llmload.runners.isolation import describe_exitcode
 
         how = describe_exitcode(code) if code < 0 else f"exit code {code}"
-        reason = f"{what} ({how}) while this check ran; its output: {self.log_path}"
+        return self._running_rows(f"{what} ({how}) while this check ran; its output: {self.log_path}")
+
+    def _running_rows(self, reason: str, cause: Optional[str] = None) -> list[dict]:
+        """An ``error`` row with ``reason`` for each check that was running (one, or one a lane)."""
         return [{"event": "result", "check": check, "outcome": "error", "reason": reason, "summary": reason,
-                 "seconds": round(time.monotonic() - started, 3)} for check, started in self.running.values()]
+                 "seconds": round(time.monotonic() - started, 3), **({"cause": cause} if cause else {})}
+                for check, started in self.running.values()]
 
 
 def run(argv: Optional[list[str]] = None, out=None, popen=None) -> int:

@@ -20,6 +20,7 @@ import contextlib
 import os
 import sys
 import types
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -38,6 +39,9 @@ from pytest_llmload.fixtures import (  # noqa: F401  (pytest discovers fixtures 
     lora_model,
 )
 from pytest_llmload.keys import checks_key, declared_key, hook_choice_key, loader_choice_key, prediction_key
+
+if TYPE_CHECKING:
+    from pytest_llmload.row import Row
 
 # The sub-plugins, by module name: their hooks only (every option, ini key and marker is declared here).
 SUB_PLUGINS = (
@@ -132,8 +136,7 @@ def _read_configuration(config: pytest.Config) -> None:
             config.getoption("llmload_loader"), os.environ, config.getini(surface.LOADER_INI))
         config.stash[hook_choice_key] = loading.choose_training_args_hook(
             config.getoption("llmload_training_args_hook"), config.getini(surface.HOOK_INI))
-        for key, parse in (("loader_purposes", loading.parse_purposes), ("loader_dtypes", loading.parse_dtypes),
-                           ("not_applicable", loading.parse_not_applicable)):
+        for key, _, parse in loading.declaration_parsers():
             declared = settings.given(config, key)
             if declared:
                 parse(*declared)
@@ -437,7 +440,7 @@ def _check_of(item: pytest.Item):
     return check if hasattr(check, "failure") and hasattr(check, "function") else None
 
 
-def _row(item: pytest.Item, check, report: pytest.TestReport, found) -> "Row":
+def _row(item: pytest.Item, check, report: pytest.TestReport, found) -> Row:
     """The check's row (:class:`pytest_llmload.row.Row`), decided here once: the verdict judged from its exception
     (``found``), else the report's outcome and skip reason; the notes it made wherever it ran; the loader that ran
     (a ``parametrize_with_loader_checks`` test's own, else the configured one)."""

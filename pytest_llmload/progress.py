@@ -128,7 +128,7 @@ class ProgressWriter:
         self.write(event="result", nodeid=report.nodeid, check=check_name(report.nodeid), outcome=outcome,
                    reason=reason, summary=summary,
                    seconds=round(time.perf_counter() - started, 3), failure=failure, cause=cause,
-                   note=dict(report.user_properties).get("llmload_note"))
+                   note=None)  # (notes are a check's: its row carries them)
 
     def close(self) -> None:
         os.close(self._fd)

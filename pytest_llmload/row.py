@@ -18,6 +18,10 @@ import json
 from typing import Any, Optional
 
 ROW_PROPERTY = "llmload_row"
+# The flat properties (report.user_properties; JUnit XML writes them as <property>): what a dashboard groups by.
+VERDICT_PROPERTY, FAILURE_PROPERTY, CAUSE_PROPERTY, SENTENCE_PROPERTY = (
+    "llmload_verdict", "llmload_failure", "llmload_cause", "llmload_sentence")
+LOADER_PROPERTY, GUARDS_PROPERTY, NOTE_PROPERTY = "llmload_loader", "llmload_guards", "llmload_note"
 
 # What a row says it is (the main job's table shows the same words).
 VERDICTS = ("passed", "failed", "predicted", "error", "not exercised", "not applicable", "skipped", "xfailed",
@@ -53,10 +57,10 @@ class Row:
         """``report.user_properties``: the row as one JSON property, and the flat ones a CI dashboard groups JUnit
         rows by (``llmload_verdict``, ``llmload_failure``, ``llmload_cause``, ``llmload_sentence``,
         ``llmload_loader``, ``llmload_guards``, ``llmload_note``)."""
-        flat = [("llmload_loader", self.loader or ""), ("llmload_guards", self.guards or ""),
-                ("llmload_verdict", self.verdict), ("llmload_failure", self.failure or ""),
-                ("llmload_cause", self.cause or ""), ("llmload_sentence", self.sentence)]
-        flat += [("llmload_note", self.note)] if self.notes else []
+        flat = [(LOADER_PROPERTY, self.loader or ""), (GUARDS_PROPERTY, self.guards or ""),
+                (VERDICT_PROPERTY, self.verdict), (FAILURE_PROPERTY, self.failure or ""),
+                (CAUSE_PROPERTY, self.cause or ""), (SENTENCE_PROPERTY, self.sentence)]
+        flat += [(NOTE_PROPERTY, self.note)] if self.notes else []
         return [(ROW_PROPERTY, json.dumps(self.as_dict()))] + flat
 
     @classmethod

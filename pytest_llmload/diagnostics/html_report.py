@@ -42,6 +42,7 @@ from typing import Any, Optional
 
 import pytest
 
+from pytest_llmload.row import GUARDS_PROPERTY, LOADER_PROPERTY
 from pytest_llmload.sizes import format_bytes
 
 RECORD_ATTRIBUTE = "llmload_html"  # the report attribute a worker's record travels in
@@ -676,7 +677,7 @@ def _verdict_of(row: dict) -> tuple[str, str, str]:
         kind = "error"
     sentence = verdict.get("sentence") or row["note"]
     failure = verdict.get("failure") or ""
-    guards = row["props"].get("llmload_guards")
+    guards = row["props"].get(GUARDS_PROPERTY)
     if not failure and guards:
         failure = f"guards {guards}"
     return kind, failure, sentence
@@ -695,7 +696,7 @@ def render_html(config: pytest.Config, rows: list[dict], started: float, ended: 
 
     esc = html.escape
     kinds = Counter(_verdict_of(row)[0] for row in rows)
-    loaders = sorted({row["props"]["llmload_loader"] for row in rows if row["props"].get("llmload_loader")})
+    loaders = sorted({row["props"][LOADER_PROPERTY] for row in rows if row["props"].get(LOADER_PROPERTY)})
     head = header_lines(config)[0].removeprefix("llmload: ")
     chosen, _, stack = head.removeprefix("loader ").partition("; ")
     if loaders and chosen.split(" (from ")[0] not in loaders:  # the rows name the loader they ran

@@ -126,7 +126,7 @@ def load(loader: Callable[[LoadRequest], Any], request: LoadRequest, *, check: s
             result = call_loader(loader, again)
             facts = verify(result.model, again, check=check, needs=needs)
             if _answered_dtype(facts, again) is not None:
-                raise ContractGap(f"the loader returned {observe(result.model).weight_dtype} weights when asked "
+                raise ContractGap(f"the loader returned {facts.weight_dtype} weights when asked "
                                   f"again in the {answered} it had returned", check=check, request=again,
                                   field="dtype")
         request = again

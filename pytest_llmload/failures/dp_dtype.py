@@ -44,6 +44,7 @@ from pytest_llmload.failures.base import NOT_EXERCISED, Check, KnownFailure, not
 from pytest_llmload.failures import contract
 from pytest_llmload.loading import LoaderModelError
 from pytest_llmload.request import LoadRequest
+from pytest_llmload.surface import SETTING
 from pytest_llmload.tiny_models import copy_tokenizer
 from pytest_llmload.scenarios import where_loaded
 
@@ -80,9 +81,10 @@ FAILURE = KnownFailure(
     ),
 )
 
-# How a repo says it trains with transformers.Trainer (the write-up's script does), read from the loader function
-# until surface.TRAINING_DECLARATIONS carries it (then also an ini key and option, passed as `trains_with_trainer`).
-TRAINS_WITH_TRAINER_ATTRIBUTE = "llmload_trains_with_trainer"
+# How a repo says it trains with transformers.Trainer (the write-up's script does): surface.TRAINING_DECLARATIONS'
+# attribute, ini key and option (Check passes it as `trains_with_trainer`); the attribute is read here too, for a
+# caller of the check function itself.
+TRAINS_WITH_TRAINER_ATTRIBUTE = SETTING["trains_with_trainer"].ini
 ASSUMED_NO_TRAINER = (
     "assumed: this repo's training does not hand the model to transformers.Trainer (nothing declares how it trains: "
     "declare llmload_trains_with_trainer or name its llmload_training_args_hook to have this judged, or "

@@ -16,11 +16,11 @@ import re
 import traceback
 from typing import Any, NamedTuple, Optional
 
+# Report properties (report.user_properties; JUnit XML writes them as <property>), named once with the row's record.
+from pytest_llmload.row import CAUSE_PROPERTY, FAILURE_PROPERTY, SENTENCE_PROPERTY, VERDICT_PROPERTY
+
 BUG_REPORT = "https://github.com/pytest-llmload/pytest-llmload/issues"
 
-# Report properties (report.user_properties; JUnit XML writes them as <property>): what a dashboard groups by.
-VERDICT_PROPERTY, FAILURE_PROPERTY, CAUSE_PROPERTY, SENTENCE_PROPERTY = (
-    "llmload_verdict", "llmload_failure", "llmload_cause", "llmload_sentence")
 
 _OWN_FRAME = re.compile(r'File "([^"]*pytest_llmload[/\\][^"]+)", line (\d+), in (\w+)')
 

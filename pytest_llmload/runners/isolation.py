@@ -518,14 +518,14 @@ def _become_subreaper() -> bool:
 
 def _descendants(root: int) -> list[int]:
     """The pids below ``root`` in the process tree, read from /proc (empty where there is none)."""
+    from pytest_llmload.runners.lifeline import proc_stat
+
     parent_of: dict[int, int] = {}
     with contextlib.suppress(OSError):
         for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                with open(f"/proc/{entry}/stat", "rb") as stat:
-                    parent_of[int(entry)] = int(stat.read().rsplit(b")", 1)[1].split()[1])
+            fields = proc_stat(int(entry)) if entry.isdigit() else None
+            if fields and len(fields) > 1:
+                parent_of[int(entry)] = int(fields[1])
     found, frontier = [], [root]
     while frontier:
         children = [pid for pid, parent in parent_of.items() if parent in frontier]
@@ -581,9 +581,8 @@ def _collect_notes() -> list:
 
 def _keep_notes(notes) -> None:
     keys = sys.modules.get("pytest_llmload.keys")
-    for note in notes or ():
-        if keys is not None:
-            keys.add_note(note)
+    for note in (notes or ()) if keys is not None else ():
+        keys.add_note(note)
 
 
 def _die_with_parent(parent_pid) -> None:

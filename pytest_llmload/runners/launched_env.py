@@ -57,7 +57,7 @@ class LaunchedEnv(DistributedEnv):
                 # A fresh store for this run's process group: a group made by env:// on a store that earlier
                 # groups used would find their keys. The ranks connect to it as clients, as to torchrun's agent.
                 # It listens on MASTER_ADDR's address only, not on every interface (runners.wire).
-                server = wire.loopback_store(launch.world_size, datetime.timedelta(seconds=timeout),
+                server = wire.bound_store(launch.world_size, datetime.timedelta(seconds=timeout),
                                              host=launch.master_addr)
             ready = meeting.gather(f"{key}/ready", server.port if server else None,
                                    abort=functools.partial(_peer_left, meeting, f"{test}/call", what))

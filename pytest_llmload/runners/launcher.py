@@ -167,7 +167,7 @@ class Meeting:
             # MASTER_ADDR's address only (multi_tenant: a process group this process makes with env:// on the same
             # port shares the server).
             if launch.rank == 0 and not launch.agent_store:
-                store = wire.loopback_store(launch.world_size, timeout, host=launch.master_addr,
+                store = wire.bound_store(launch.world_size, timeout, host=launch.master_addr,
                                             port=launch.master_port, multi_tenant=True)
             else:
                 store = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size, is_master=False,

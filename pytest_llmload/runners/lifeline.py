@@ -94,14 +94,21 @@ def tie_lane(lane_zero: int) -> bool:
     return die_with_parent(lane_zero, signal.SIGTERM)
 
 
+def proc_stat(pid: int) -> Optional[list[bytes]]:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state, parent pid, ...); ``None`` where it cannot
+    be read (the process is gone, or there is no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rpartition(b")")[2].split()
+    except OSError:
+        return None
+
+
 def _alive(pid: int) -> bool:
     """Whether ``pid`` runs; a zombie (dead, not yet reaped by its own parent) does not."""
     if os.path.isdir("/proc/self"):
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as stat:
-                return stat.read().rpartition(b")")[2].split()[0] != b"Z"
-        except OSError:
-            return False
+        fields = proc_stat(pid)
+        return fields is not None and fields[0] != b"Z"
     try:  # no /proc: ask the kernel (a zombie counts as running there)
         os.kill(pid, 0)
     except ProcessLookupError:

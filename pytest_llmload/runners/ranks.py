@@ -219,7 +219,7 @@ def run_rank_groups(
     # has to guess a free port and race another test or xdist worker for it. The ranks connect to it as
     # clients, as torchrun's workers connect to their agent's store.
     # On the loopback interface only (runners.wire): another user's process on a shared runner cannot write a key.
-    stores = [wire.loopback_store(world_size, datetime.timedelta(seconds=timeout)) for _ in groups]
+    stores = [wire.bound_store(world_size, datetime.timedelta(seconds=timeout)) for _ in groups]
     group_of = [g for g in range(len(groups)) for _ in range(world_size)]
 
     def grace_once_the_others_are_done(outcomes):

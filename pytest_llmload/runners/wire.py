@@ -6,14 +6,14 @@ process reaches the port can write a key. So nothing read from one is ever unpic
 - values go as pickles that :func:`loads` reads with an allow-list: numbers, strings, bytes, ``None``, tuples,
   lists, dicts, sets, and the built-in exception types; a pickle that names anything else (``os.system``, a class
   of a module, a tensor) is refused with :class:`UnsafeValue`, before any of it runs;
-- a store made for the ranks of one machine listens on the loopback interface only (:func:`loopback_store`), and
+- a store made for the ranks of one machine listens on the loopback interface only (:func:`bound_store`), and
   one made for the ranks of a launched job on the launcher's own address (``MASTER_ADDR``), not on every interface.
 
 The threat model, stated in docs/reliability.md: another process that can reach a store's port (a local user, or a
 host on the cluster network for a launched job's store) can disturb a run (write or delete keys: the run fails or
 hangs, to its deadline), never run code in it.
 
-Imports nothing heavy (``torch.distributed`` only inside :func:`loopback_store`).
+Imports nothing heavy (``torch.distributed`` only inside :func:`bound_store`).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def loads(data: bytes, *, what: str = "a value read from the store") -> Any:
             "the function distributed_env runs, e.g. tensor.tolist().") from None
 
 
-def loopback_store(world_size: int, timeout, *, host: str = "127.0.0.1", port: int = 0, multi_tenant: bool = False):
+def bound_store(world_size: int, timeout, *, host: str = "127.0.0.1", port: int = 0, multi_tenant: bool = False):
     """A ``TCPStore`` server on ``port`` (0: one the OS picks), listening on ``host`` only (the loopback interface by
     default; a launched job's stores: the launcher's own address). The store owns the listening socket (it closes it
     when it is deleted). ``multi_tenant``: a process group this process makes with env:// on the same port shares

@@ -78,7 +78,7 @@ def test_the_meeting_reads_what_another_process_posted_as_data_only(tmp_path):
 def test_a_store_for_one_machines_ranks_listens_on_loopback_only():
     import torch.distributed as dist
 
-    store = wire.loopback_store(2, datetime.timedelta(seconds=10))
+    store = wire.bound_store(2, datetime.timedelta(seconds=10))
     try:
         client = dist.TCPStore("127.0.0.1", store.port, 2, is_master=False, timeout=datetime.timedelta(seconds=10))
         client.set("k", "v")
@@ -112,7 +112,7 @@ def test_a_launched_jobs_keys_live_under_its_secret_where_it_exports_one():
     assert meeting_prefix({}) == "llmload"
     prefix = meeting_prefix({"PYTEST_LLMLOAD_RUN_SECRET": "s3cret"})
     assert prefix.startswith("llmload/") and len(prefix) > len("llmload/") + 16 and "s3cret" not in prefix
-    server = wire.loopback_store(2, datetime.timedelta(seconds=10))
+    server = wire.bound_store(2, datetime.timedelta(seconds=10))
     launch = Launch("srun", 0, 2, 0, "127.0.0.1", server.port, True)  # (the store hosted here, as an agent's)
     meeting = Meeting(launch, store=dist.PrefixStore(prefix, dist.TCPStore(
         "127.0.0.1", server.port, 2, is_master=False, timeout=datetime.timedelta(seconds=10))))
