@@ -4,7 +4,9 @@ them). Imports pytest only."""
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -24,6 +26,17 @@ configured_check_options: contextvars.ContextVar[dict[str, Any]] = contextvars.C
 # "simulated: ..." where a machine this runner lacks was stood in for.
 check_notes: contextvars.ContextVar["list[str] | None"] = contextvars.ContextVar("llmload_check_notes", default=None)
 notes_key = pytest.StashKey[list]()
+
+
+@contextlib.contextmanager
+def collecting_notes() -> Iterator[list]:
+    """What checks say about their rows (:func:`add_note`) while the block runs, in the list it yields."""
+    notes: list = []
+    token = check_notes.set(notes)
+    try:
+        yield notes
+    finally:
+        check_notes.reset(token)
 
 
 def add_note(text: str) -> None:

@@ -103,14 +103,10 @@ def test_003_as_printed_is_model_parallel_on_two_gpus_and_passes(llmload_checkpo
     199-216, is about hf_device_map). So the check, planning the printed placement on the simulated GPUs, passes it,
     and says what it simulated; the before-loader (fixtures/loaders/before_dp_dtype.py) keeps the failure with a
     labelled stand-in for the unknown cause, and fails (tests/failures/test_dp_dtype.py)."""
-    from pytest_llmload.keys import check_notes
+    from pytest_llmload.keys import collecting_notes
 
-    notes: list = []
-    token = check_notes.set(notes)
-    try:
+    with collecting_notes() as notes:
         row = judged("check_trainer_does_not_wrap_placed_model", as_written_003.load, llmload_checkpoint, tmp_path)
-    finally:
-        check_notes.reset(token)
     if row[0] == "skipped" and "refuses 4-bit" in row[2]:
         pytest.skip(row[2])  # bitsandbytes' 4-bit cannot load on this machine (docs/version_matrix.md)
     assert row == ("passed", None, ""), row

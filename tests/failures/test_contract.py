@@ -103,14 +103,12 @@ calls: list = []
 
 
 def test_a_loader_of_one_dtype_is_asked_again_in_it_with_its_budget_resized(llmload_checkpoint, tmp_path):
-    from pytest_llmload.keys import check_notes
+    from pytest_llmload.keys import collecting_notes
     from pytest_llmload.scenarios import offload_budget, offloaded_parts
 
-    notes: list = []
-    token = check_notes.set(notes)
     calls.clear()
     contract._ANSWERED_DTYPE.clear()
-    try:
+    with collecting_notes() as notes:
         budget = offload_budget(llmload_checkpoint)  # half of the float32 weights: all of the float16 ones
         asked = LoadRequest(llmload_checkpoint, max_memory=budget, offload_folder=tmp_path / "offload")
         loaded = contract.load(float16_whatever_is_asked, asked, check="check_x")
@@ -120,8 +118,6 @@ def test_a_loader_of_one_dtype_is_asked_again_in_it_with_its_budget_resized(llml
         model, tokenizer = loaded  # unpacks as a LoadResult
         contract.load(float16_whatever_is_asked, asked, check="check_x")  # asked in float16 at once, now
         assert [c.dtype for c in calls] == ["float32", "float16", "float16"]
-    finally:
-        check_notes.reset(token)
     assert notes == ["judged in float16, the dtype its weights came in when asked float32 (max_memory budgets sized "
                      "for float16)"]
 
@@ -331,14 +327,10 @@ def leaves_meta_and_bf16_behind(request):
 def test_torch_defaults_a_loader_leaves_behind_are_named_as_the_loaders_and_put_back(llmload_checkpoint, tmp_path):
     """Before (issue 36): the check's own code then built its tensors on meta and the row called itself 'a bug in
     pytest-llmload'. Now the check judges, and its row names the loader as the one that changed the defaults."""
-    from pytest_llmload.keys import check_notes
+    from pytest_llmload.keys import collecting_notes
 
     (check,) = [c for c in REGISTRY if c.name == "check_pad_token_set_offline"]
-    notes: list = []
-    token = check_notes.set(notes)
-    try:
+    with collecting_notes() as notes:
         assert _verdict_of(check, leaves_meta_and_bf16_behind, llmload_checkpoint, tmp_path) is None
-    finally:
-        check_notes.reset(token)
     assert any("left torch.set_default_dtype(torch.bfloat16) and torch.set_default_device('meta') behind" in note
                for note in notes), notes

@@ -354,16 +354,12 @@ def test_pinning_each_rank_to_its_gpu_is_judged_on_the_cpu_on_a_runner_without_g
     device is simulated by the cpu (the pin is whole-on-one-device either way) and the prepare and step are real."""
     import torch
 
-    from pytest_llmload.keys import check_notes
+    from pytest_llmload.keys import collecting_notes
 
     if torch.cuda.is_available():
         pytest.skip("on a runner with GPUs this loader is exercised for real")
-    notes: list = []
-    token = check_notes.set(notes)
-    try:
+    with collecting_notes() as notes:
         check.check_distributed_train_step(pins_each_rank_to_its_gpu, llmload_checkpoint, tmp_path, modes=("ddp",))
-    finally:
-        check_notes.reset(token)
     assert notes == ["simulated: the ranks' pins device_map={'': 0}, device_map={'': 1} loaded on the cpu, no "
                      "accelerator here (ddp)"], notes
 

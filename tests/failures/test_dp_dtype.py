@@ -331,18 +331,15 @@ def test_the_declaration_by_ini_key_or_option_reaches_a_repos_own_parametrized_t
 def _judged(function, checkpoint, workdir, **options):
     """The check as the plugin runs it in-process, with the row's notes: ``(outcome, text, notes)``, the outcome
     ``"passed"``, ``"skipped"`` or ``"failed"``."""
-    from pytest_llmload.keys import check_notes
+    from pytest_llmload.keys import collecting_notes
 
-    notes: list = []
-    token = check_notes.set(notes)
-    try:
-        check_trainer_does_not_wrap_placed_model(function, checkpoint, workdir, **options)
-    except pytest.skip.Exception as exc:
-        return "skipped", str(exc), notes
-    except AssertionError as exc:
-        return "failed", str(exc), notes
-    finally:
-        check_notes.reset(token)
+    with collecting_notes() as notes:
+        try:
+            check_trainer_does_not_wrap_placed_model(function, checkpoint, workdir, **options)
+        except pytest.skip.Exception as exc:
+            return "skipped", str(exc), notes
+        except AssertionError as exc:
+            return "failed", str(exc), notes
     return "passed", "", notes
 
 

@@ -232,14 +232,10 @@ def test_check_skips_when_the_loader_returns_nothing_trainable(llmload_checkpoin
 def test_check_judges_what_trained_and_notes_an_untrainable_variant(llmload_checkpoint, tmp_path):
     """A frozen base without LoRA is nothing to judge; the LoRA request that trains is judged (issue 35: as the
     train check does). Only when nothing trains does the check skip."""
-    from pytest_llmload.keys import check_notes
+    from pytest_llmload.keys import collecting_notes
 
-    notes: list = []
-    token = check_notes.set(notes)
-    try:
+    with collecting_notes() as notes:
         CHECK(freezes_the_full_fine_tune, llmload_checkpoint, tmp_path)
-    finally:
-        check_notes.reset(token)
     assert notes == ["1 of 2 float16 train requests got a model with no trainable parameter (a frozen base): nothing "
                      "to judge there"], notes
     with pytest.raises(pytest.skip.Exception, match="dtype=float16, lora=False: none of its"):

@@ -621,15 +621,11 @@ def _notes_a_row():
 
 def test_what_a_child_says_about_its_row_comes_back_with_its_answer():
     """A check's note (contract.note: how it judged) is made where the check runs; the row is written here."""
-    from pytest_llmload.keys import check_notes
+    from pytest_llmload.keys import collecting_notes
 
-    notes: list = []
-    token = check_notes.set(notes)
-    try:
+    with collecting_notes() as notes:
         with pytest.raises(pytest.skip.Exception):
             run_isolated(_notes_a_row, (), timeout=30, label="notes")
-    finally:
-        check_notes.reset(token)
     assert notes == ["simulated: said in the child"]
 
 
@@ -661,15 +657,11 @@ def _running(marker: str) -> list[str]:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_CHILD_SUBREAPER and /proc are Linux's")
 def test_every_process_the_code_under_test_starts_is_gone_when_it_ends():
     """Before (issue 36): a loader's setsid daemon outlived the job, one per loader call."""
-    from pytest_llmload.keys import check_notes
+    from pytest_llmload.keys import collecting_notes
 
     marker = f"{3000 + os.getpid() % 1000}.{time.time_ns() % 10**6}"
-    notes: list = []
-    token = check_notes.set(notes)
-    try:
+    with collecting_notes() as notes:
         assert run_isolated(_leaves_a_daemon_behind, (marker,), timeout=30, label="daemons") == "loaded"
-    finally:
-        check_notes.reset(token)
     deadline = time.monotonic() + 5
     while _running(marker) and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -396,7 +396,7 @@ def test_a_preload_that_failed_first_is_named_in_the_rows_of_the_checks_it_may_b
     """Before (issue 36): under lanes a preload's first error (a read-only cache directory) was swallowed, and the
     checks showed only the misleading error of a second import ("Artifact ... already registered")."""
     from pytest_llmload.failures import REGISTRY
-    from pytest_llmload.keys import check_notes
+    from pytest_llmload.keys import collecting_notes
     from pytest_llmload.reference_loader import load_model_and_tokenizer
     from pytest_llmload.runners import ranks
 
@@ -404,11 +404,7 @@ def test_a_preload_that_failed_first_is_named_in_the_rows_of_the_checks_it_may_b
     ranks.remember_preload_failure(OSError(30, "Read-only file system", "/cache/inductor"))
     ranks.remember_preload_failure(RuntimeError("Artifact already registered"))  # a consequence: not kept
     (check,) = [c for c in REGISTRY if c.name == "check_pad_token_set_offline"]
-    notes: list = []
-    token = check_notes.set(notes)
-    try:
+    with collecting_notes() as notes:
         check(load_model_and_tokenizer, llmload_checkpoint, tmp_path)
-    finally:
-        check_notes.reset(token)
     assert notes == ["importing the checks' libraries before the lanes forked failed first with OSError: [Errno 30] "
                      "Read-only file system: '/cache/inductor'"], notes
