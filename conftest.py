@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from pytest_llmload.plugin import SUB_PLUGINS
+from pytest_llmload.plugin.hooks import SUB_PLUGINS
 from pytest_llmload.runners.warm_server import DEEPSPEED_PRELOAD
 
 # The suite's models are tiny: a second OpenMP thread buys nothing, while on a shared 2-core runner (or under
@@ -41,12 +41,12 @@ _HEAVY_STACK = (
     "hypothesis.extra",
     # Installs an audit hook the first time a guard is entered; a hook cannot be removed, so a copy imported
     # afresh by every in-process run would leave one idle hook behind per run.
-    "pytest_llmload.offline",
+    "pytest_llmload.system.offline",
     # Imported by the plugin when a run first needs them. Imported first inside an in-process run, they would
     # leave sys.modules at its end while their package kept the attribute: a later run's `from package import
     # module` would get that copy, which sys.modules (and pytest_terminal_summary's lookup there) no longer knows.
     *SUB_PLUGINS,
-    "pytest_llmload.diagnostics.known_failures",
+    "pytest_llmload.reports.known_failures",
     "pytest_llmload.failures",
 )
 # Imported only where their package is installed (package -> modules): anyio's pytest plugin comes with newer
@@ -83,8 +83,8 @@ def _heavy_stack_outside_pytester_snapshot(request, monkeypatch):
 # worker to finish a long one alone at the end. Whole files move, so module-scoped fixtures are still built once.
 STARTS_INTERPRETERS_FIRST = (
     "tests/runners/test_launcher.py",
-    "tests/test_main_job.py",
-    "tests/runners/test_xdist_gpus.py",
+    "tests/main_job/test_main_job.py",
+    "tests/plugin/test_xdist_gpus.py",
 )
 
 
@@ -92,10 +92,10 @@ STARTS_INTERPRETERS_FIRST = (
 # more each (a real interpreter, xdist or torchrun run, a deadline waited on purpose, ranks or a Trainer), measured
 # from a full run's JUnit durations. CI runs them all. Whole files where nearly every test is slow; else by name.
 SLOW_FILES = (
-    "tests/test_main_job.py", "tests/test_corpus.py", "tests/test_sample_loaders.py", "tests/runners/test_launcher.py",
-    "tests/runners/test_xdist_gpus.py", "tests/test_plugin_load_cost.py", "tests/runners/test_child_coverage.py",
-    "tests/test_extension_checks.py", "tests/test_downstream_repo.py", "tests/test_readme_adapter.py",
-    "tests/test_hung_loader.py", "tests/runners/test_warm_server.py", "tests/runners/test_lanes.py",
+    "tests/main_job/test_main_job.py", "tests/test_corpus.py", "tests/test_sample_loaders.py", "tests/runners/test_launcher.py",
+    "tests/plugin/test_xdist_gpus.py", "tests/plugin/test_plugin_load_cost.py", "tests/runners/test_child_coverage.py",
+    "tests/plugin/test_check_registry.py", "tests/test_downstream_repo.py", "tests/test_readme_adapter.py",
+    "tests/plugin/test_loader_hang.py", "tests/runners/test_warm_server.py", "tests/plugin/test_lanes.py",
     "tests/test_write_ups_as_written.py",
 )
 SLOW_TESTS = {
@@ -124,29 +124,29 @@ SLOW_TESTS = {
         "test_a_hanging_rank_fails_the_test_within_its_deadline_with_the_stacks",
         "test_a_hanging_rank_is_killed_at_its_deadline_with_every_ranks_stack"),
     "tests/test_bad_inputs.py": ("test_a_bad_input_ends_in_a_sentence",),
-    "tests/diagnostics/test_known_failures.py": ("test_deadline_hit_inside_from_pretrained_names_offload_hang",),
-    "tests/diagnostics/test_device_map_summary.py": (
+    "tests/reports/test_known_failures.py": ("test_deadline_hit_inside_from_pretrained_names_offload_hang",),
+    "tests/instruments/test_device_map_summary.py": (
         "test_lora_over_an_offloaded_model_is_traced_to_its_tier_through_peft_names",),
-    "tests/diagnostics/test_memory_limit.py": ("test_a_gpu_limit_skips_without_a_gpu_saying_so",),
-    "tests/diagnostics/test_report.py": (
+    "tests/plugin/test_memory_limit.py": ("test_a_gpu_limit_skips_without_a_gpu_saying_so",),
+    "tests/reports/test_sections.py": (
         "test_a_deadline_hit_shows_the_phase_table_and_the_phase_that_was_running",
         "test_the_session_summary_under_xdist_lists_loads_peaks_and_checks_near_their_deadline",
         "test_under_the_thread_method_the_table_is_printed_before_the_process_ends"),
-    "tests/diagnostics/test_html_report.py": (
+    "tests/reports/test_html_report.py": (
         "test_the_report_has_a_row_per_test_and_pictures_of_the_offloaded_model",
         "test_pytest_html_gets_the_same_pictures_as_extras",
         "test_under_xdist_the_workers_records_reach_the_controllers_report",
         "test_a_run_without_the_report_draws_nothing_and_imports_no_matplotlib"),
     "tests/test_docs.py": ("test_the_site_builds_with_warnings_as_errors",),
     "tests/failures/test_homes.py": ("test_a_gpu_variant_runs_in_a_forkserver_child_on_cuda_0",),
-    "tests/test_loader_seam.py": ("test_a_shorter_timeout_than_a_checks_own_deadline_wins",),
-    "tests/test_offline.py": ("test_offline_only_while_llmload_tests_run_under_xdist",),
-    "tests/test_prediction.py": (
+    "tests/loader/test_seam.py": ("test_a_shorter_timeout_than_a_checks_own_deadline_wins",),
+    "tests/system/test_offline.py": ("test_offline_only_while_llmload_tests_run_under_xdist",),
+    "tests/prediction/test_predict.py": (
         "test_a_runner_that_is_not_a_profile_is_a_usage_error",
         "test_the_prediction_through_the_loader_equals_the_planner_given_the_profiles_memory",
         "test_the_reference_loader_does_nothing_after_loading_that_the_runner_would_refuse",
         "test_what_a_before_loader_does_after_loading_is_predicted_on_a_runner_that_offloads"),
-    "tests/test_markers.py": (
+    "tests/plugin/test_markers.py": (
         "test_deepspeed_is_imported_after_collection_only_when_a_test_needs_it",
         "test_deepspeed_is_not_imported_for_tests_that_skip_for_want_of_gpus"),
 }

@@ -33,11 +33,11 @@ def main(runs: int = 15, phases: int = 2000) -> dict:
     from transformers.utils import logging as hf_logging
 
     from pytest_llmload import LoadRequest
-    from pytest_llmload.loading import call_loader
-    from pytest_llmload.diagnostics.memory_limit import _CpuAllocations
-    from pytest_llmload.diagnostics.phases import PhaseRecorder, phase, recording, track_model
-    from pytest_llmload.reference_loader import load_model_and_tokenizer
-    from pytest_llmload.tiny_models import build_tiny_checkpoint
+    from pytest_llmload.loader.seam import call_loader
+    from pytest_llmload.plugin.memory_limit import _CpuAllocations
+    from pytest_llmload.instruments.phases import PhaseRecorder, phase, recording, track_model
+    from pytest_llmload.fixes.reference_loader import load_model_and_tokenizer
+    from pytest_llmload.loader.tiny_models import build_tiny_checkpoint
 
     hf_logging.disable_progress_bar()
     with tempfile.TemporaryDirectory() as tmp:

@@ -27,7 +27,7 @@ TORCHRUN_SCRIPT = textwrap.dedent("""
     import sys
     import torch.distributed as dist
     from pytest_llmload.failures.distributed_device_map import _load_prepare_and_step
-    from pytest_llmload.reference_loader import load_model_and_tokenizer
+    from pytest_llmload.fixes.reference_loader import load_model_and_tokenizer
     dist.init_process_group("gloo")
     _load_prepare_and_step(load_model_and_tokenizer, sys.argv[1], sys.argv[2], "deepspeed", "gloo")
     dist.destroy_process_group()
@@ -46,8 +46,8 @@ def all_reduce() -> float:
 def main(runs: int = 5, torchrun: bool = False) -> dict:
     from pytest_llmload.runners import ranks as distributed
     from pytest_llmload.failures.distributed_device_map import _load_prepare_and_step
-    from pytest_llmload.reference_loader import load_model_and_tokenizer
-    from pytest_llmload.tiny_models import build_tiny_checkpoint
+    from pytest_llmload.fixes.reference_loader import load_model_and_tokenizer
+    from pytest_llmload.loader.tiny_models import build_tiny_checkpoint
 
     import transformers
 

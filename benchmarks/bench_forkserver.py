@@ -33,9 +33,9 @@ def main(runs: int = 5) -> dict:
     import transformers
 
     from pytest_llmload.failures.distributed_device_map import _load_prepare_and_step
-    from pytest_llmload.reference_loader import load_model_and_tokenizer
+    from pytest_llmload.fixes.reference_loader import load_model_and_tokenizer
     from pytest_llmload.runners import ranks, warm_server
-    from pytest_llmload.tiny_models import build_tiny_checkpoint
+    from pytest_llmload.loader.tiny_models import build_tiny_checkpoint
 
     transformers.utils.logging.disable_progress_bar()
     work = Path(tempfile.mkdtemp(prefix="bench-forkserver-"))

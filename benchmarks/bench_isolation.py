@@ -25,7 +25,7 @@ from _timing import load_average, median, print_table, repo_env, run_timed, spre
 FRESH_SCRIPT = """
 import sys
 from pytest_llmload.failures.offload_hang import check_pad_token_set_offline
-from pytest_llmload.reference_loader import load_model_and_tokenizer
+from pytest_llmload.fixes.reference_loader import load_model_and_tokenizer
 check_pad_token_set_offline(load_model_and_tokenizer, sys.argv[1], sys.argv[2])
 """
 
@@ -47,8 +47,8 @@ def main(runs: int = 9, fresh: bool = False) -> dict:
     transformers.utils.logging.disable_progress_bar()
     from pytest_llmload.runners import isolation
     from pytest_llmload.failures import REGISTRY
-    from pytest_llmload.reference_loader import load_model_and_tokenizer
-    from pytest_llmload.tiny_models import build_tiny_checkpoint
+    from pytest_llmload.fixes.reference_loader import load_model_and_tokenizer
+    from pytest_llmload.loader.tiny_models import build_tiny_checkpoint
 
     rows, overheads = [], {}
     with tempfile.TemporaryDirectory() as tmp:

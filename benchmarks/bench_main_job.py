@@ -11,7 +11,7 @@
 ``--against DIR``: also the main job of another checkout (a ``git worktree`` of an earlier commit), in the same
 rounds, so that a before/after comparison shares the machine's drift: each round runs the floor, then this
 checkout's main job, then DIR's. ``--one-lane``: also this main job with ``--lanes 1`` in each round (what the
-lanes, ``pytest_llmload.runners.lanes``, save).
+lanes, ``pytest_llmload.plugin.lanes``, save).
 """
 
 from __future__ import annotations

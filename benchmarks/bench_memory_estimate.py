@@ -37,9 +37,9 @@ import torch
 from transformers.utils import logging
 logging.disable_progress_bar()
 from pytest_llmload import LoadRequest
-from pytest_llmload.diagnostics import memory_probe
-from pytest_llmload.diagnostics.memory_limit import _CpuAllocations
-from pytest_llmload.reference_loader import load_model_and_tokenizer
+from pytest_llmload.instruments import memory_probe
+from pytest_llmload.plugin.memory_limit import _CpuAllocations
+from pytest_llmload.fixes.reference_loader import load_model_and_tokenizer
 
 ckpt, dtype, lora, gc_on, batch, seq = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4] == "1", int(sys.argv[5]), int(sys.argv[6])
 request = LoadRequest(ckpt, purpose="train", dtype=dtype, lora=lora, gradient_checkpointing=gc_on)
@@ -81,7 +81,7 @@ def _child(checkpoint, dtype, lora, gc_on, batch, seq) -> dict:
 def _medium_checkpoint(dest: Path, tiny: Path) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from pytest_llmload.tiny_models import config_dict
+    from pytest_llmload.loader.tiny_models import config_dict
 
     config = AutoConfig.for_model(**{**config_dict("llama"), **MEDIUM})
     AutoModelForCausalLM.from_config(config).save_pretrained(dest, safe_serialization=True, max_shard_size="40MB")
@@ -92,8 +92,8 @@ def _medium_checkpoint(dest: Path, tiny: Path) -> Path:
 
 def main(configs: str = "all") -> list:
     from pytest_llmload import LoadRequest
-    from pytest_llmload.memory import estimate_training_memory, format_bytes
-    from pytest_llmload.tiny_models import build_tiny_checkpoint
+    from pytest_llmload.fixes.training_memory import estimate_training_memory, format_bytes
+    from pytest_llmload.loader.tiny_models import build_tiny_checkpoint
 
     rows, results = [], []
     with tempfile.TemporaryDirectory() as tmp:

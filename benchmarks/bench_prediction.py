@@ -24,8 +24,9 @@ def rows(repeat: int) -> None:
     import torch  # noqa: F401 - the stack, imported before the clock starts
     import transformers  # noqa: F401
 
-    from pytest_llmload.prediction import architectures, predict, profiles
-    from pytest_llmload.reference_loader import load_model_and_tokenizer as reference
+    from pytest_llmload.placement import architectures, profiles
+    from pytest_llmload.prediction import predict
+    from pytest_llmload.fixes.reference_loader import load_model_and_tokenizer as reference
 
     profile, config = profiles.load_profile("8xH100-80GB"), architectures.load_config("llama-3-70b")
     workdir = Path(tempfile.mkdtemp(prefix="bench-prediction-"))

@@ -4,8 +4,8 @@
   :data:`~pytest_llmload.failures.MODULES` and :data:`~pytest_llmload.failures.REGISTRY`, with the docstrings of
   each failure's before-loader (``fixtures/loaders/before_<id>.py``) and regression tests
   (``tests/failures/test_<id>.py``);
-- ``reference/settings.md``: every setting of :data:`pytest_llmload.surface.SETTINGS`, the markers' help texts and
-  the fixtures' docstrings (read from ``pytest_llmload/fixtures.py`` without importing it);
+- ``reference/settings.md``: every setting of :data:`pytest_llmload.config.vocabulary.SETTINGS`, the markers' help texts and
+  the fixtures' docstrings (read from ``pytest_llmload/plugin/fixtures.py`` without importing it);
 - the ``LoadRequest`` field table, put where a page says ``<!-- llmload:load-request-fields -->``.
 
 The functions that make the pages (:func:`generated_pages`, :func:`failure_page`, :func:`settings_page`,
@@ -51,7 +51,7 @@ FIELD_DOCS = {
     "gpu_count": ("how many GPUs the run assumes (read it instead of `torch.cuda.device_count()`)", "-"),
 }
 
-# The fields of the two records a check is made of (pytest_llmload.failures.base); a field without a line fails the build.
+# The fields of the two records a check is made of (pytest_llmload.checks.base); a field without a line fails the build.
 RECORD_DOCS = {
     "KnownFailure": {
         "id": "the failure's name, lowercase with dashes (`meta-backward`); shown in every row and report section",
@@ -87,7 +87,7 @@ RECORD_DOCS = {
     },
 }
 
-# How a setting's value is parsed (Setting.kind, pytest_llmload.settings.PARSERS). A kind without a line fails the build.
+# How a setting's value is parsed (Setting.kind, pytest_llmload.config.settings.PARSERS). A kind without a line fails the build.
 KINDS = {
     "text": "a string",
     "path": "a file path",
@@ -233,8 +233,8 @@ def failures_index() -> str:
 # --- settings, markers, fixtures ----------------------------------------------------------------------------------
 
 def _fixtures() -> list[tuple[str, str, str]]:
-    """``(name, scope, docstring)`` of each fixture in pytest_llmload/fixtures.py, in file order (read, not imported)."""
-    path = Path(importlib.util.find_spec("pytest_llmload.fixtures").origin)
+    """``(name, scope, docstring)`` of each fixture in pytest_llmload/plugin/fixtures.py, in file order (read, not imported)."""
+    path = Path(importlib.util.find_spec("pytest_llmload.plugin.fixtures").origin)
     found = []
     for node in ast.parse(path.read_text(encoding="utf-8")).body:
         if not isinstance(node, ast.FunctionDef):
@@ -251,7 +251,7 @@ def _fixtures() -> list[tuple[str, str, str]]:
 
 def _markers() -> list[tuple[str, str]]:
     """``(name, help)`` of each marker the plugin registers: the ``*_HELP`` texts of surface that start with a name."""
-    from pytest_llmload import surface
+    from pytest_llmload.config import vocabulary as surface
 
     helps = [value for name, value in vars(surface).items()
              if name.endswith("_HELP") and name != "GPU_FIXTURES_HELP" and isinstance(value, str)]
@@ -259,10 +259,10 @@ def _markers() -> list[tuple[str, str]]:
 
 
 def _main_job_options() -> list[tuple[str, str]]:
-    """``(option, help)`` of each option of the main job's parser (``pytest_llmload.main_job.build_parser``)."""
+    """``(option, help)`` of each option of the main job's parser (``pytest_llmload.main_job.job.build_parser``)."""
     import argparse
 
-    from pytest_llmload.main_job import build_parser
+    from pytest_llmload.main_job.job import build_parser
 
     found = []
     for action in build_parser()._actions:
@@ -276,10 +276,10 @@ def _main_job_options() -> list[tuple[str, str]]:
 
 
 def settings_page() -> str:
-    from pytest_llmload.surface import SETTINGS
+    from pytest_llmload.config.vocabulary import SETTINGS
 
     lines = ["# Settings, markers and fixtures", "",
-             "*Generated from `pytest_llmload.surface` and `pytest_llmload/fixtures.py` when the docs are built.*",
+             "*Generated from `pytest_llmload.config.vocabulary` and `pytest_llmload/plugin/fixtures.py` when the docs are built.*",
              "", "## Settings", "",
              "Every setting is an option and an ini key of the same name (`--llmload-x-y` and `llmload_x_y`, in "
              "`pytest.ini`, `tox.ini`'s `[pytest]` or `pyproject.toml`'s `[tool.pytest.ini_options]`), with one help "
@@ -335,7 +335,7 @@ def _type_name(hint) -> str:
 def load_request_fields() -> str:
     """The table of every LoadRequest field: name and default from the dataclass, what it asks and what the returned
     model must from :data:`FIELD_DOCS`."""
-    from pytest_llmload.request import LoadRequest
+    from pytest_llmload.loader.request import LoadRequest
 
     fields = dataclasses.fields(LoadRequest)
     hints = typing.get_type_hints(LoadRequest)
@@ -354,7 +354,7 @@ def load_request_fields() -> str:
 
 def record_fields() -> str:
     """The fields of ``KnownFailure`` and ``Check``: names and defaults from the records, meanings from RECORD_DOCS."""
-    from pytest_llmload.failures.base import Check, KnownFailure
+    from pytest_llmload.checks.base import Check, KnownFailure
 
     out = []
     for record in (KnownFailure, Check):

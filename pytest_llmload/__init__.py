@@ -9,25 +9,31 @@ from __future__ import annotations
 
 import importlib
 
+from pytest_llmload import _old_paths
+
 __version__ = "0.1.0"
 
 _PUBLIC = {
-    "LoadRequest": "pytest_llmload.request",
-    "LoadResult": "pytest_llmload.loading",
-    "LoaderContractError": "pytest_llmload.loading",
-    "LoaderSpecError": "pytest_llmload.loading",
-    "call_loader": "pytest_llmload.loading",
+    "LoadRequest": "pytest_llmload.loader.request",
+    "LoadResult": "pytest_llmload.loader.seam",
+    "LoaderContractError": "pytest_llmload.loader.seam",
+    "LoaderSpecError": "pytest_llmload.loader.seam",
+    "call_loader": "pytest_llmload.loader.seam",
     # Writing a repo's own check (docs: the extension API): its records, the premise layer, the skip for a check
     # whose scenario did not happen.
-    "Check": "pytest_llmload.failures.base",
-    "KnownFailure": "pytest_llmload.failures.base",
-    "not_exercised": "pytest_llmload.failures.base",
-    "contract": "pytest_llmload.failures",
+    "Check": "pytest_llmload.checks.base",
+    "KnownFailure": "pytest_llmload.checks.base",
+    "not_exercised": "pytest_llmload.checks.base",
+    "contract": "pytest_llmload.checks",
 }
 __all__ = [*_PUBLIC, "__version__"]
+
+_old_paths.install()
 
 
 def __getattr__(name: str):
     if name in _PUBLIC:
-        return getattr(importlib.import_module(_PUBLIC[name]), name)
+        home = importlib.import_module(_PUBLIC[name])
+        # a module of the package (``contract``) or a name in one
+        return getattr(home, name) if hasattr(home, name) else importlib.import_module(f"{home.__name__}.{name}")
     raise AttributeError(f"module 'pytest_llmload' has no attribute {name!r}")

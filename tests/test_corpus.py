@@ -10,8 +10,8 @@ from packaging.specifiers import SpecifierSet
 
 from fixtures.corpus.expected import BY_VERSION, EXPECTED, TOOL_WRONG
 from fixtures.warm_runs import warm_forks  # noqa: F401  (a fixture: the checks' children start warm)
-from pytest_llmload.conformance import all_checks
-from pytest_llmload.failures import verdict
+from pytest_llmload.plugin.parametrize import all_checks
+from pytest_llmload.reports import verdict
 
 CHECKS = {check.name: check for check in all_checks()}
 TRANSFORMERS = metadata.version("transformers")
@@ -56,7 +56,7 @@ def _verdict(check, loader, checkpoint, workdir) -> tuple[str, str]:
 
 @pytest.mark.parametrize(("spec", "check_name", "verdict", "why"), CELLS)
 def test_each_check_says_what_the_projects_code_says(spec, check_name, verdict, why, llmload_checkpoint, tmp_path):
-    from pytest_llmload.loading import LoaderChoice, as_loader_under_test, import_loader
+    from pytest_llmload.loader.seam import LoaderChoice, as_loader_under_test, import_loader
 
     loader = as_loader_under_test(import_loader(LoaderChoice(spec, "fixtures/corpus")), name=spec)
     got, detail = _verdict(CHECKS[check_name], loader, llmload_checkpoint, tmp_path)

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from pytest_llmload import fixtures as plugin_fixtures
+from pytest_llmload.plugin import fixtures as plugin_fixtures
 from pytest_llmload.failures import CATALOG, REGISTRY
-from pytest_llmload.request import LoadRequest
-from pytest_llmload.surface import SETTINGS
+from pytest_llmload.loader.request import LoadRequest
+from pytest_llmload.config.vocabulary import SETTINGS
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -34,7 +34,7 @@ def test_conftest_loader_and_parametrized_module(downstream):
             return load
     ''')
     downstream.makepyfile(test_loading='''
-        from pytest_llmload.conformance import parametrize_with_loader_checks
+        from pytest_llmload.plugin.parametrize import parametrize_with_loader_checks
         from myrepo_loading import old_load
 
         @parametrize_with_loader_checks(
@@ -74,7 +74,7 @@ def test_shipped_suite_against_the_ini_loader_with_expected_gaps(downstream):
                                  "XFAIL *check_train_request_trains* - migrating off device_map training, #12"])
 
 
-@pytest.mark.parametrize("hook", [None, "pytest_llmload.trainer_guard:prepare_training_args_for_placed_model"])
+@pytest.mark.parametrize("hook", [None, "pytest_llmload.fixes.trainer_guard:prepare_training_args_for_placed_model"])
 def test_the_trainer_check_runs_stock_trainer_unless_the_repo_names_its_training_scripts_hook(downstream, hook):
     from pytest_llmload.failures.dp_dtype import four_bit_refusal
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pytest_llmload.failures import REGISTRY, verdict
+from pytest_llmload.failures import REGISTRY
+from pytest_llmload.reports import verdict
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -30,7 +31,7 @@ def mypkg(tmp_path, monkeypatch):
     (package / "loading.py").write_text("from fixtures.corpus.readme_newcomer_qlora import load_model_and_tokenizer\n")
     # The user's training script's hook: write-up 003's fix, as the README names it.
     (package / "train.py").write_text(
-        "from pytest_llmload.trainer_guard import prepare_training_args_for_placed_model as prepare_args\n")
+        "from pytest_llmload.fixes.trainer_guard import prepare_training_args_for_placed_model as prepare_args\n")
     (package / "llmload_adapter.py").write_text(readme_adapter())  # as printed
     monkeypatch.syspath_prepend(str(tmp_path))
     import importlib

@@ -13,7 +13,7 @@ import pytest
 from packaging.version import Version
 
 from fixtures.warm_runs import warm_forks  # noqa: F401  (a fixture: the checks' children start warm)
-from pytest_llmload.conformance import parametrize_with_loader_checks
+from pytest_llmload.plugin.parametrize import parametrize_with_loader_checks
 
 HONOURS_OFFLOAD_STATE_DICT = Version(metadata.version("transformers")).release < (4, 57)
 OFFLOADS_TRAIN = "write-up 002: trains a model offloaded by device_map + max_memory (meta parameters)"
@@ -54,7 +54,7 @@ EXPECTED = {
     },
     # Fixed for the five write-ups, not for the failures taken from the field since: a float16 full fine-tune
     "fixtures.loaders.downstream_fixed:load": {k: v for k, v in NEW_FAILURES.items() if k != "check_zero3_load"},
-    "pytest_llmload.reference_loader:load_model_and_tokenizer": {},
+    "pytest_llmload.fixes.reference_loader:load_model_and_tokenizer": {},
 }
 
 # Each check runs in children forked from this process: warm_forks does once, here, what each of them would redo

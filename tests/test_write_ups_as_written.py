@@ -1,6 +1,6 @@
 """The write-ups' loaders as the write-ups show them (``fixtures/loaders/as_written_<id>.py``, issue 35): each
 judged by the checks that guard its write-up's failure, as the plugin reports a row (one verdict of
-:func:`pytest_llmload.failures.verdict.of_exception`), must be ``failed`` with that write-up's own failure on the
+:func:`pytest_llmload.reports.verdict.of_exception`), must be ``failed`` with that write-up's own failure on the
 stacks where the failure lives.
 
 Unlike ``before_<id>.py``, these loaders do not honour what the request asks where the write-up's code does not:
@@ -17,9 +17,10 @@ from packaging.version import Version
 
 from fixtures.loaders import as_written_000, as_written_002, as_written_003, as_written_004
 from fixtures.warm_runs import warm_forks  # noqa: F401  (a fixture: the checks' children start warm)
-from pytest_llmload import probes, scenarios
-from pytest_llmload.conformance import all_checks
-from pytest_llmload.failures import verdict
+from pytest_llmload.instruments import probes
+from pytest_llmload.checks import ground_truth as scenarios
+from pytest_llmload.plugin.parametrize import all_checks
+from pytest_llmload.reports import verdict
 
 CHECKS = {check.name: check for check in all_checks()}
 TRANSFORMERS = Version(metadata.version("transformers"))
@@ -103,7 +104,7 @@ def test_003_as_printed_is_model_parallel_on_two_gpus_and_passes(llmload_checkpo
     199-216, is about hf_device_map). So the check, planning the printed placement on the simulated GPUs, passes it,
     and says what it simulated; the before-loader (fixtures/loaders/before_dp_dtype.py) keeps the failure with a
     labelled stand-in for the unknown cause, and fails (tests/failures/test_dp_dtype.py)."""
-    from pytest_llmload.keys import collecting_notes
+    from pytest_llmload.config.stash_keys import collecting_notes
 
     with collecting_notes() as notes:
         row = judged("check_trainer_does_not_wrap_placed_model", as_written_003.load, llmload_checkpoint, tmp_path)

@@ -24,7 +24,7 @@ def main() -> int:
     from fixtures.loaders import before_dp_dtype
     from pytest_llmload import LoadRequest
     from pytest_llmload.failures.dp_dtype import write_stage1_checkpoint
-    from pytest_llmload.tiny_models import build_tiny_checkpoint
+    from pytest_llmload.loader.tiny_models import build_tiny_checkpoint
 
     work = Path(tempfile.mkdtemp(prefix="dp-same-device-"))
     checkpoint = build_tiny_checkpoint(work / "tiny")

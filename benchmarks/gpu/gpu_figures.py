@@ -52,7 +52,7 @@ def nccl_check(checkpoint: Path, work: Path, cold: bool = True) -> dict:
     import os
 
     from pytest_llmload.failures import distributed_device_map
-    from pytest_llmload.reference_loader import load_model_and_tokenizer
+    from pytest_llmload.fixes.reference_loader import load_model_and_tokenizer
     from pytest_llmload.runners import ranks, warm_server
 
     groups: list[float] = []
@@ -103,7 +103,7 @@ def nccl_check(checkpoint: Path, work: Path, cold: bool = True) -> dict:
 
 def gpu_model_load(checkpoint: Path) -> dict:
     from pytest_llmload import LoadRequest, call_loader
-    from pytest_llmload.reference_loader import load_model_and_tokenizer
+    from pytest_llmload.fixes.reference_loader import load_model_and_tokenizer
 
     request = LoadRequest(checkpoint, device="cuda:0")
     return {"gpu_model_load_s": median_seconds(lambda: call_loader(load_model_and_tokenizer, request), runs=5)}
@@ -112,7 +112,7 @@ def gpu_model_load(checkpoint: Path) -> dict:
 def limit_measure() -> dict:
     import torch
 
-    from pytest_llmload.diagnostics.memory_limit import _Measure
+    from pytest_llmload.plugin.memory_limit import _Measure
 
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -129,8 +129,8 @@ def training_estimate(checkpoint: Path, label: str, dtype: str, lora: bool, chec
     import torch
 
     from pytest_llmload import LoadRequest
-    from pytest_llmload.memory import estimate_training_memory
-    from pytest_llmload.reference_loader import load_model_and_tokenizer
+    from pytest_llmload.fixes.training_memory import estimate_training_memory
+    from pytest_llmload.fixes.reference_loader import load_model_and_tokenizer
 
     torch.cuda.empty_cache()
     start = torch.cuda.memory_allocated()
@@ -162,7 +162,7 @@ def training_estimate(checkpoint: Path, label: str, dtype: str, lora: bool, chec
 def meta_backward_text(checkpoint: Path, work: Path) -> dict:
     from fixtures.loaders import before_meta_backward
     from pytest_llmload import LoadRequest, call_loader
-    from pytest_llmload.scenarios import offload_budget
+    from pytest_llmload.checks.ground_truth import offload_budget
 
     import torch
 
@@ -184,7 +184,7 @@ def build_from_config(config_path: Path, dest: Path, dtype: str) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from pytest_llmload.tiny_models import build_tokenizer
+    from pytest_llmload.loader.tiny_models import build_tokenizer
 
     raw = {k: v for k, v in json.loads(config_path.read_text()).items() if not k.startswith("_")}
     torch.manual_seed(0)
@@ -199,7 +199,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--only-nccl", action="store_true", help="the warm nccl check alone (no cold run, no others)")
     args = parser.parse_args()
-    from pytest_llmload.tiny_models import build_tiny_checkpoint
+    from pytest_llmload.loader.tiny_models import build_tiny_checkpoint
 
     work = Path(tempfile.mkdtemp(prefix="gpu-figures-"))
     tiny = build_tiny_checkpoint(work / "tiny")

@@ -22,7 +22,7 @@ from pytest_llmload.failures import (
     quantized_cast,
     zero3_device_map,
 )
-from pytest_llmload.failures.base import Check, KnownFailure
+from pytest_llmload.checks.base import Check, KnownFailure
 from pytest_llmload.runners.ranks import preload_for_isolated_checks  # (its home: one floor down)
 
 # The write-ups' five first (shared/seeds), then those taken from upstream issue trackers.

@@ -58,11 +58,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from pytest_llmload.failures.base import Check, KnownFailure, not_exercised
-from pytest_llmload.failures import contract
-from pytest_llmload.request import LoadRequest
-from pytest_llmload.tiny_models import copy_tokenizer
-from pytest_llmload.scenarios import input_ids, offload_budget, plain_model, refusal_problem
+from pytest_llmload.checks.base import Check, KnownFailure, not_exercised
+from pytest_llmload.checks import contract
+from pytest_llmload.loader.request import LoadRequest
+from pytest_llmload.loader.tiny_models import copy_tokenizer
+from pytest_llmload.checks.ground_truth import input_ids, offload_budget, plain_model, refusal_problem
 
 Loader = Callable[[LoadRequest], Any]
 
@@ -153,7 +153,7 @@ def write_adapter(checkpoint, dest, *, seed: int = 0, r: int = 8, lora_alpha: in
 
 def adapter_bytes(adapter_path) -> int:
     """Bytes of an adapter's weights, from its safetensors header (0 when it has none)."""
-    from pytest_llmload.memory import _safetensors_header
+    from pytest_llmload.fixes.training_memory import _safetensors_header
 
     path = Path(adapter_path) / "adapter_model.safetensors"
     if not path.is_file():
@@ -166,7 +166,7 @@ def adapter_bytes(adapter_path) -> int:
 
 
 def _weights_bytes(request: LoadRequest) -> int:
-    from pytest_llmload.memory import estimate_inference_memory
+    from pytest_llmload.fixes.training_memory import estimate_inference_memory
 
     return estimate_inference_memory(request, prompt_len=1).rows[0][1]
 
@@ -189,8 +189,8 @@ def adapter_placement_kwargs(request: LoadRequest, placement: dict | None = None
     gives it the weights and the adapter (or there is no budget); on ``cuda:N``, whole on the host when the
     budget's ``"cpu"`` holds them (:func:`put_adapter` then merges there and dispatches the merged model under
     the budget); else :class:`AdapterBudgetError`, raised here, before anything is loaded."""
-    from pytest_llmload.memory import budget_for_device
-    from pytest_llmload.sizes import format_bytes
+    from pytest_llmload.fixes.training_memory import budget_for_device
+    from pytest_llmload.system.sizes import format_bytes
 
     placement = dict(placement) if placement is not None else {"device_map": {"": request.device}}
     if not _spreads(placement, request.device) and "max_memory" not in placement:
@@ -242,7 +242,7 @@ def put_adapter(model, request: LoadRequest):
     :class:`AdapterBudgetError` for a base that is already offloaded instead of letting peft fail on it."""
     from peft import PeftModel
 
-    from pytest_llmload.scenarios import offloaded_parts
+    from pytest_llmload.checks.ground_truth import offloaded_parts
 
     offloaded = offloaded_parts(model)
     if offloaded:
@@ -352,7 +352,7 @@ def check_adapter_on_offloaded_base(loader: Loader, checkpoint, workdir, *, devi
     """Guards adapter-on-offloaded: an adapter under an offloading budget is served with real weights, or refused.
 
     A LoRA adapter (:func:`write_adapter`) is requested (``LoadRequest.adapter_path``) for inference under a
-    ``max_memory`` that holds half the weights on ``device`` (:func:`~pytest_llmload.scenarios.offload_budget`).
+    ``max_memory`` that holds half the weights on ``device`` (:func:`~pytest_llmload.checks.ground_truth.offload_budget`).
     The loader either refuses clearly (an error naming the memory budget, raised by its own code, before or
     after loading the base: either way no adapter met an offloaded base) or returns a model with no ``lora_``
     weight on meta whose logits (rtol/atol 1e-4) and ``new_tokens`` greedy tokens equal those of the ground
@@ -363,9 +363,9 @@ def check_adapter_on_offloaded_base(loader: Loader, checkpoint, workdir, *, devi
     import torch
     from peft import PeftModel
 
-    from pytest_llmload.loading import LoaderContractError, LoaderError
-    from pytest_llmload.memory import budget_for_device, checkpoint_tensors
-    from pytest_llmload.sizes import format_bytes
+    from pytest_llmload.loader.seam import LoaderContractError, LoaderError
+    from pytest_llmload.fixes.training_memory import budget_for_device, checkpoint_tensors
+    from pytest_llmload.system.sizes import format_bytes
 
     name = "check_adapter_on_offloaded_base"
     workdir = Path(workdir)

@@ -1,7 +1,7 @@
 """distributed-device-map (write-up 004): ``device_map`` spread on every rank of a DeepSpeed/DDP job.
 
 Here: the check that a model loaded by one rank of a distributed job is trainable by it. The write-up's fix rule
-(:func:`is_distributed`, :func:`device_map_for_rank`) lives in :mod:`pytest_llmload.fixes`, for training scripts.
+(:func:`is_distributed`, :func:`device_map_for_rank`) lives in :mod:`pytest_llmload.fixes.training_scripts`, for training scripts.
 
 The write-up's loader always passed ``device_map="auto"``; under DeepSpeed, ``accelerator.prepare()`` then
 raised ``You can't train a model that has been loaded with `device_map='auto'` in any distributed mode``.
@@ -39,13 +39,13 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 from unittest import mock
 
-from pytest_llmload.failures.base import Check, KnownFailure, not_exercised
-from pytest_llmload.failures import contract
-from pytest_llmload.fixes import DISTRIBUTED_ENV_VARS, is_distributed, local_rank  # noqa: F401  (re-exported)
-from pytest_llmload.loading import LoaderModelError
-from pytest_llmload.probes import spy_classmethod
-from pytest_llmload.request import LoadRequest
-from pytest_llmload.scenarios import train_optimizer
+from pytest_llmload.checks.base import Check, KnownFailure, not_exercised
+from pytest_llmload.checks import contract
+from pytest_llmload.fixes.training_scripts import DISTRIBUTED_ENV_VARS, is_distributed, local_rank  # noqa: F401  (re-exported)
+from pytest_llmload.loader.seam import LoaderModelError
+from pytest_llmload.instruments.probes import spy_classmethod
+from pytest_llmload.loader.request import LoadRequest
+from pytest_llmload.checks.ground_truth import train_optimizer
 from pytest_llmload.runners import ranks
 
 Loader = Callable[[LoadRequest], Any]
@@ -67,7 +67,7 @@ FAILURE = KnownFailure(
     fix=(
         "When WORLD_SIZE/RANK/LOCAL_RANK (or a DeepSpeed flag) say the process is one rank of a job, load "
         "without device_map, or pin the whole model to the rank's device (device_map={'': local_rank}; "
-        "pytest_llmload.fixes.device_map_for_rank gives it)."
+        "pytest_llmload.fixes.training_scripts.device_map_for_rank gives it)."
     ),
     occurs="accelerate >= 0.20 with DistributedType DEEPSPEED, MULTI_GPU or MULTI_CPU; CPU (gloo) and GPU.",
 )
@@ -77,7 +77,7 @@ FAILURE = KnownFailure(
 # Is this process one rank of a distributed job? (write-up 004)
 # ---------------------------------------------------------------------------------------------------------
 
-# (the rule itself lives in pytest_llmload.fixes, which a training script can import without pytest)
+# (the rule itself lives in pytest_llmload.fixes.training_scripts, which a training script can import without pytest)
 
 
 # "ddp-budget": DDP again, with a max_memory in the request that cannot hold the model (a loader that honours it
@@ -238,8 +238,8 @@ def _load_prepare_and_step(loader: Loader, checkpoint: str, workdir: str, mode: 
     import torch.distributed as dist
     from transformers import PreTrainedModel
 
-    from pytest_llmload.loading import LoaderError
-    from pytest_llmload.scenarios import offload_budget, refusal_problem
+    from pytest_llmload.loader.seam import LoaderError
+    from pytest_llmload.checks.ground_truth import offload_budget, refusal_problem
 
     rank = dist.get_rank()
     device = f"cuda:{local_rank(os.environ)}" if backend == "nccl" else "cpu"
@@ -344,9 +344,9 @@ def _placement(calls: list) -> dict:
 def _plan_on_gpus(checkpoint: str, placement: dict, request: LoadRequest) -> Optional[dict]:
     """Where ``from_pretrained(device_map=..., max_memory=...)`` would put the model on a runner with
     :data:`SIMULATED_GPUS` GPUs, by transformers' own planner on an empty-weights copy
-    (:mod:`pytest_llmload.prediction.planner`); ``None`` when the placement does not spread (no device_map, one
+    (:mod:`pytest_llmload.placement.planner`); ``None`` when the placement does not spread (no device_map, one
     device) or cannot be planned here."""
-    from pytest_llmload.prediction import architectures, planner
+    from pytest_llmload.placement import architectures, planner
 
     device_map = placement.get("device_map")
     if device_map is None:

@@ -3,7 +3,7 @@
 The write-up's stage-2 model (a bf16 checkpoint reloaded in 4-bit, ``device_map="balanced"``, LoRA) failed
 under a 2-GPU Trainer with ``expected mat1 and mat2 to have the same dtype, but got: float != c10::BFloat16``;
 the tell was the step count halving. Its fix: ``training_args._n_gpu = 1``
-(:func:`pytest_llmload.trainer_guard.prepare_training_args_for_placed_model`).
+(:func:`pytest_llmload.fixes.trainer_guard.prepare_training_args_for_placed_model`).
 
 The check, a model loaded for training handed to a stock ``transformers.Trainer`` on a machine with 2 GPUs, runs
 on CPU, the machine simulated where Trainer reads it:
@@ -14,7 +14,7 @@ on CPU, the machine simulated where Trainer reads it:
   that puts modules on the GPUs, the weights load on the cpu and the model carries the planned ``hf_device_map``,
   as from_pretrained sets it there, for whatever the loader does next and for Trainer to read;
 - ``TrainingArguments`` as there: ``n_gpu`` 2, ``device`` ``cuda:0``
-  (:func:`pytest_llmload.trainer_guard.trainer_decision`).
+  (:func:`pytest_llmload.fixes.trainer_guard.trainer_decision`).
 
 Everything after that is Trainer's own code (``__init__``: model parallel or not, ``n_gpu`` reset to 1 for it;
 ``_wrap_model``: ``nn.DataParallel`` or not), and the training step runs on the cpu with the ``n_gpu`` it kept. A
@@ -40,13 +40,13 @@ import types
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional
 
-from pytest_llmload.failures.base import NOT_EXERCISED, Check, KnownFailure, not_exercised
-from pytest_llmload.failures import contract
-from pytest_llmload.loading import LoaderModelError
-from pytest_llmload.request import LoadRequest
-from pytest_llmload.surface import SETTING
-from pytest_llmload.tiny_models import copy_tokenizer
-from pytest_llmload.scenarios import where_loaded
+from pytest_llmload.checks.base import NOT_EXERCISED, Check, KnownFailure, not_exercised
+from pytest_llmload.checks import contract
+from pytest_llmload.loader.seam import LoaderModelError
+from pytest_llmload.loader.request import LoadRequest
+from pytest_llmload.config.vocabulary import SETTING
+from pytest_llmload.loader.tiny_models import copy_tokenizer
+from pytest_llmload.checks.ground_truth import where_loaded
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ FAILURE = KnownFailure(
     ),
     fix=(
         "Do not let Trainer data-parallelise a placed model: set training_args._n_gpu = 1 when the model is placed "
-        "(spread by hf_device_map, or quantized: pytest_llmload.fixes.prepare_training_args_for_placed_model does "
+        "(spread by hf_device_map, or quantized: pytest_llmload.fixes.training_scripts.prepare_training_args_for_placed_model does "
         "this), or launch one process per GPU instead; name that hook to the check (--llmload-training-args-hook). "
         "The check judges Trainer where the repo declares it (the hook, llmload_trains_with_trainer) or its loader's "
         "modules import a Trainer class; declare llmload_trains_without_trainer where the repo never trains with "
@@ -221,7 +221,8 @@ def placed_as_on_gpus(request: LoadRequest, n_gpu: int, seen: list, problems: li
     from the loader's call."""
     from transformers import PreTrainedModel
 
-    from pytest_llmload.prediction import architectures, predict, profiles
+    from pytest_llmload.placement import architectures, profiles
+    from pytest_llmload.prediction import predict
 
     profile = profiles.RunnerProfile(name=f"{n_gpu} simulated GPUs", devices=n_gpu,
                                      device_memory=SIMULATED_GPU_BYTES, host_memory=SIMULATED_HOST_BYTES,
@@ -293,7 +294,7 @@ def check_trainer_does_not_wrap_placed_model(
     trains_with_trainer: bool = False,
 ) -> None:
     """Seed 003: a train/4-bit/LoRA model from a local bf16 (stage-1) checkpoint, placed as the loader asks on 2 GPUs, is not data-parallelised by a stock Trainer (its own decision) and its first step runs with consistent dtypes; FAILED only where the repo declares or imports Trainer; needs bitsandbytes 4-bit (its CPU backend will do)."""
-    from pytest_llmload.trainer_guard import observe_trainer
+    from pytest_llmload.fixes.trainer_guard import observe_trainer
 
     if trains_without_trainer or trains_under_deepspeed:
         how = ("to train without transformers.Trainer (llmload_trains_without_trainer)" if trains_without_trainer
@@ -391,7 +392,7 @@ def check_trainer_does_not_wrap_placed_model(
         hint = (
             "" if prepare_args is not None else
             " This judges a stock Trainer (no training-args hook was given). Fix it in the training script: call "
-            "pytest_llmload.trainer_guard.prepare_training_args_for_placed_model(args, model) before building the "
+            "pytest_llmload.fixes.trainer_guard.prepare_training_args_for_placed_model(args, model) before building the "
             "Trainer (write-up 003: training_args._n_gpu = 1) and name that hook (--llmload-training-args-hook, the "
             "ini key or the loader's llmload_training_args_hook); or, where the repo never trains with "
             "transformers.Trainer, declare llmload_trains_without_trainer."

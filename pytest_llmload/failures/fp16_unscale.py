@@ -34,10 +34,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from pytest_llmload.failures.base import Check, KnownFailure, not_exercised
-from pytest_llmload.failures import contract
-from pytest_llmload.fixes import upcast_trainable_parameters  # noqa: F401  (re-exported)
-from pytest_llmload.request import LoadRequest
+from pytest_llmload.checks.base import Check, KnownFailure, not_exercised
+from pytest_llmload.checks import contract
+from pytest_llmload.fixes.training_scripts import upcast_trainable_parameters  # noqa: F401  (re-exported)
+from pytest_llmload.loader.request import LoadRequest
 
 Loader = Callable[[LoadRequest], Any]
 
@@ -57,7 +57,7 @@ FAILURE = KnownFailure(
     ),
     fix=(
         "Keep the trainable parameters in float32: load in float32 and let autocast compute in float16, or "
-        "upcast the trainable parameters after loading (pytest_llmload.fixes.upcast_trainable_parameters;"
+        "upcast the trainable parameters after loading (pytest_llmload.fixes.training_scripts.upcast_trainable_parameters;"
         " for LoRA, keep peft's default autocast_adapter_dtype=True). Or train "
         "in bf16 (bf16=True), which needs no GradScaler."
     ),
@@ -79,8 +79,8 @@ def _fp16_step(model, device: str) -> tuple[str | None, int, bool]:
     """One fp16 mixed-precision step as Trainer runs it on a GPU; returns (unscale error, fp16 grads, step skipped)."""
     import torch
 
-    from pytest_llmload.diagnostics.phases import phase
-    from pytest_llmload.scenarios import input_ids
+    from pytest_llmload.instruments.phases import phase
+    from pytest_llmload.checks.ground_truth import input_ids
 
     device_type = torch.device(device).type
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -158,7 +158,7 @@ def check_fp16_train_request_keeps_fp32_master_weights(loader: Loader, checkpoin
         raise AssertionError(
             f"{len(failures)} of {len(failures) + len(passed) + len(untrainable)} float16 train requests cannot "
             "take an fp16 mixed-precision step (fp16-unscale: GradScaler needs float32 trainable weights; "
-            "keep them float32, e.g. pytest_llmload.fixes.upcast_trainable_parameters):\n  "
+            "keep them float32, e.g. pytest_llmload.fixes.training_scripts.upcast_trainable_parameters):\n  "
             + "\n  ".join(failures))
     if untrainable and not passed:
         not_exercised("check_fp16_train_request_keeps_fp32_master_weights", f"returned a model with no trainable "

@@ -1,14 +1,14 @@
 """inference-stall (write-up 001): ``generate()`` appears to hang on a model offloaded to cpu/disk.
 
 Not a crash: the write-up's fix was diagnostics (every phase timed, GPU memory before and after, token caps).
-This package gives them (:mod:`pytest_llmload.diagnostics.phases`), and a deadline hit inside ``generate`` is
+This package gives them (:mod:`pytest_llmload.instruments.phases`), and a deadline hit inside ``generate`` is
 named as this failure in the report. It has no check of its own: a loader cannot avoid it, only a caller can
 cap ``max_new_tokens`` and budget the memory.
 """
 
 from __future__ import annotations
 
-from pytest_llmload.failures.base import Check, KnownFailure
+from pytest_llmload.checks.base import Check, KnownFailure
 
 FAILURE = KnownFailure(
     id="inference-stall",
@@ -21,7 +21,7 @@ FAILURE = KnownFailure(
         "large max_new_tokens it runs for minutes with no output, which looks like a hang."
     ),
     fix=(
-        "Time each phase (tokenize, to-device, generate, decode) and record memory (pytest_llmload.diagnostics.phases: "
+        "Time each phase (tokenize, to-device, generate, decode) and record memory (pytest_llmload.instruments.phases: "
         "see this report's 'llmload: phases' section), cap max_new_tokens, and give the model enough GPU "
         "memory that nothing is offloaded for interactive use."
     ),

@@ -21,11 +21,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from pytest_llmload.failures.base import Check, KnownFailure, not_exercised
-from pytest_llmload.failures import contract
-from pytest_llmload.loading import LoaderError, LoaderModelError
-from pytest_llmload.request import LoadRequest
-from pytest_llmload.scenarios import offload_budget, placement_problems, refusal_problem, train_step_problems
+from pytest_llmload.checks.base import Check, KnownFailure, not_exercised
+from pytest_llmload.checks import contract
+from pytest_llmload.loader.seam import LoaderError, LoaderModelError
+from pytest_llmload.loader.request import LoadRequest
+from pytest_llmload.checks.ground_truth import offload_budget, placement_problems, refusal_problem, train_step_problems
 
 Loader = Callable[[LoadRequest], Any]
 # The gradient autograd cannot put on an offloaded (meta) weight: what a train step on an offloaded model raises.

@@ -35,11 +35,11 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional
 
-from pytest_llmload.failures.base import Check, KnownFailure, not_exercised
-from pytest_llmload.failures import contract
-from pytest_llmload.loading import LoaderError
-from pytest_llmload.request import LoadRequest
-from pytest_llmload.scenarios import LOADING_LIBRARIES, input_ids, offload_budget, offloaded_parts, where_loaded
+from pytest_llmload.checks.base import Check, KnownFailure, not_exercised
+from pytest_llmload.checks import contract
+from pytest_llmload.loader.seam import LoaderError
+from pytest_llmload.loader.request import LoadRequest
+from pytest_llmload.checks.ground_truth import LOADING_LIBRARIES, input_ids, offload_budget, offloaded_parts, where_loaded
 
 Loader = Callable[[LoadRequest], Any]
 

@@ -22,13 +22,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from pytest_llmload.diagnostics.phases import phase
-from pytest_llmload.failures.base import Check, KnownFailure, not_exercised
-from pytest_llmload.failures import contract
-from pytest_llmload.loading import LoaderModelError
-from pytest_llmload.probes import deadline, record_network, record_writes, spy_classmethod, system_tempdir
-from pytest_llmload.request import LoadRequest
-from pytest_llmload.scenarios import input_ids, offload_budget, offloaded_parts, plain_model, where_loaded
+from pytest_llmload.instruments.phases import phase
+from pytest_llmload.checks.base import Check, KnownFailure, not_exercised
+from pytest_llmload.checks import contract
+from pytest_llmload.loader.seam import LoaderModelError
+from pytest_llmload.instruments.probes import deadline, record_network, record_writes, spy_classmethod, system_tempdir
+from pytest_llmload.loader.request import LoadRequest
+from pytest_llmload.checks.ground_truth import input_ids, offload_budget, offloaded_parts, plain_model, where_loaded
 
 Loader = Callable[[LoadRequest], Any]
 

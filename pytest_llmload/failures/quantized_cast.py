@@ -39,10 +39,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pytest_llmload.failures.base import Check, KnownFailure, not_exercised
-from pytest_llmload.failures import contract
-from pytest_llmload.loading import LoaderError, LoaderModelError
-from pytest_llmload.request import LoadRequest
+from pytest_llmload.checks.base import Check, KnownFailure, not_exercised
+from pytest_llmload.checks import contract
+from pytest_llmload.loader.seam import LoaderError, LoaderModelError
+from pytest_llmload.loader.request import LoadRequest
 
 logger = logging.getLogger(__name__)
 
@@ -219,7 +219,7 @@ def forward_problems(model, device: str) -> list[str]:
     """One forward on ``device``: what went wrong (an exception, non-finite logits)."""
     import torch
 
-    from pytest_llmload.scenarios import input_ids
+    from pytest_llmload.checks.ground_truth import input_ids
 
     try:
         with torch.no_grad():

@@ -48,17 +48,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pytest_llmload.failures.base import Check, KnownFailure, not_exercised
+from pytest_llmload.checks.base import Check, KnownFailure, not_exercised
 from pytest_llmload.failures.distributed_device_map import (
     DEEPSPEED_CONFIG,
     LEARNING_RATE,
     judge_step,
     step_and_probe,
 )
-from pytest_llmload.failures import contract
-from pytest_llmload.loading import LoaderError, LoaderModelError
-from pytest_llmload.request import LoadRequest
-from pytest_llmload.scenarios import train_optimizer
+from pytest_llmload.checks import contract
+from pytest_llmload.loader.seam import LoaderError, LoaderModelError
+from pytest_llmload.loader.request import LoadRequest
+from pytest_llmload.checks.ground_truth import train_optimizer
 from pytest_llmload.runners import ranks
 
 Loader = Callable[[LoadRequest], Any]
@@ -109,7 +109,7 @@ def check_zero3_load(
     timeout: float = 120.0,
 ) -> None:
     """Guards zero3-device-map: on 2 ranks under an accelerate ZeRO-3 plugin a train load passes no device_map and trains."""
-    from pytest_llmload import gpus
+    from pytest_llmload.system import gpus
 
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if world_size is None:

@@ -1,6 +1,6 @@
 """What the loader under test would do on a runner profile with a full-size architecture: each scenario runs the
 loader as it would run there, stops it at ``from_pretrained`` (nothing is loaded or allocated), plans the placement
-with transformers' own code (:mod:`.planner`), estimates memory (:mod:`pytest_llmload.memory`) and names the known
+with transformers' own code (:mod:`.planner`), estimates memory (:mod:`pytest_llmload.fixes.training_memory`) and names the known
 failure the runner would hit, or OOM with the figures. Every row is a prediction and says what was simulated.
 
 What the loader sees, as on each rank of that runner: the request in the profile's sizes (``max_memory`` the
@@ -20,10 +20,10 @@ from unittest import mock
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional
 
-from pytest_llmload.prediction import architectures, planner
-from pytest_llmload.prediction.profiles import RunnerProfile
-from pytest_llmload.request import LoadRequest
-from pytest_llmload.sizes import format_bytes
+from pytest_llmload.placement import architectures, planner
+from pytest_llmload.placement.profiles import RunnerProfile
+from pytest_llmload.loader.request import LoadRequest
+from pytest_llmload.system.sizes import format_bytes
 
 PREDICTION_PREFIX = "predict_"
 DEFAULT_DTYPE = "bfloat16"  # what runs on these runners use; --llmload-dtype changes it
@@ -185,7 +185,7 @@ def _preload_outside_the_simulation() -> None:
     runner's GPUs: bitsandbytes picks its CUDA backend at import when CUDA looks available, and that fails on a
     machine without it. Where GPUs are visible the report is the machine's own, and nothing is imported early (an
     import that initialises CUDA here would stop the isolated checks from forking)."""
-    from pytest_llmload import gpus
+    from pytest_llmload.system import gpus
 
     if gpus.visible_gpu_count() == 0:
         for module in ("peft", "bitsandbytes"):
@@ -204,8 +204,8 @@ def run_loader(loader: Callable, request: LoadRequest, profile: RunnerProfile, *
                after: Optional[list] = None) -> Call:
     """Run ``loader(request)`` as on the runner, stopped at ``from_pretrained`` (or, with ``stand_in``, given that
     model and run to its end, what it does after loading recorded in ``after``); the loader's own error propagates
-    as :class:`~pytest_llmload.loading.LoaderError`."""
-    from pytest_llmload.loading import LoaderError
+    as :class:`~pytest_llmload.loader.seam.LoaderError`."""
+    from pytest_llmload.loader.seam import LoaderError
 
     _preload_outside_the_simulation()
     calls: list = []
@@ -298,7 +298,7 @@ def predict_placement(scenario: str, loader: Callable, request: LoadRequest, pro
                       config: dict, model_name: str, *, env: Optional[dict] = None, zero3: bool = False,
                       simulated: tuple[str, ...] = (), training: bool = False) -> Prediction:
     """One rank's load on ``profile``: where each module goes, bytes and peaks per device."""
-    from pytest_llmload.memory import estimate_training_memory, model_tensors
+    from pytest_llmload.fixes.training_memory import estimate_training_memory, model_tensors
 
     start = time.perf_counter()
     call = run_loader(loader, request, profile, env=env, zero3=zero3)
@@ -312,7 +312,7 @@ def predict_placement(scenario: str, loader: Callable, request: LoadRequest, pro
              if kwargs.get(key)}
     refusal = None
     if zero3:
-        from pytest_llmload.transformers_compat import zero3_device_map_refusal
+        from pytest_llmload.loader.transformers_compat import zero3_device_map_refusal
 
         refusal = zero3_device_map_refusal(kwargs.get("device_map"))
     try:
@@ -403,8 +403,8 @@ def predict_train_load(loader, profile, config, model_name, workdir, checkpoint=
     """Predicts meta-backward (002) or OOM: a LoRA train load with gradient checkpointing under the runner's memory.
 
     ``max_memory``: the budget the run gives the loader (default: the runner's capacities)."""
-    from pytest_llmload.loading import LoaderError
-    from pytest_llmload.scenarios import refusal_problem
+    from pytest_llmload.loader.seam import LoaderError
+    from pytest_llmload.checks.ground_truth import refusal_problem
 
     request = _request(model_dir(config, workdir), profile, purpose="train", lora=True, gradient_checkpointing=True,
                        max_memory=profile.max_memory if max_memory is None else max_memory,
@@ -538,8 +538,8 @@ def predict_trainer(loader, profile, config, model_name, workdir, checkpoint=Non
 def _after_loading(scenario: str, loader, profile, config, model_name, workdir, **fields):
     """An inference load run to its end on a stand-in placed as planned: the prediction, what the loader did to the
     model after loading, and whether the planned map offloads."""
-    from pytest_llmload.loading import LoaderError
-    from pytest_llmload.scenarios import refusal_problem
+    from pytest_llmload.loader.seam import LoaderError
+    from pytest_llmload.checks.ground_truth import refusal_problem
 
     start = time.perf_counter()
     request = _request(model_dir(config, workdir), profile, purpose="inference", max_memory=profile.max_memory,

@@ -573,14 +573,14 @@ def _collect_notes() -> list:
     """A fresh list for what the child's check says about how it judged (``keys.check_notes``), sent back with its
     answer: the row is written in the parent (a forkserver child would not even see the parent's list)."""
     notes: list = []
-    keys = sys.modules.get("pytest_llmload.keys")  # (only a check's child has it: it is a pytest module)
+    keys = sys.modules.get("pytest_llmload.config.stash_keys")  # (only a check's child has it: it is a pytest module)
     if keys is not None:
         keys.check_notes.set(notes)
     return notes
 
 
 def _keep_notes(notes) -> None:
-    keys = sys.modules.get("pytest_llmload.keys")
+    keys = sys.modules.get("pytest_llmload.config.stash_keys")
     for note in (notes or ()) if keys is not None else ():
         keys.add_note(note)
 

@@ -238,7 +238,7 @@ def meeting_prefix(environ: Mapping[str, str]) -> str:
     reaches the store's port without it cannot name a key the ranks read."""
     import hashlib
 
-    from pytest_llmload.surface import RUN_SECRET_ENV
+    from pytest_llmload.config.vocabulary import RUN_SECRET_ENV
 
     secret = environ.get(RUN_SECRET_ENV, "")
     return "llmload" + ("/" + hashlib.sha256(secret.encode()).hexdigest()[:32] if secret else "")

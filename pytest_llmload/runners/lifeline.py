@@ -23,7 +23,7 @@ import sys
 import threading
 from typing import Optional
 
-from pytest_llmload.surface import PARENT_ENV, PARENT_WORKDIR_ENV
+from pytest_llmload.config.vocabulary import PARENT_ENV, PARENT_WORKDIR_ENV
 
 # After SIGTERM, the longest pytest may take to clean up before it is killed (a cleanup that blocks).
 HARD_STOP_S = 20.0

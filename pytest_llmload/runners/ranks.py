@@ -36,7 +36,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional
 
-from pytest_llmload import gpus
+from pytest_llmload.system import gpus
 from pytest_llmload.runners import isolation, wire
 from pytest_llmload.runners.isolation import ChildOutcome, describe_exitcode  # noqa: F401  (part of this API)
 
@@ -405,7 +405,7 @@ class DistributedEnv:
             return "distributed_env(deepspeed=True): deepspeed is not installed"
         return None
 
-    # The seams a launcher's distributed_env replaces (pytest_llmload.runners.launched_env): its ranks are the
+    # The seams a launcher's distributed_env replaces (pytest_llmload.plugin.launched_env): its ranks are the
     # launcher's processes, not forked here.
     def _nccl_skip_reason(self, world_size: int) -> Optional[str]:
         reason = gpus.skip_reason(world_size)
@@ -435,7 +435,7 @@ def preload_for_isolated_checks(checkpoint: "os.PathLike[str] | str | None" = No
     import reads the devices' compute capability and so initialises CUDA, and a process that has initialised CUDA
     can no longer fork. A run of inference checks alone never imports it (about 2.5 s of CPU).
     """
-    from pytest_llmload import gpus
+    from pytest_llmload.system import gpus
 
     modules = HF_PRELOAD + (model_module(checkpoint) if checkpoint is not None else ())
     if peft and gpus.visible_gpu_count() == 0:

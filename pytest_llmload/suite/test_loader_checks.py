@@ -1,8 +1,8 @@
 """Every regression check against the loader under test (the ``llmload_loader`` fixture)."""
 
-from pytest_llmload import settings
-from pytest_llmload.conformance import check_params, parse_expected_failures
-from pytest_llmload.keys import checks_key
+from pytest_llmload.config import settings
+from pytest_llmload.plugin.parametrize import check_params, parse_expected_failures
+from pytest_llmload.config.stash_keys import checks_key
 
 
 def pytest_generate_tests(metafunc):

@@ -3,7 +3,7 @@ each scenario, as the loader under test would meet it there. Collected only when
 
 import pytest
 
-from pytest_llmload.keys import prediction_key
+from pytest_llmload.config.stash_keys import prediction_key
 
 
 def pytest_generate_tests(metafunc):
@@ -16,7 +16,7 @@ def pytest_generate_tests(metafunc):
 
 
 def test_prediction(check, runner, llmload_loader, llmload_checkpoint, tmp_path, request):
-    from pytest_llmload.failures import contract
+    from pytest_llmload.checks import contract
 
     model_name, config = request.config.stash[prediction_key][1]
     if runner.devices < check.needs_gpus:

@@ -19,10 +19,11 @@ import pytest
 
 from fixtures import tiny_llama
 from fixtures.loaders import before_adapter_on_offloaded
-from pytest_llmload import LoadRequest, call_loader, scenarios
+from pytest_llmload import LoadRequest, call_loader
+from pytest_llmload.checks import ground_truth as scenarios
 from pytest_llmload.failures import adapter_on_offloaded as aoo
-from pytest_llmload.reference_loader import load_model_and_tokenizer as reference_loader
-from pytest_llmload.transformers_compat import dtype_kwarg
+from pytest_llmload.fixes.reference_loader import load_model_and_tokenizer as reference_loader
+from pytest_llmload.loader.transformers_compat import dtype_kwarg
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -138,7 +139,7 @@ def test_peft_from_pretrained_on_the_offloaded_base_raises_the_meta_copy_error(
 
 
 def test_the_before_loader_fails_as_alpaca_loras_generate_py_did(llmload_checkpoint, adapter, tmp_path, monkeypatch):
-    from pytest_llmload.loading import LoaderError
+    from pytest_llmload.loader.seam import LoaderError
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(LoaderError) as excinfo:
@@ -250,7 +251,7 @@ def fixed_loader(request):
     adapter goes on it, then the adapter."""
     from transformers import AutoModelForCausalLM
 
-    from pytest_llmload.reference_loader import placement_kwargs
+    from pytest_llmload.fixes.reference_loader import placement_kwargs
 
     placement = placement_kwargs(request)
     if request.adapter_path is not None:
@@ -347,7 +348,7 @@ def test_check_passes_on_a_clear_refusal(llmload_checkpoint, tmp_path):
 
 
 def test_a_loaders_own_error_is_not_this_failure(llmload_checkpoint, tmp_path):
-    from pytest_llmload.loading import LoaderError
+    from pytest_llmload.loader.seam import LoaderError
 
     def broken(request):
         raise RuntimeError("no such tokenizer")
@@ -401,7 +402,7 @@ def test_a_real_failure_is_named_adapter_on_offloaded(pytester, llmload_checkpoi
         from fixtures.loaders import before_adapter_on_offloaded
         from pytest_llmload import LoadRequest
         from pytest_llmload.failures.adapter_on_offloaded import write_adapter
-        from pytest_llmload.scenarios import offload_budget
+        from pytest_llmload.checks.ground_truth import offload_budget
 
         def test_serve_the_adapter(tmp_path):
             ckpt = {str(llmload_checkpoint)!r}

@@ -16,11 +16,12 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from fixtures.loaders import before_distributed_device_map
-from pytest_llmload import LoadRequest, call_loader, gpus
+from pytest_llmload import LoadRequest, call_loader
+from pytest_llmload.system import gpus
 from pytest_llmload.failures import distributed_device_map as check
 from pytest_llmload.failures.distributed_device_map import is_distributed
-from pytest_llmload.reference_loader import load_model_and_tokenizer as reference_loader
-from pytest_llmload.reference_loader import placement_kwargs
+from pytest_llmload.fixes.reference_loader import load_model_and_tokenizer as reference_loader
+from pytest_llmload.fixes.reference_loader import placement_kwargs
 
 pytestmark = pytest.mark.llmload_deepspeed  # DeepSpeed is imported before the deadlines start
 
@@ -354,7 +355,7 @@ def test_pinning_each_rank_to_its_gpu_is_judged_on_the_cpu_on_a_runner_without_g
     device is simulated by the cpu (the pin is whole-on-one-device either way) and the prepare and step are real."""
     import torch
 
-    from pytest_llmload.keys import collecting_notes
+    from pytest_llmload.config.stash_keys import collecting_notes
 
     if torch.cuda.is_available():
         pytest.skip("on a runner with GPUs this loader is exercised for real")
@@ -407,7 +408,7 @@ def test_every_mode_is_judged_even_when_the_first_cannot_run_here(llmload_checkp
 
 
 def test_non_finite_probe_losses_are_no_verdict():
-    from pytest_llmload.loading import LoaderModelError
+    from pytest_llmload.loader.seam import LoaderModelError
 
     results = [{"probe_loss_before": 2.0, "step_loss": float("nan"), "probe_loss_after": float("nan")}] * 2
     with pytest.raises(LoaderModelError, match=r"the probe step produced non-finite losses on rank 0"):

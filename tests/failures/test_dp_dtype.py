@@ -68,7 +68,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def _guard():
-    from pytest_llmload.trainer_guard import prepare_training_args_for_placed_model
+    from pytest_llmload.fixes.trainer_guard import prepare_training_args_for_placed_model
 
     return prepare_training_args_for_placed_model
 
@@ -175,7 +175,7 @@ def test_check_reports_a_first_step_dtype_error(llmload_checkpoint, tmp_path):
 @pytest.mark.parametrize("quantization", ["4bit", None], ids=["4bit-lora", "bf16-lora"])
 def test_what_a_stock_trainer_does_with_the_write_up_model(stage1, tmp_path, quantization, record_property):
     """Trainer's own decisions for the write-up's stage-2 model with 2 GPUs, without and with the guard."""
-    from pytest_llmload.trainer_guard import observe_trainer
+    from pytest_llmload.fixes.trainer_guard import observe_trainer
 
     if quantization == "4bit":
         _require_4bit_here()
@@ -203,7 +203,7 @@ def test_guard_trainer_fixes_an_already_built_trainer(stage1, tmp_path):
     _require_4bit_here()
     from transformers import Trainer, TrainingArguments
 
-    from pytest_llmload.trainer_guard import guard_trainer
+    from pytest_llmload.fixes.trainer_guard import guard_trainer
 
     model = _before_model(stage1)
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=3, use_cpu=True, report_to=[])
@@ -220,7 +220,7 @@ def test_guard_sees_a_model_spread_over_cpu_and_disk(llmload_checkpoint, tmp_pat
     """A spread Trainer itself ignores (it drops cpu and disk from hf_device_map) is still placed."""
     from transformers import AutoModelForCausalLM, TrainingArguments
 
-    from pytest_llmload.trainer_guard import placement_of
+    from pytest_llmload.fixes.trainer_guard import placement_of
 
     model = AutoModelForCausalLM.from_pretrained(
         llmload_checkpoint,
@@ -239,7 +239,7 @@ def test_docstring_example_runs(llmload_checkpoint):
     _require_4bit_here()
     # The checkpoint fixture imports the stack first: DeepSpeed prints a line on stdout when transformers
     # first imports it, and that line is not the example's output.
-    from pytest_llmload import trainer_guard
+    from pytest_llmload.fixes import trainer_guard
 
     result = doctest.testmod(trainer_guard, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0, result
@@ -251,7 +251,7 @@ def test_docstring_example_runs(llmload_checkpoint):
 @pytest.mark.needs_gpus(2)
 @pytest.mark.timeout(300)
 def test_two_gpus_fixed_setup_trains_a_step(stage1, tmp_path, record_property):
-    from pytest_llmload.trainer_guard import observe_trainer
+    from pytest_llmload.fixes.trainer_guard import observe_trainer
 
     model = _before_model(stage1)
     obs = observe_trainer(model, tmp_path, simulated_n_gpu=None, prepare_args=_guard())
@@ -264,7 +264,7 @@ def test_two_gpus_fixed_setup_trains_a_step(stage1, tmp_path, record_property):
 @pytest.mark.needs_gpus(2)
 @pytest.mark.timeout(300)
 def test_two_gpus_write_up_setup_fails_with_the_dtype_error(stage1, tmp_path, record_property):
-    from pytest_llmload.trainer_guard import observe_trainer
+    from pytest_llmload.fixes.trainer_guard import observe_trainer
 
     model = _before_model(stage1)
     obs = observe_trainer(model, tmp_path, simulated_n_gpu=None)
@@ -307,8 +307,8 @@ def test_the_check_trains_in_train_mode_as_trainer_does(llmload_checkpoint, tmp_
 @pytest.mark.parametrize("how", ["ini", "option"])
 def test_the_declaration_by_ini_key_or_option_reaches_a_repos_own_parametrized_test(pytester, how):
     pytester.makepyfile(test_mine="""
-        from pytest_llmload.conformance import parametrize_with_loader_checks
-        from pytest_llmload.reference_loader import load_model_and_tokenizer
+        from pytest_llmload.plugin.parametrize import parametrize_with_loader_checks
+        from pytest_llmload.fixes.reference_loader import load_model_and_tokenizer
 
         @parametrize_with_loader_checks([load_model_and_tokenizer])
         def test_loader(loader, check, llmload_checkpoint, tmp_path):
@@ -331,7 +331,7 @@ def test_the_declaration_by_ini_key_or_option_reaches_a_repos_own_parametrized_t
 def _judged(function, checkpoint, workdir, **options):
     """The check as the plugin runs it in-process, with the row's notes: ``(outcome, text, notes)``, the outcome
     ``"passed"``, ``"skipped"`` or ``"failed"``."""
-    from pytest_llmload.keys import collecting_notes
+    from pytest_llmload.config.stash_keys import collecting_notes
 
     with collecting_notes() as notes:
         try:
@@ -505,5 +505,5 @@ def test_the_write_up_loader_fails_and_with_its_fix_passes_through_the_registry(
     def fixed(request):
         return before_dp_dtype.load(request)
 
-    fixed.llmload_training_args_hook = "pytest_llmload.trainer_guard:prepare_training_args_for_placed_model"
+    fixed.llmload_training_args_hook = "pytest_llmload.fixes.trainer_guard:prepare_training_args_for_placed_model"
     check(fixed, llmload_checkpoint, tmp_path / "fixed")

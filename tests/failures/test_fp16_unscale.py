@@ -16,7 +16,7 @@ from fixtures.loaders import before_fp16_unscale
 from pytest_llmload import LoadRequest, call_loader
 from pytest_llmload import failures as catalog
 from pytest_llmload.failures import fp16_unscale
-from pytest_llmload.reference_loader import load_model_and_tokenizer as reference_loader
+from pytest_llmload.fixes.reference_loader import load_model_and_tokenizer as reference_loader
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -110,7 +110,7 @@ def upcasts_only_lora(request):
     """Full fine-tune left in float16: the LoRA path is right (peft's float32 adapters), the other is not."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pytest_llmload.transformers_compat import dtype_kwarg
+    from pytest_llmload.loader.transformers_compat import dtype_kwarg
 
     model = AutoModelForCausalLM.from_pretrained(request.model_path, local_files_only=True,
                                                  **dtype_kwarg(request.torch_dtype))
@@ -232,7 +232,7 @@ def test_check_skips_when_the_loader_returns_nothing_trainable(llmload_checkpoin
 def test_check_judges_what_trained_and_notes_an_untrainable_variant(llmload_checkpoint, tmp_path):
     """A frozen base without LoRA is nothing to judge; the LoRA request that trains is judged (issue 35: as the
     train check does). Only when nothing trains does the check skip."""
-    from pytest_llmload.keys import collecting_notes
+    from pytest_llmload.config.stash_keys import collecting_notes
 
     with collecting_notes() as notes:
         CHECK(freezes_the_full_fine_tune, llmload_checkpoint, tmp_path)
@@ -367,7 +367,7 @@ def test_a_repo_that_trains_only_under_deepspeed_says_so_and_the_check_is_not_ex
     """DeepSpeed's fp16 optimizer keeps its own float32 master weights: no torch GradScaler ever sees a float16
     parameter (OpenRLHF's case in the corpus)."""
     from pytest_llmload.failures import REGISTRY
-    from pytest_llmload.reference_loader import load_model_and_tokenizer
+    from pytest_llmload.fixes.reference_loader import load_model_and_tokenizer
 
     def under_deepspeed(request):
         return load_model_and_tokenizer(request)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pytest_llmload import failures
-from pytest_llmload.failures.base import Check, KnownFailure
+from pytest_llmload.checks.base import Check, KnownFailure
 
 ROOT = Path(__file__).resolve().parents[2]
 IDS = [module.FAILURE.id for module in failures.MODULES]
@@ -60,7 +60,7 @@ def test_the_catalog_and_the_registry_are_built_from_the_modules():
 def test_every_check_function_goes_by_pickle_to_a_forkserver_child():
     # From a process that has initialised CUDA (a GPU test run), an isolated check starts in a forkserver child and
     # its function travels by pickle: a closure there broke every *_cuda check on the first H200 run.
-    from pytest_llmload.conformance import all_checks
+    from pytest_llmload.plugin.parametrize import all_checks
 
     for check in all_checks():
         copy = pickle.loads(pickle.dumps(check.function))

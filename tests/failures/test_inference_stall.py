@@ -9,7 +9,7 @@ import pytest
 
 from fixtures.loaders import before_inference_stall
 from pytest_llmload import LoadRequest, call_loader
-from pytest_llmload.scenarios import offload_budget
+from pytest_llmload.checks.ground_truth import offload_budget
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -39,8 +39,8 @@ def test_a_deadline_hit_inside_generate_names_inference_stall(pytester, llmload_
         import torch
         from fixtures.loaders import before_inference_stall
         from pytest_llmload import LoadRequest, call_loader
-        from pytest_llmload.diagnostics.phases import phase
-        from pytest_llmload.scenarios import offload_budget
+        from pytest_llmload.instruments.phases import phase
+        from pytest_llmload.checks.ground_truth import offload_budget
 
         @pytest.mark.timeout(2, method="signal")  # (the load takes ~0.3 s: the deadline passes in generate)
         def test_generate_stalls(tmp_path):

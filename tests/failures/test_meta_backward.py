@@ -12,11 +12,11 @@ import pytest
 from fixtures import tiny_llama
 from fixtures.loaders import before_meta_backward
 from pytest_llmload import LoadRequest, call_loader
-from pytest_llmload.loading import LoaderError, LoaderModelError
-from pytest_llmload import scenarios
+from pytest_llmload.loader.seam import LoaderError, LoaderModelError
+from pytest_llmload.checks import ground_truth as scenarios
 from pytest_llmload.failures import meta_backward
-from pytest_llmload.memory import TrainingBudgetError
-from pytest_llmload.reference_loader import load_model_and_tokenizer as reference_loader
+from pytest_llmload.fixes.training_memory import TrainingBudgetError
+from pytest_llmload.fixes.reference_loader import load_model_and_tokenizer as reference_loader
 
 META_BACKWARD = "Function MmBackward0 returned an invalid gradient at index 1 - expected device meta but got cpu"
 

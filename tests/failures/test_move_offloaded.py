@@ -19,9 +19,9 @@ from fixtures import tiny_llama
 from fixtures.loaders import before_move_offloaded
 from pytest_llmload import failures as catalog
 from pytest_llmload.failures import move_offloaded
-from pytest_llmload.loading import LoaderError
-from pytest_llmload.reference_loader import load_model_and_tokenizer as reference_loader
-from pytest_llmload.scenarios import offload_budget
+from pytest_llmload.loader.seam import LoaderError
+from pytest_llmload.fixes.reference_loader import load_model_and_tokenizer as reference_loader
+from pytest_llmload.checks.ground_truth import offload_budget
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -190,7 +190,7 @@ def whole_unless_the_budget_needs_offload(request):
     otherwise lets ``device_map="auto"`` offload and uses the model as loaded."""
     from transformers import AutoModelForCausalLM
 
-    from pytest_llmload.memory import checkpoint_tensors
+    from pytest_llmload.fixes.training_memory import checkpoint_tensors
 
     weights = sum(t.nbytes for t in checkpoint_tensors(request.model_path))
     budget = (request.max_memory_dict or {}).get("cpu" if request.device == "cpu" else
@@ -275,7 +275,7 @@ KNOWN_FAILURE_TESTS = """
     from fixtures.loaders import before_move_offloaded
     from pytest_llmload import LoadRequest
     from pytest_llmload.failures.move_offloaded import check_offloaded_model_not_moved
-    from pytest_llmload.scenarios import offload_budget
+    from pytest_llmload.checks.ground_truth import offload_budget
 
     CKPT = {checkpoint!r}
 

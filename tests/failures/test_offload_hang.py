@@ -20,9 +20,10 @@ from pathlib import Path
 import pytest
 
 from fixtures.loaders import before_offload_hang
-from pytest_llmload import probes, scenarios
+from pytest_llmload.instruments import probes
+from pytest_llmload.checks import ground_truth as scenarios
 from pytest_llmload.failures import offload_hang
-from pytest_llmload.reference_loader import load_model_and_tokenizer as reference_loader
+from pytest_llmload.fixes.reference_loader import load_model_and_tokenizer as reference_loader
 
 
 def transformers_version():
@@ -188,7 +189,7 @@ HANG_TESTS = """
     import pytest
 
     from pytest_llmload.failures.offload_hang import check_offload_inference
-    from pytest_llmload.reference_loader import load_model_and_tokenizer
+    from pytest_llmload.fixes.reference_loader import load_model_and_tokenizer
 
     CHECKPOINT = Path({checkpoint!r})
     release = None

@@ -19,8 +19,8 @@ import pytest
 from fixtures.loaders import before_quantized_cast, downstream_fixed
 from pytest_llmload import LoadRequest, failures
 from pytest_llmload.failures import quantized_cast
-from pytest_llmload.reference_loader import load_model_and_tokenizer as reference_loader
-from pytest_llmload.transformers_compat import dtype_kwarg
+from pytest_llmload.fixes.reference_loader import load_model_and_tokenizer as reference_loader
+from pytest_llmload.loader.transformers_compat import dtype_kwarg
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -268,7 +268,7 @@ def test_check_skips_when_the_loader_ignores_the_quantization_request(llmload_ch
 
 
 def test_an_unrelated_loader_error_propagates_as_itself(llmload_checkpoint, tmp_path):
-    from pytest_llmload.loading import LoaderError
+    from pytest_llmload.loader.seam import LoaderError
 
     def broken(request):
         raise ValueError("no such model type")

@@ -18,8 +18,8 @@ from fixtures.loaders import before_zero3_device_map
 from pytest_llmload import LoadRequest, call_loader
 from pytest_llmload import failures as catalog
 from pytest_llmload.failures import zero3_device_map as check
-from pytest_llmload.reference_loader import load_model_and_tokenizer as reference_loader
-from pytest_llmload.reference_loader import placement_kwargs
+from pytest_llmload.fixes.reference_loader import load_model_and_tokenizer as reference_loader
+from pytest_llmload.fixes.reference_loader import placement_kwargs
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.llmload_deepspeed]
 

@@ -23,9 +23,9 @@ from fixtures import warm_runs
 from fixtures.processes import gone
 from pytest_llmload import failures as catalog
 from pytest_llmload.runners import isolation
-from pytest_llmload.diagnostics import known_failures as known_failure_report
+from pytest_llmload.reports import known_failures as known_failure_report
 from pytest_llmload.failures import BY_ID
-from pytest_llmload.failures.base import Check
+from pytest_llmload.checks.base import Check
 from pytest_llmload.runners.isolation import ChildError, ChildTraceback, IsolationFailed, run_isolated
 
 pytestmark = pytest.mark.timeout(60)
@@ -387,7 +387,7 @@ def test_the_checks_that_patch_process_state_or_can_hang_are_isolated():
 def test_isolated_checks_preload_the_stack_but_never_what_initialises_cuda(monkeypatch, tmp_path, gpus_visible,
                                                                            peft_preloaded):
     # What a child imports dies with it. peft imports bitsandbytes, which initialises CUDA where a GPU is visible.
-    from pytest_llmload import gpus
+    from pytest_llmload.system import gpus
     from pytest_llmload.runners import ranks as distributed
     from pytest_llmload.failures import preload_for_isolated_checks
 
@@ -613,7 +613,7 @@ def test_a_forked_child_starts_with_this_heap_frozen_and_the_callers_freeze_is_k
 
 
 def _notes_a_row():
-    from pytest_llmload.keys import add_note
+    from pytest_llmload.config.stash_keys import add_note
 
     add_note("simulated: said in the child")
     raise pytest.skip.Exception("not exercised: x")
@@ -621,7 +621,7 @@ def _notes_a_row():
 
 def test_what_a_child_says_about_its_row_comes_back_with_its_answer():
     """A check's note (contract.note: how it judged) is made where the check runs; the row is written here."""
-    from pytest_llmload.keys import collecting_notes
+    from pytest_llmload.config.stash_keys import collecting_notes
 
     with collecting_notes() as notes:
         with pytest.raises(pytest.skip.Exception):
@@ -657,7 +657,7 @@ def _running(marker: str) -> list[str]:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_CHILD_SUBREAPER and /proc are Linux's")
 def test_every_process_the_code_under_test_starts_is_gone_when_it_ends():
     """Before (issue 36): a loader's setsid daemon outlived the job, one per loader call."""
-    from pytest_llmload.keys import collecting_notes
+    from pytest_llmload.config.stash_keys import collecting_notes
 
     marker = f"{3000 + os.getpid() % 1000}.{time.time_ns() % 10**6}"
     with collecting_notes() as notes:

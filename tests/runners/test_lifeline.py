@@ -1,4 +1,4 @@
-"""Which processes tie themselves to the main job (the end-to-end signal tests are in tests/test_main_job.py)."""
+"""Which processes tie themselves to the main job (the end-to-end signal tests are in tests/main_job/test_main_job.py)."""
 
 import os
 import subprocess

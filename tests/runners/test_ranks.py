@@ -247,8 +247,8 @@ def what_the_rank_sees() -> tuple:
 def test_ranks_simulating_a_runner_without_gpus_see_none_on_a_machine_with_gpus(monkeypatch):
     # On the H200 the main job's gloo ranks (2 simulated GPUs) saw its one GPU and DeepSpeed's cuda accelerator,
     # imported by the test process: they start from a server that shows no GPU and runs DeepSpeed on the cpu.
-    from pytest_llmload import gpus
-    from pytest_llmload.gpus import FAKE_GPUS_ENV
+    from pytest_llmload.system import gpus
+    from pytest_llmload.system.gpus import FAKE_GPUS_ENV
     from pytest_llmload.runners import warm_server
 
     pytest.importorskip("deepspeed")
@@ -319,7 +319,7 @@ def test_too_many_gpu_ranks(distributed_env):
 
 @pytest.fixture
 def failing_ranks(pytester, monkeypatch):
-    from pytest_llmload import gpus
+    from pytest_llmload.system import gpus
 
     # In-process pytester: the inner run sees this machine as one without GPUs, whatever it has.
     monkeypatch.setattr(gpus, "visible_gpu_count", lambda: 0)
@@ -396,8 +396,8 @@ def test_a_preload_that_failed_first_is_named_in_the_rows_of_the_checks_it_may_b
     """Before (issue 36): under lanes a preload's first error (a read-only cache directory) was swallowed, and the
     checks showed only the misleading error of a second import ("Artifact ... already registered")."""
     from pytest_llmload.failures import REGISTRY
-    from pytest_llmload.keys import collecting_notes
-    from pytest_llmload.reference_loader import load_model_and_tokenizer
+    from pytest_llmload.config.stash_keys import collecting_notes
+    from pytest_llmload.fixes.reference_loader import load_model_and_tokenizer
     from pytest_llmload.runners import ranks
 
     monkeypatch.setattr(ranks, "_preload_failure", [])

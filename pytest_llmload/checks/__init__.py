@@ -1,0 +1,1 @@
+"""The check framework, knowing no specific failure: records, the contract, ground truth, the row."""

@@ -1,0 +1,211 @@
+"""The two records a known failure is made of: its :class:`KnownFailure` catalog entry and its :class:`Check` records.
+
+Each module of :mod:`pytest_llmload.failures` is one known failure, named by its id (``meta-backward`` lives
+in ``meta_backward.py``) and holding ``FAILURE`` (a :class:`KnownFailure`) and ``CHECKS`` (its :class:`Check`
+records). When a test fails with text matching a signature, the plugin adds a section to the failure report
+naming the failure, its root cause and its fix (:mod:`pytest_llmload.reports.known_failures`).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Callable, NamedTuple, Optional
+
+
+# A check that cannot judge (the loader did not put the model in the state its scenario needs) skips with a
+# reason that starts so; `--llmload-strict` (ini `llmload_strict`, the main job's --strict) counts it as a failure.
+NOT_EXERCISED = "not exercised: "
+
+
+# A check the repo declared not to apply to it (``llmload_not_applicable``) skips with a reason that starts so.
+DECLARED_NOT_APPLICABLE = "declared not applicable: "
+
+
+def not_exercised(check: str, did_instead: str, missing: str) -> None:
+    """Skip: ``check`` cannot judge this loader, which ``did_instead``, so ``missing`` was not exercised."""
+    import pytest
+
+    pytest.skip(f"{NOT_EXERCISED}{check}: the loader {did_instead}; {missing} was not exercised")
+
+
+class KnownFailure(NamedTuple):
+    id: str
+    title: str
+    write_up: str
+    signatures: tuple[str, ...]  # regular expressions searched in the failure's text
+    root_cause: str
+    fix: str
+    occurs: str  # versions and hardware where it has been seen or reproduced
+    # Extra words that must also appear in the failure text (e.g. the frame a deadline stopped in).
+    context: tuple[str, ...] = ()
+    # A pattern that makes the match certain (e.g. a DataParallel frame), and what its absence means.
+    tell: str | None = None
+    without_tell: str = ""
+    # A deadline passed inside the loader call is this failure's own mechanism (offload-hang: the load never
+    # returns); for every other failure a hung loader is an error row, no verdict on the failure.
+    hang_is_mechanism: bool = False
+
+    @property
+    def module(self) -> str:
+        """The module that is this failure's home: ``meta-backward`` -> ``pytest_llmload.failures.meta_backward``."""
+        return f"pytest_llmload.failures.{self.id.replace('-', '_')}"
+
+    def matches(self, text: str) -> bool:
+        if not any(re.search(pattern, text) for pattern in self.signatures):
+            return False
+        return all(re.search(pattern, text) for pattern in self.context)
+
+    def explain(self, text: str = "") -> str:
+        lines = [
+            f"[{self.id}] {self.title}",
+            f"  write-up:   {self.write_up}",
+            f"  root cause: {self.root_cause}",
+            f"  fix:        {self.fix}",
+            f"  occurs:     {self.occurs}",
+        ]
+        if self.tell is not None:
+            seen = re.search(self.tell, text) is not None
+            lines.append(f"  evidence:   {'the traceback passes through ' + self.tell if seen else self.without_tell}")
+        return "\n".join(lines)
+
+
+class Check(NamedTuple):
+    """A conformance check: ``function(loader, checkpoint, workdir)`` raises ``AssertionError`` on a faulty loader."""
+
+    function: Callable[[Any, Path, Path], None]
+    failure: KnownFailure  # the known failure it guards against
+    needs_gpus: int = 0
+    world_size: int = 1  # ranks of a process group the check starts itself
+    transformers: Optional[str] = None  # PEP 440 range where the failure exists; elsewhere the check skips
+    timeout: float = 120.0  # seconds; a hang fails the check with every thread's stack
+    label: Optional[str] = None  # the name, where ``function`` is a partial (a GPU variant, say)
+    purpose: str = "inference"  # what the check asks the loader for; a loader declared for the other one skips it
+    # Run in a child forked from the test process (pytest_llmload.runners.isolation): for checks that can hang, crash,
+    # or change process-wide state (environment, patched upstream code, audit hooks, sockets).
+    isolated: bool = False
+    uses_adapters: bool = False  # works with peft adapters whatever its purpose (a train check's loader uses LoRA)
+
+    @property
+    def name(self) -> str:
+        return self.label or self.function.__name__
+
+    @property
+    def forks(self) -> bool:
+        """Whether the check runs in children forked from its process (isolated, or ranks), which inherit what that
+        process imported first (:func:`pytest_llmload.runners.ranks.preload_for_isolated_checks`)."""
+        return self.isolated or self.world_size > 1
+
+    @property
+    def uses_peft(self) -> bool:
+        """Whether the check's process needs peft: an adapter check, or a train check (the loader may use LoRA)."""
+        return self.uses_adapters or self.purpose == "train"
+
+    @property
+    def summary(self) -> str:
+        doc = getattr(self.function, "__doc__", None) or getattr(getattr(self.function, "func", None), "__doc__", "")
+        return " ".join(doc.strip().split("\n\n")[0].split()) if doc else ""
+
+    def __call__(self, loader: Any, checkpoint: Path, workdir: Path, **options: Any) -> None:
+        """Run the check. ``options`` go to the check function where it takes them (``prepare_args``: the
+        training script's hook for the Trainer check); others are ignored, so one set fits every check."""
+        from pytest_llmload.config.stash_keys import configured_check_options
+        from pytest_llmload.loader.seam import as_loader_under_test, training_args_hook
+        from pytest_llmload.config.vocabulary import SETTING, TRAINING_DECLARATIONS
+
+        args = (as_loader_under_test(loader), Path(checkpoint), Path(workdir))
+        accepted = _keywords(self.function)
+        given = {k: v for k, v in options.items() if v is not None}
+        options = {**configured_check_options.get(), **given}  # what the test passes wins over the configuration
+        if "prepare_args" in accepted and options.get("prepare_args") is None:
+            options["prepare_args"] = training_args_hook(args[0])  # the loader's own, where it names one
+        for keyword in TRAINING_DECLARATIONS:  # how the repo trains: the configuration, else the loader's attribute
+            if keyword in accepted and options.get(keyword) is None:
+                options[keyword] = bool(getattr(args[0].function, SETTING[keyword].ini, False))
+        kwargs = {k: v for k, v in options.items() if k in accepted and v is not None}
+        reason = self.inapplicable_reason(args[0])
+        if reason is not None:
+            import pytest
+
+            pytest.skip(reason)
+        if self.forks:  # its children inherit these instead of each importing them
+            from pytest_llmload.config.stash_keys import add_note
+            from pytest_llmload.runners.ranks import preload_failure, preload_for_isolated_checks
+
+            failed_before = preload_failure()
+            if failed_before is not None:  # the first cause, which an import error in this check may be a result of
+                add_note(f"importing the checks' libraries before the lanes forked failed first with {failed_before}")
+            preload_for_isolated_checks(args[1], peft=self.uses_peft)
+        if not self.isolated:
+            return self.function(*args, **kwargs)
+        from pytest_llmload.plugin import isolated_marker
+        from pytest_llmload.runners import isolation
+
+        isolation.run_isolated(self.function, args, kwargs, timeout=self.timeout, label=self.name,
+                               render=isolated_marker.render_failure)
+
+    def on_gpu(self) -> "Check":
+        """The same check on ``cuda:0`` (the write-ups' own setup), named ``<name>_cuda``, needing 1 GPU."""
+        return self._replace(function=OnCuda(self.function, f"{self.name}_cuda"), label=f"{self.name}_cuda",
+                             needs_gpus=1)
+
+    def inapplicable_reason(self, loader: Any) -> Optional[str]:
+        """Why this check does not apply to ``loader`` (a :class:`~pytest_llmload.loader.seam.LoaderUnderTest`), decided
+        in this one place before anything loads: the installed transformers has no such failure, the loader is
+        declared for another purpose, or the repo declared the check not applicable to it. ``None``: it applies.
+        (What the loader then does, a scenario that did not happen, is the check's ``not exercised``.)"""
+        version = self.version_skip_reason()
+        if version is not None:
+            return version
+        purposes = getattr(loader, "purposes", None)
+        if purposes is not None and self.purpose not in purposes:
+            return (f"{self.name}: loader {loader.name} is declared for {' and '.join(purposes)} only; this check "
+                    f"needs a {self.purpose} load")
+        declared = getattr(loader, "not_applicable_reason", lambda name: None)
+        reason = declared(self.name) or declared(self.name.removesuffix("_cuda"))
+        if reason is not None:
+            return f"{DECLARED_NOT_APPLICABLE}{self.name}: {reason} (declared for loader {loader.name})"
+        return None
+
+    def version_skip_reason(self) -> Optional[str]:
+        """Why this check does not apply to the installed transformers, or ``None`` when it does."""
+        if self.transformers is None:
+            return None
+        from importlib import metadata
+
+        from packaging.specifiers import SpecifierSet
+
+        installed = metadata.version("transformers")
+        if SpecifierSet(self.transformers).contains(installed, prereleases=True):
+            return None
+        return f"{self.name}: transformers {installed} does not have {self.failure.id}; the check applies to transformers{self.transformers}"
+
+
+class OnCuda:
+    """A check function called with ``device="cuda:0"``. A class of this module, not a closure: an isolated check
+    run from a process that has initialised CUDA starts in a forkserver child, and its function goes there by
+    pickle, which finds a function by its module and name."""
+
+    def __init__(self, function: Callable, name: str):
+        self.function = function
+        self.llmload_keywords = _keywords(function)
+        self.__doc__ = (function.__doc__ or "").replace(":", " on cuda:0 (the write-up's own setup):", 1)
+        self.__name__ = self.__qualname__ = name
+        self.__module__ = function.__module__
+
+    def __call__(self, loader, checkpoint, workdir, **options):
+        return self.function(loader, checkpoint, workdir, device="cuda:0", **options)
+
+    def __repr__(self) -> str:
+        return f"<check {self.__name__} ({self.__module__})>"
+
+
+def _keywords(function: Callable) -> frozenset:
+    """The keyword arguments a check function takes (a GPU variant: those of the check it wraps)."""
+    import inspect
+
+    declared = getattr(function, "llmload_keywords", None)
+    if declared is not None:
+        return declared
+    return frozenset(name for name, p in inspect.signature(function).parameters.items()
+                     if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))

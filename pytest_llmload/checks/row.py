@@ -1,0 +1,79 @@
+"""One row of a check, decided once: the record every reader of a run reads.
+
+The plugin builds a :class:`Row` for each check's test where its outcome is decided (the ``call`` phase, or the
+phase that skipped or failed it), from the check's exception (:mod:`pytest_llmload.reports.verdict`, judged from
+what the check raised here, in its isolated child or on its ranks), the notes the check made wherever it ran (they
+come back from children with their answer), and the skip reason. It travels as data on the report
+(``report.user_properties``, one JSON property, so it crosses xdist and lanes as pytest's own reports do), and the
+progress file, the main job's table and ``--json``, JUnit XML, the HTML report and the
+``pytest_llmload_check_result`` hook read its fields; none of them reads another's text.
+
+Imports nothing heavy: the progress writer and the main job's parent read it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Optional
+
+ROW_PROPERTY = "llmload_row"
+# The flat properties (report.user_properties; JUnit XML writes them as <property>): what a dashboard groups by.
+VERDICT_PROPERTY, FAILURE_PROPERTY, CAUSE_PROPERTY, SENTENCE_PROPERTY = (
+    "llmload_verdict", "llmload_failure", "llmload_cause", "llmload_sentence")
+LOADER_PROPERTY, GUARDS_PROPERTY, NOTE_PROPERTY = "llmload_loader", "llmload_guards", "llmload_note"
+
+# What a row says it is (the main job's table shows the same words).
+VERDICTS = ("passed", "failed", "predicted", "error", "not exercised", "not applicable", "skipped", "xfailed",
+            "xpassed")
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """A check's row: ``verdict`` (one of :data:`VERDICTS`), ``failure`` (the known failure observed or predicted,
+    only with ``failed``/``predicted``), ``cause`` (what an ``error`` is: loader, contract, model, hang, died, check),
+    ``sentence`` (the whole reason: the finding, the error, the skip reason), ``notes`` (how the check judged:
+    ``judged in float16 ...``, ``simulated: ...``), ``fix`` (the failure's fix, where it was named), ``loader`` (the
+    loader that really ran) and ``guards`` (the failure the check guards against)."""
+
+    check: str
+    verdict: str
+    guards: Optional[str] = None
+    failure: Optional[str] = None
+    cause: Optional[str] = None
+    sentence: str = ""
+    notes: tuple[str, ...] = ()
+    fix: Optional[str] = None
+    loader: Optional[str] = None
+
+    @property
+    def note(self) -> str:
+        return "; ".join(self.notes)
+
+    def as_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "notes": list(self.notes), "note": self.note or None}
+
+    def properties(self) -> list[tuple[str, str]]:
+        """``report.user_properties``: the row as one JSON property, and the flat ones a CI dashboard groups JUnit
+        rows by (``llmload_verdict``, ``llmload_failure``, ``llmload_cause``, ``llmload_sentence``,
+        ``llmload_loader``, ``llmload_guards``, ``llmload_note``)."""
+        flat = [(LOADER_PROPERTY, self.loader or ""), (GUARDS_PROPERTY, self.guards or ""),
+                (VERDICT_PROPERTY, self.verdict), (FAILURE_PROPERTY, self.failure or ""),
+                (CAUSE_PROPERTY, self.cause or ""), (SENTENCE_PROPERTY, self.sentence)]
+        flat += [(NOTE_PROPERTY, self.note)] if self.notes else []
+        return [(ROW_PROPERTY, json.dumps(self.as_dict()))] + flat
+
+    @classmethod
+    def of_report(cls, report: Any) -> Optional["Row"]:
+        """The row a report carries, ``None`` where it carries none (a test that runs no check)."""
+        for key, value in reversed(list(getattr(report, "user_properties", ()) or ())):
+            if key == ROW_PROPERTY:
+                fields = json.loads(value)
+                fields.pop("note", None)
+                return cls(**{**fields, "notes": tuple(fields.get("notes") or ())})
+        return None
+
+
+def outcome_of(row: Row) -> str:
+    """The progress file's ``outcome`` for a row: pytest's words, where a skip is a skip whatever its kind."""
+    return "skipped" if row.verdict in ("not exercised", "not applicable") else row.verdict

@@ -1,0 +1,1 @@
+"""Vocabulary, settings and stash keys: the names the plugin reads, and where a run keeps its choices."""

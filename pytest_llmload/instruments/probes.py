@@ -1,0 +1,240 @@
+"""The probes the checks use, public so that tests and downstream checks can use them too.
+
+- :func:`deadline`: fail a block that runs too long, naming the frame it is stuck in, with every thread's stack
+- :func:`thread_stacks`: the stack of every thread of this process
+- :func:`spy_classmethod`: record who calls a classmethod (``GenerationConfig.from_pretrained``, say)
+- :func:`record_writes`: every file this process creates, writes, renames or removes meanwhile
+- :func:`system_tempdir`: point the system temp dir somewhere else meanwhile
+- :func:`record_network`: refuse, and record, every non-loopback connection or lookup meanwhile (the one
+  definition of "local" is :mod:`pytest_llmload.system.offline`'s)
+
+Nothing here imports torch or the Hugging Face stack.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Optional
+
+from pytest_llmload.instruments.phases import note_deadline
+
+
+# --- deadlines and stacks --------------------------------------------------------------------------------
+
+
+class _DeadlinePassed(BaseException):
+    """Raised by the alarm; a BaseException so that a loader's ``except Exception`` cannot swallow it."""
+
+
+class DeadlineExceeded(AssertionError):
+    """A block of :func:`deadline` ran past its deadline (the verdict decides whether that is a failure's
+    mechanism or a hung loader: :mod:`pytest_llmload.reports.verdict`)."""
+
+
+def _innermost_own_frame(frame) -> Optional[Any]:
+    """The innermost frame that is not threading/queue/futures plumbing: where the code is stuck."""
+    plumbing = ("threading.py", "queue.py", os.path.join("concurrent", "futures"), "selectors.py")
+    while frame is not None and any(p in frame.f_code.co_filename for p in plumbing):
+        frame = frame.f_back
+    return frame
+
+
+def thread_stacks(main_frame=None) -> str:
+    """The stack of every thread of this process, named, innermost call last (``main_frame`` replaces
+    the main thread's current frame, e.g. the frame a signal interrupted)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    frames = sys._current_frames()
+    if main_frame is not None:
+        frames[threading.main_thread().ident] = main_frame
+    out = []
+    for ident, frame in frames.items():
+        if frame is sys._getframe():
+            continue
+        out.append(f"~~~ thread {names.get(ident, '<unknown>')} (id {ident}) ~~~")
+        out.extend(line.rstrip("\n") for line in traceback.format_stack(frame))
+    return "\n".join(out)
+
+
+def _where(frame) -> str:
+    own = _innermost_own_frame(frame)
+    if own is None:
+        return "<unknown frame>"
+    return f"{own.f_code.co_name} ({own.f_code.co_filename}:{own.f_lineno})"
+
+
+@contextlib.contextmanager
+def deadline(seconds: float, what: str) -> Iterator[None]:
+    """Fail with ``AssertionError`` naming the blocked frame and every thread's stack when the block runs
+    longer than ``seconds``, instead of hanging the job.
+
+    Uses ``SIGALRM`` (main thread, POSIX) and nests under pytest-timeout's signal method: an outer timer
+    due sooner is left alone, a later one is re-armed afterwards. Elsewhere the block is only timed, and
+    a block that ends late still fails.
+    """
+    __tracebackhide__ = True
+    start = time.monotonic()
+    usable = hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+    outer_remaining, outer_interval = signal.getitimer(signal.ITIMER_REAL) if usable else (0.0, 0.0)
+    if not usable or (outer_remaining and outer_remaining <= seconds):
+        yield
+        _fail_if_late(start, seconds, what)
+        return
+    captured: dict[str, str] = {}
+
+    def on_alarm(signum, frame):
+        captured["where"] = _where(frame)
+        captured["stacks"] = thread_stacks(frame)
+        raise _DeadlinePassed()
+
+    outer_handler = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    except _DeadlinePassed:
+        note_deadline(what, time.monotonic() - start, seconds)
+        raise DeadlineExceeded(
+            f"{what} did not return: deadline of {seconds:g} s exceeded, blocked in {captured['where']}.\n"
+            f"Stacks of every thread:\n{captured['stacks']}"
+        ) from None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, outer_handler)
+        if outer_remaining:
+            left = outer_remaining - (time.monotonic() - start)
+            signal.setitimer(signal.ITIMER_REAL, max(left, 1e-3), outer_interval)
+    _fail_if_late(start, seconds, what)
+
+
+def _fail_if_late(start: float, seconds: float, what: str) -> None:
+    elapsed = time.monotonic() - start
+    note_deadline(what, elapsed, seconds)  # the session summary lists checks that came close
+    if elapsed > seconds:
+        raise DeadlineExceeded(f"{what} took {elapsed:.2f} s: deadline of {seconds:g} s exceeded.")
+
+
+# --- spies -----------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def spy_classmethod(cls, name: str, calls: list) -> Iterator[None]:
+    """Record ``(cls name, caller module, caller location, keyword arguments)`` for each call of classmethod
+    ``cls.name``."""
+    original = cls.__dict__[name]
+
+    def spy(klass, *args, **kwargs):
+        caller = sys._getframe(1)
+        calls.append((klass.__name__, caller.f_globals.get("__name__", "?"),
+                      f"{caller.f_code.co_filename}:{caller.f_lineno}", kwargs))
+        return original.__func__(klass, *args, **kwargs)
+
+    setattr(cls, name, classmethod(spy))
+    try:
+        yield
+    finally:
+        setattr(cls, name, original)
+
+
+@dataclasses.dataclass(frozen=True)
+class Write:
+    event: str  # the audit event: open, os.mkdir, os.rename, ...
+    path: str
+    at_import: bool  # made while importing a module (torch._dynamo makes its cache dir when first imported)
+
+
+_recorders: list[list[Write]] = []
+_hook_installed = False
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+
+
+def _audit_hook(event: str, args: tuple) -> None:
+    if not _recorders:
+        return
+    dir_fd = None
+    if event == "open":
+        path, mode, flags = args
+        if isinstance(mode, str):
+            if not any(c in mode for c in "wax+"):
+                return
+        elif not (isinstance(flags, int) and flags & _WRITE_FLAGS):
+            return
+    elif event in ("os.mkdir", "os.rmdir", "os.remove", "shutil.rmtree", "shutil.copyfile"):
+        path = args[0] if event != "shutil.copyfile" else args[1]
+        dir_fd = args[-1] if event in ("os.mkdir", "os.rmdir", "os.remove") else None
+    elif event in ("os.rename", "os.replace", "os.link", "os.symlink"):
+        path, dir_fd = args[1], args[3] if len(args) > 3 else None
+    else:
+        return
+    if path is None or isinstance(path, int):
+        return
+    path = os.fsdecode(path)
+    if isinstance(dir_fd, int) and dir_fd >= 0 and not os.path.isabs(path):
+        # relative to an open directory (shutil.rmtree works this way): resolve it while the fd is open
+        try:
+            path = os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), path)
+        except OSError:
+            path = f"<directory fd {dir_fd}>/{path}"
+    path = os.path.realpath(path)
+    frame, at_import = sys._getframe(1), False
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            at_import = True
+            break
+        frame = frame.f_back
+    for record in _recorders:
+        record.append(Write(event, path, at_import))
+
+
+@contextlib.contextmanager
+def record_writes() -> Iterator[list[Write]]:
+    """Record every file or directory this process creates, writes, renames or removes meanwhile (Python
+    audit events; writes made by native code without Python's ``open`` are not seen here)."""
+    global _hook_installed
+    if not _hook_installed:
+        sys.addaudithook(_audit_hook)  # cannot be removed; it returns at once while nothing records
+        _hook_installed = True
+    record: list[Write] = []
+    _recorders.append(record)
+    try:
+        yield record
+    finally:
+        _recorders.remove(record)
+
+
+@contextlib.contextmanager
+def system_tempdir(path: Path) -> Iterator[None]:
+    """Point the system temp dir (``tempfile.tempdir`` and ``$TMPDIR``) at ``path`` meanwhile."""
+    saved_tempdir, saved_env = tempfile.tempdir, os.environ.get("TMPDIR")
+    tempfile.tempdir = os.environ["TMPDIR"] = str(path)
+    try:
+        yield
+    finally:
+        tempfile.tempdir = saved_tempdir
+        if saved_env is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = saved_env
+
+
+@contextlib.contextmanager
+def record_network() -> Iterator[list[str]]:
+    """Refuse every connection or name lookup to a non-loopback host meanwhile, and record each attempt
+    (``"connect ('huggingface.co', 443) from <caller>"``), even one the code under test catches and swallows."""
+    from pytest_llmload.system.offline import network_guard
+
+    attempts: list[str] = []
+    with network_guard(record=attempts):
+        yield attempts
+
+
+__all__ = ["Write", "deadline", "record_network", "record_writes", "spy_classmethod", "system_tempdir",
+           "thread_stacks"]

@@ -1,0 +1,1 @@
+"""Where a model goes: transformers' own placement planner, runner profiles and full-size architectures."""

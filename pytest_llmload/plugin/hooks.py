@@ -1,0 +1,488 @@
+"""pytest-llmload's pytest plugin (entry point ``pytest11: llmload``): what pytest imports on every run.
+
+Most runs of a repo that installs the plugin never use it, so at start-up this module imports only the plugin's
+vocabulary (:mod:`pytest_llmload.config.vocabulary`: every option, ini key and marker, declared here) and its fixtures
+(:mod:`pytest_llmload.plugin.fixtures`). The sub-plugins that do the work are imported and registered when a run turns
+out to need them (:func:`switch_on`):
+
+- at the start, when the run configures the plugin (one of its options, ini keys or ``$PYTEST_LLMLOAD_LOADER``
+  set: a bad value is then a usage error at once), runs under ``pytest -n`` (the controller sums up what its
+  workers report), or under torchrun/srun/mpirun;
+- after collection, when a collected test uses an llmload fixture or marker, or the test modules imported the
+  plugin's checks (``parametrize_with_loader_checks``).
+
+A failing test is matched against the known failures in every run (the catalog is imported on the first failure).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import types
+from typing import TYPE_CHECKING
+
+import pytest
+
+from pytest_llmload.config import vocabulary as surface
+from pytest_llmload.plugin.fixtures import (  # noqa: F401  (pytest discovers fixtures on the plugin module)
+    distributed_env,
+    gpu_model,
+    llmload_check_options,
+    llmload_checkpoint,
+    llmload_checkpoint_factory,
+    llmload_device,
+    llmload_load,
+    llmload_loader,
+    llmload_offline,
+    llmload_tokenizer,
+    lora_model,
+)
+from pytest_llmload.config.stash_keys import checks_key, declared_key, hook_choice_key, loader_choice_key, prediction_key
+
+if TYPE_CHECKING:
+    from pytest_llmload.checks.row import Row
+
+# The sub-plugins, by module name: their hooks only (every option, ini key and marker is declared here).
+SUB_PLUGINS = (
+    "pytest_llmload.plugin.isolated_marker",  # llmload_isolated: the test body in a forked child
+    "pytest_llmload.reports.sections",  # phase tables, device-map summaries, the session summary
+    "pytest_llmload.plugin.memory_limit",  # limit_torch_memory
+    "pytest_llmload.plugin.loader_hang",  # after the loader hangs once, the rest fail at once instead of waiting
+    "pytest_llmload.plugin.phase_state",  # markers enforced; offline mode and DeepSpeed only while the tests that need them run
+    "pytest_llmload.reports.html_report",  # --llmload-html, pytest-html extras: device maps, memory per phase
+)
+LANES = "pytest_llmload.plugin.lanes"  # --llmload-lanes N: the tests in N forked processes
+XDIST_GPUS = "pytest_llmload.plugin.xdist_gpus"  # under pytest -n: each xdist worker its own GPUs
+LAUNCHER = "pytest_llmload.runners.launcher"  # under torchrun/srun/mpirun: distributed_env tests on every rank
+
+# What marks a test as an llmload test: every llmload fixture requests llmload_offline, except these two.
+_FIXTURE_ROOTS = ("llmload_offline", "llmload_device", "llmload_check_options")
+_MARKERS = frozenset({"needs_gpus", "gpu", surface.DEEPSPEED_MARKER, surface.ISOLATED_MARKER,
+                      surface.MEMORY_LIMIT_MARKER})
+
+switched_on_key = pytest.StashKey[bool]()
+header_shown_key = pytest.StashKey[bool]()
+strict_key = pytest.StashKey[bool]()
+
+
+def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
+    from pytest_llmload.plugin import hookspecs
+
+    pluginmanager.add_hookspecs(hookspecs)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    from pytest_llmload.config import settings
+
+    settings.register(parser)
+
+
+def switch_on(config: pytest.Config, *modules: str) -> None:
+    """Import and register the sub-plugins (``SUB_PLUGINS`` and ``modules``). A sub-plugin registered after
+    configure has its ``pytest_configure`` called at once (pytest replays the historic hook)."""
+    from importlib import import_module
+
+    config.stash[switched_on_key] = True
+    for name in (*modules, *SUB_PLUGINS):
+        module = import_module(name)
+        if not config.pluginmanager.is_registered(module):
+            config.pluginmanager.register(module, name)
+
+
+def _under_xdist_controller(config: pytest.Config) -> bool:
+    return not hasattr(config, "workerinput") and bool(getattr(config.option, "numprocesses", None)
+                                                       or getattr(config.option, "tx", None))
+
+
+def _configured(config: pytest.Config) -> bool:
+    """Any of the plugin's settings (an option, an ini key, ``$PYTEST_LLMLOAD_LOADER``) given in this run."""
+    from pytest_llmload.config import settings
+
+    return settings.any_given(config)
+
+
+@pytest.hookimpl(wrapper=True)  # before xdist's own (tryfirst) one, which asks xdist_gpus for `-n auto`'s count
+def pytest_cmdline_main(config: pytest.Config):
+    # Every launcher sets MASTER_ADDR and MASTER_PORT (launcher.detect reads the rest).
+    launched = bool(os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"))
+    if _under_xdist_controller(config):
+        switch_on(config, XDIST_GPUS, *([LAUNCHER] if launched else []))
+    elif launched:
+        switch_on(config, LAUNCHER)
+    return (yield)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if surface.PARENT_ENV in os.environ:  # started by the main job: end with it, stop cleanly on SIGTERM
+        from pytest_llmload.runners import lifeline
+
+        lifeline.tie_to_main_job()
+    for line in (surface.NEEDS_GPUS_HELP, surface.GPU_HELP, surface.DEEPSPEED_HELP, surface.ISOLATED_HELP,
+                 surface.MEMORY_LIMIT_HELP):
+        config.addinivalue_line("markers", line)
+    if not _configured(config):
+        return  # the reference loader, no hook, defaults: nothing to check, nothing to import
+    _read_configuration(config)
+    switch_on(config)
+
+
+def _read_configuration(config: pytest.Config) -> None:
+    """Every setting read once at configure: a bad value is one usage error before any test runs."""
+    from pytest_llmload.loader import seam as loading
+    from pytest_llmload.config import settings
+
+    try:
+        config.stash[loader_choice_key] = loading.choose_loader(
+            config.getoption("llmload_loader"), os.environ, config.getini(surface.LOADER_INI))
+        config.stash[hook_choice_key] = loading.choose_training_args_hook(
+            config.getoption("llmload_training_args_hook"), config.getini(surface.HOOK_INI))
+        for key, _, parse in loading.declaration_parsers():
+            declared = settings.given(config, key)
+            if declared:
+                parse(*declared)
+    except loading.LoaderSpecError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    extra = settings.given(config, "checks")
+    if extra:  # the repo's own checks, this run: a spec that gives none is a usage error now
+        from pytest_llmload.plugin.check_registry import ExtensionError, every_check
+
+        try:
+            config.stash[checks_key] = every_check(*extra)
+        except ExtensionError as exc:
+            raise pytest.UsageError(str(exc)) from None
+    expected = settings.given(config, "expected_failed_checks")
+    if expected:  # a usage error here, not a collection error of the suite
+        from pytest_llmload.plugin.parametrize import check_params, parse_expected_failures
+
+        source = expected[1]
+        try:
+            check_params(checks=config.stash.get(checks_key, None),
+                         expected_failed_checks=parse_expected_failures(*expected))
+        except pytest.UsageError as exc:
+            raise pytest.UsageError(str(exc) if str(exc).startswith(source) else f"{source}: {exc}") from None
+    for key in ("phase_progress_seconds", "near_deadline", "gpus_per_worker", "wait_after_hang", "require_gpus",
+                "html"):
+        settings.value(config, key)  # parsed now, read where used
+    if settings.value(config, "lanes") > 1:
+        switch_on(config, LANES)
+    _read_prediction(config)
+    config.stash[declared_key] = {keyword: settings.value(config, keyword) for keyword in surface.TRAINING_DECLARATIONS}
+    config.stash[strict_key] = settings.value(config, "strict")
+    path = settings.value(config, "progress")
+    if path and not hasattr(config, "workerinput"):
+        from pytest_llmload.reports import progress  # only the main job asks for it
+
+        try:
+            writer = progress.ProgressWriter(path)
+        except OSError as exc:
+            raise pytest.UsageError(f"{settings.given(config, 'progress')[1]} {path!r} cannot be opened for appending "
+                                    f"({type(exc).__name__}: {exc.strerror}); name a file in a directory that "
+                                    "exists.") from None
+        config.stash[progress.progress_key] = writer
+        config.pluginmanager.register(writer, "llmload-progress")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    ranks = sys.modules.get("pytest_llmload.runners.ranks")
+    if ranks is not None:  # a run's failed preload is that run's: not the next run's in this process (pytester)
+        ranks.forget_preload_failure()
+    progress = sys.modules.get("pytest_llmload.reports.progress")
+    writer = None if progress is None else config.stash.get(progress.progress_key, None)
+    if writer is not None:
+        config.pluginmanager.unregister(writer)
+        writer.close()
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """The header line where the run configures the plugin; a run that only uses it gets the line after collection
+    (:func:`pytest_collection_finish`), and a run that never uses it, none."""
+    if not _configured(config):
+        return []
+    config.stash[header_shown_key] = True
+    from pytest_llmload.plugin.header import header_lines  # imported when the header is printed, not at plugin load
+
+    return header_lines(config)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    config = session.config
+    if not config.stash.get(switched_on_key, False):
+        return
+    from pytest_llmload.plugin import markers
+    from pytest_llmload.config import settings
+
+    # After -m/-k deselection: what the run will really run.
+    markers.require_gpus(config, session.items, settings.value(config, "require_gpus"))
+    if not config.stash.get(header_shown_key, False):
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None and config.get_verbosity() >= 0:
+            from pytest_llmload.plugin.header import header_lines
+
+            config.stash[header_shown_key] = True
+            for line in header_lines(config):
+                reporter.write_line(line)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.stash.get(switched_on_key, False):
+        if not _uses_llmload(config, items):
+            return
+        switch_on(config)
+    from pytest_llmload.plugin import markers
+
+    _require_the_stack(config, items)
+    markers.mark_gpu_tests(config, items)
+    _shorter_timeout_wins(config, items)
+    # A configured loader (or training-args hook) is imported only if a collected test uses it, and then before
+    # any test runs: a spec that does not import is one usage error, not an error repeated on every test.
+    used = set().union(*(getattr(item, "fixturenames", ()) for item in items))
+    _check_imports(config, used)
+
+
+def _shorter_timeout_wins(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A check carries its own deadline (``pytest.mark.timeout``), which pytest-timeout prefers to ``--timeout``; a
+    run that asks for a shorter one (``--timeout=1``, the ini key) gets it: a check never runs longer than asked."""
+    try:
+        asked = config.getoption("timeout", None)
+        if asked is None and config.getini("timeout"):
+            asked = config.getini("timeout")
+        asked = float(asked) if asked not in (None, "") else None
+    except (ValueError, TypeError):  # pytest-timeout's own reading of its value says what is wrong
+        return
+    if not asked or asked <= 0:
+        return
+    for item in items:
+        marker = item.get_closest_marker("timeout")
+        if _check_of(item) is not None and marker is not None and marker.args and marker.args[0] > asked:
+            item.add_marker(pytest.mark.timeout(asked), append=False)
+
+
+def _require_the_stack(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A bare install (no extras) running tests that load models: one usage error naming the extra, not an error
+    row per test saying ``No module named 'torch'``."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is not None:
+        return
+    users = [item for item in items if set(_FIXTURE_ROOTS).intersection(getattr(item, "fixturenames", ()))
+             or getattr(getattr(item, "callspec", None), "params", {}).get("check") is not None]
+    if users:
+        raise pytest.UsageError(f"{len(users)} collected test(s) load models through pytest-llmload (e.g. "
+                                f"{users[0].nodeid}), but torch is not installed: {surface.STACK_EXTRA_HINT}.")
+
+
+def _uses_llmload(config: pytest.Config, items: list[pytest.Item]) -> bool:
+    from pytest_llmload.config import settings
+
+    roots = {*_FIXTURE_ROOTS, *settings.value(config, "gpu_fixtures")}
+    if any(roots.intersection(getattr(item, "fixturenames", ()))
+           or any(mark.name in _MARKERS for mark in item.iter_markers()) for item in items):
+        return True
+    # Tests that use the package without its fixtures or markers (its checks through
+    # parametrize_with_loader_checks, its phases, call_loader): their module or a conftest imported from it.
+    modules = {id(m): m for m in (getattr(item, "module", None) for item in items) if m is not None}
+    conftests = (p for p in config.pluginmanager.get_plugins()
+                 if isinstance(p, types.ModuleType) and p.__name__.rpartition(".")[2] == "conftest")
+    return any(_imports_llmload(module) for module in (*modules.values(), *conftests))
+
+
+def _imports_llmload(module: types.ModuleType) -> bool:
+    for value in list(vars(module).values()):
+        if isinstance(value, types.ModuleType):
+            name = value.__name__
+        elif isinstance(value, (types.FunctionType, type)):
+            name = getattr(value, "__module__", None)
+        else:
+            continue
+        if isinstance(name, str) and (name == "pytest_llmload" or name.startswith("pytest_llmload.")):
+            return True
+    return False
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # An xdist controller collects nothing; it checks the specs itself so that workers never hit a usage
+    # error (which xdist reports as a crash).
+    if _under_xdist_controller(session.config):
+        _check_imports(session.config, _IMPORTED_FOR)
+
+
+# The fixture that imports each configured spec, and where the spec is kept.
+_IMPORTED_FOR = {"llmload_loader": loader_choice_key, "llmload_check_options": hook_choice_key}
+
+
+def _check_imports(config: pytest.Config, used_fixtures) -> None:
+    for fixture, key in _IMPORTED_FOR.items():
+        choice = config.stash.get(key, None)
+        if fixture in used_fixtures and choice is not None and not choice.is_reference:
+            from pytest_llmload.loader import seam as loading
+            from pytest_llmload.system.offline import offline
+
+            try:
+                with offline(), _importing_within_limits(config, choice):  # (offline, as the checks run it)
+                    loading.import_loader(choice)
+            except loading.LoaderSpecError as exc:
+                raise pytest.UsageError(str(exc)) from None
+
+
+@contextlib.contextmanager
+def _importing_within_limits(config: pytest.Config, choice):
+    """A loader module's import, which runs its module-level code: a progress line every
+    ``llmload_phase_progress_seconds`` while it runs long, and a usage error with its stacks past
+    ``llmload_import_timeout`` (a module that waits on a lock or a network share is not a hang of the run)."""
+    import time
+
+    from pytest_llmload.config import settings
+    from pytest_llmload.instruments.phases import _stderr_line, heartbeat
+    from pytest_llmload.instruments.probes import DeadlineExceeded, deadline
+
+    module = choice.spec.partition(":")[0]
+    every, limit = settings.value(config, "phase_progress_seconds"), settings.value(config, "import_timeout")
+    started, key = time.monotonic(), ("llmload-import", module)
+    if every:
+        heartbeat().schedule(key, every, lambda _: _stderr_line(
+            f"llmload: still importing the loader's module {module!r} ({time.monotonic() - started:.0f}s)"),
+            every=every)
+    try:
+        with deadline(limit, f"importing the loader's module {module!r} ({choice.source})"):
+            yield
+    except DeadlineExceeded as exc:
+        raise pytest.UsageError(f"{exc}\nMake importing {module!r} quick (no work at import: put it in the loader "
+                                f"function), or raise --llmload-import-timeout.") from None
+    finally:
+        heartbeat().cancel(key)
+
+
+@pytest.hookimpl(wrapper=True, trylast=True)  # innermost: the known-failure section comes before the sub-plugins' ones
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    report = yield
+    check = _check_of(item)
+    found = None
+    if check is not None and call.when == "call" and call.excinfo is not None and report.failed:
+        from pytest_llmload.reports import verdict
+
+        found = verdict.of_exception(call.excinfo.value, check.failure)
+        if found is not None and found.cause == "check":  # the check's own crash: say so first, the traceback below
+            report.longrepr = f"{found.sentence}\n\n{report.longreprtext}"
+    failed = report.failed and call.excinfo is not None  # (before --llmload-strict turns a skip into a failure)
+    if report.skipped and item.config.stash.get(strict_key, False) and isinstance(report.longrepr, tuple):
+        from pytest_llmload.checks.base import NOT_EXERCISED
+
+        reason = report.longrepr[2].removeprefix("Skipped: ")
+        if reason.startswith(NOT_EXERCISED):
+            report.outcome = "failed"
+            report.longrepr = f"llmload strict: a check that exercised nothing is a failure here: {reason}"
+    if check is not None and (call.when == "call" or not report.passed):
+        row = _row(item, check, report, found)
+        _record(item, report, row.properties())
+        item.ihook.pytest_llmload_check_result(item=item, check=check, result=row.as_dict())
+    if failed:  # any failing test, llmload's or not; a check's section reads its row's verdict
+        from pytest_llmload.reports import known_failures
+
+        known_failures.annotate(item, call, report)
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    """Around a test that runs a check: the options the configuration gives checks, so that a repo's own
+    ``parametrize_with_loader_checks`` test honours the ini keys without asking for ``llmload_check_options``."""
+    if _check_of(item) is None:
+        return (yield)
+    from pytest_llmload.plugin.fixtures import check_options
+    from pytest_llmload.config.stash_keys import check_notes, configured_check_options, notes_key
+
+    notes: list[str] = []
+    item.stash[notes_key] = notes
+    tokens = (configured_check_options.set(check_options(item.config)), check_notes.set(notes))
+    try:
+        return (yield)
+    finally:
+        configured_check_options.reset(tokens[0])
+        check_notes.reset(tokens[1])
+
+
+def _read_prediction(config: pytest.Config) -> None:
+    """The runner profiles and the architecture of ``--llmload-runner``/``--llmload-model`` (or their ini keys),
+    read at configure: a bad name or file is one usage error."""
+    from pytest_llmload.config import settings
+
+    runners = settings.given(config, "runner")
+    if not runners or runners[0] is None:  # an empty value reads as unset, as for the other text settings
+        return
+    from pytest_llmload.placement import architectures, profiles
+
+    runners, source = runners
+    from pytest_llmload.placement.planner import unsupported_reason
+
+    reason = unsupported_reason()
+    if reason is not None:
+        raise pytest.UsageError(f"{source} {runners!r}: {reason}.")
+    given_model = settings.given(config, "model")
+    model, model_source = given_model if given_model and given_model[0] else (architectures.DEFAULT, "the default")
+
+    try:
+        loaded = tuple(profiles.load_profile(name.strip(), source=source) for name in runners.split(",") if name.strip())
+        config.stash[prediction_key] = (loaded, (model, architectures.load_config(model, source=model_source)))
+    except (profiles.ProfileError, architectures.ArchitectureError) as exc:
+        raise pytest.UsageError(str(exc)) from None
+
+
+def pytest_ignore_collect(collection_path, config: pytest.Config):
+    """The predictions' suite module exists for runs that name a runner; elsewhere it is not collected at all."""
+    if collection_path.name == "test_predictions.py" and collection_path.parent.name == "suite" and \
+            prediction_key not in config.stash:
+        return True
+    return None
+
+
+def _check_of(item: pytest.Item):
+    """The :class:`~pytest_llmload.checks.base.Check` a test runs (its ``check`` parameter), or ``None``."""
+    check = getattr(getattr(item, "callspec", None), "params", {}).get("check")
+    return check if hasattr(check, "failure") and hasattr(check, "function") else None
+
+
+def _row(item: pytest.Item, check, report: pytest.TestReport, found) -> Row:
+    """The check's row (:class:`pytest_llmload.checks.row.Row`), decided here once: the verdict judged from its exception
+    (``found``), else the report's outcome and skip reason; the notes it made wherever it ran; the loader that ran
+    (a ``parametrize_with_loader_checks`` test's own, else the configured one)."""
+    from pytest_llmload.checks.base import DECLARED_NOT_APPLICABLE, NOT_EXERCISED
+    from pytest_llmload.config.stash_keys import notes_key
+    from pytest_llmload.loader.seam import chosen_loader
+    from pytest_llmload.reports.progress import check_name, summary_line
+    from pytest_llmload.checks.row import Row
+
+    ran = getattr(item, "callspec", None) and item.callspec.params.get("loader")
+    loader = getattr(ran, "name", None) or chosen_loader(item.config).spec
+    reason = report.longrepr[2].removeprefix("Skipped: ") if report.skipped and isinstance(report.longrepr, tuple) \
+        else ""
+    if hasattr(report, "wasxfail"):
+        verdict, sentence = ("xfailed" if report.skipped else "xpassed"), report.wasxfail
+    elif report.skipped:
+        verdict = "not exercised" if reason.startswith(NOT_EXERCISED) else \
+            "not applicable" if reason.startswith(DECLARED_NOT_APPLICABLE) else "skipped"
+        sentence = reason
+    elif found is not None:
+        verdict, sentence = found.kind, found.sentence
+    else:  # passed; failed under --llmload-strict; a setup or teardown that failed is an error, as pytest says
+        verdict = "error" if report.failed and report.when != "call" else report.outcome
+        sentence = summary_line(report) if report.failed else ""
+    failure = found.failure if found is not None and verdict in ("failed", "predicted") else None
+    known = check.failure if failure == check.failure.id else None
+    return Row(check=check_name(item.nodeid), verdict=verdict, guards=check.failure.id, failure=failure,
+               cause=found.cause if found is not None else report.when if verdict == "error" else None,
+               sentence=sentence,
+               notes=tuple(item.stash.get(notes_key, None) or ()), fix=getattr(known, "fix", None), loader=loader)
+
+
+def _record(item: pytest.Item, report: pytest.TestReport, pairs: list) -> None:
+    """Properties of this phase's report (what the progress file reads) and of the item (what JUnit XML writes,
+    from the teardown report, which copies the item's)."""
+    report.user_properties.extend(pairs)
+    item.user_properties.extend(pairs)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    known_failures = sys.modules.get("pytest_llmload.reports.known_failures")
+    for line in known_failures.summary_lines(config) if known_failures else ():
+        terminalreporter.write_line(line)

@@ -1,0 +1,746 @@
+"""Pictures of where each model went and of memory per phase, in a self-contained HTML report.
+
+``--llmload-html PATH`` (ini ``llmload_html``) writes one HTML file at the end of the session: a header (the loader,
+the stack's versions, when and how long, counts by verdict), one row per test (its verdict, the known failure it
+names, seconds) and, for each test that loaded a model, two figures drawn with matplotlib (Agg): the model's device
+map (one bar per device, cpu/disk/meta included, its bytes and the modules on it) and the memory of each phase.
+CSS and images are inline (PNG data URIs): the file can be mailed or kept as a CI artifact alone.
+
+With pytest-html in the run (``--html``), the same PNGs go into its report as extras (``report.extras``, the API
+pytest-html documents), whether or not ``--llmload-html`` is given.
+
+Nothing is computed twice: the device maps are those :mod:`.phases` recorded when each model was loaded
+(``LoadedModel.device_map``, ``hf_device_map`` at load), the memory is each phase's record (``Phase.as_dict``),
+both taken from the test's :class:`~.phases.PhaseRecorder` that :mod:`.report` keeps. The bytes on each device are
+the checkpoint's tensors (read from its safetensors headers) under each ``hf_device_map`` entry: the weights as
+stored, before any cast or quantization at load.
+
+Most checks run in a child forked from the test process (:mod:`pytest_llmload.runners.isolation`), where their
+loads and phases go to the child's copy of the recorder. While the report is on, a child forked during a test writes
+them to a spool file as they happen, and the test process reads them back into the test's record.
+
+Under xdist each worker puts a test's record (plain data) on its teardown report as ``report.llmload_html``;
+pytest serialises a report's attributes for xdist (``pytest_report_to_serializable``), so the controller receives
+it in ``pytest_runtest_logreport``, as pytest-html's controller receives ``report.extras``. Only the controller (or
+a run without xdist) writes the file.
+
+A run without ``--llmload-html`` or ``--html`` does nothing here; matplotlib is imported only to draw.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import importlib.util
+import io
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+
+from pytest_llmload.checks.row import GUARDS_PROPERTY, LOADER_PROPERTY
+from pytest_llmload.system.sizes import format_bytes
+
+RECORD_ATTRIBUTE = "llmload_html"  # the report attribute a worker's record travels in
+INSTALL_HINT = "pip install 'pytest-llmload[report]'"
+PLUGIN_NAME = "llmload-html-report"
+
+state_key = pytest.StashKey["HtmlReport"]()
+
+
+def matplotlib_available() -> bool:
+    try:
+        return importlib.util.find_spec("matplotlib") is not None
+    except (ImportError, ValueError):  # a None in sys.modules (blocked), or a module without a spec
+        return False
+
+
+# --- configuration ----------------------------------------------------------------------------------------
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    from pytest_llmload.config import settings
+
+    path = settings.value(config, "html")
+    pytest_html = bool(config.getoption("htmlpath", None)) and config.pluginmanager.hasplugin("html")
+    if not path and not pytest_html:
+        return
+    drawing = matplotlib_available()
+    if path and not drawing:
+        raise pytest.UsageError(f"--llmload-html draws its figures with matplotlib, which is not installed: "
+                                f"{INSTALL_HINT}")
+    target = None
+    if path:
+        target = Path(os.path.expandvars(path)).expanduser()
+        target = target if target.is_absolute() else Path(config.invocation_params.dir) / target
+    state = config.stash[state_key] = HtmlReport(config, target, extras=pytest_html and drawing,
+                                                 missing_matplotlib=pytest_html and not drawing)
+    config.pluginmanager.register(state, PLUGIN_NAME)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    state = config.stash.get(state_key, None)
+    if state is not None and config.pluginmanager.is_registered(state):
+        config.pluginmanager.unregister(state)
+
+
+# --- per test: the record, and pytest-html's extras --------------------------------------------------------
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    report = yield
+    state = item.config.stash.get(state_key, None)
+    if state is None or not state.active or call.when not in ("call", "teardown"):
+        return report
+    if call.when == "call" and not state.extras:
+        return report
+    record = record_of(item)
+    if record is None:
+        return report
+    if call.when == "teardown":
+        setattr(report, RECORD_ATTRIBUTE, record)
+    elif record["models"]:
+        # pytest-html's convention: extras on the call report, in a makereport hookwrapper.
+        from pytest_html import extras
+
+        report.extras = [*getattr(report, "extras", []),
+                         *(extras.png(base64.b64encode(png).decode("ascii"), name)
+                           for name, png in figures(record, report.nodeid))]
+    return report
+
+
+def record_of(item: pytest.Item) -> Optional[dict]:
+    """What the report shows of one test, as plain data: its models' placement and its phases' memory, from the
+    test's recorder and from the isolated children it forked (their records come back through the spool)."""
+    from pytest_llmload.reports.sections import recorder_key
+
+    recorder = item.stash.get(recorder_key, None)
+    if recorder is None:
+        return None
+    phases = [phase_dict(p) for p in list(recorder.phases)]
+    models = [loaded_dict(m) for m in list(recorder.models)]
+    for kind, data in _spooled():
+        (phases if kind == "phase" else models).append(data)
+    phases.sort(key=lambda p: p.get("started") or 0.0)
+    loads = [p for p in phases if p["name"] == "load" and not p["running"]]
+    return {"models": [_model_record(m, loads) for m in models], "phases": phases}
+
+
+def phase_dict(p: Any) -> dict:
+    return dict(p.as_dict(), label=p.label, started=p.started)
+
+
+def loaded_dict(loaded: Any) -> dict:
+    """A :class:`~.phases.LoadedModel` as plain data, its device map as recorded at load."""
+    device_map = loaded.device_map
+    if device_map:
+        device_map = {str(k): v if isinstance(v, int) and not isinstance(v, bool) else str(v)
+                      for k, v in device_map.items()}
+    return {"kind": loaded.kind, "source": str(loaded.source or ""), "seconds": loaded.seconds, "where": loaded.where,
+            "device_map": device_map or None}
+
+
+def _model_record(loaded: dict, loads: list[dict]) -> dict:
+    """One model load: its device map as recorded at load, grouped by device, with the bytes on each device."""
+    from pytest_llmload.instruments.device_map_summary import _device_name, _tier
+
+    seconds = loaded["seconds"]
+    timed = next((p for p in loads if seconds is not None and abs(p["seconds"] - seconds) < 1e-5), None)
+    if timed is not None:  # the phase that timed the load: what was loaded, how
+        loads.remove(timed)
+    device_map, where = loaded["device_map"], loaded["where"]
+    modules: dict[str, list[str]] = {}
+    if device_map:
+        for key, device in device_map.items():
+            modules.setdefault(_device_name(device), []).append(key or "<whole model>")
+        map_source = "hf_device_map at load"
+    else:
+        modules[where] = ["<whole model>"]
+        map_source = f"no hf_device_map: whole model on {where} (its first parameter's device)"
+    sizes: Optional[dict[str, int]] = None
+    unmatched = 0
+    tensors = _checkpoint_tensors(loaded["source"])
+    if tensors is not None:
+        sizes = dict.fromkeys(modules, 0)
+        for name, nbytes in tensors:
+            device = _tier(name, device_map) if device_map else where
+            if device is None:
+                unmatched += nbytes
+            else:
+                sizes[device] = sizes.get(device, 0) + nbytes
+    devices = sorted(modules.keys() | (sizes or {}).keys(), key=_device_order)
+    return {"kind": loaded["kind"], "source": loaded["source"], "seconds": seconds,
+            "load": timed["detail"] if timed is not None else "", "map_source": map_source,
+            "devices": [{"device": d, "modules": modules.get(d, []), "bytes": None if sizes is None else sizes.get(d, 0)}
+                        for d in devices],
+            "unmatched_bytes": unmatched}
+
+
+# --- isolated checks: the records of a forked child --------------------------------------------------------
+# Most checks run in a child forked from the test process (pytest_llmload.runners.isolation); the child inherits
+# the test's recorder, and its loads and phases go there, in the child's memory, which dies with it. While a test
+# runs with the report on, a child forked from it writes each model it tracks and each phase it ends to a spool
+# file (JSON lines), which the test process reads back into the test's record.
+
+_spool_dir: Optional[str] = None  # the running test's spool folder (inherited by the children it forks)
+_child_spool: Optional["_Spool"] = None  # in a forked child: what writes its records
+
+
+def _after_fork_in_child() -> None:
+    """Opens the child's spool file at once, before the check runs: a check that watches the files its load writes
+    (``record_writes``: Python's audit events) sees no open, and ``os.write`` on the descriptor raises no event."""
+    global _child_spool
+    if _spool_dir is None:
+        return
+    phases = sys.modules.get("pytest_llmload.instruments.phases")  # no import here: a fork may hold its lock
+    recorder = phases.current_recorder() if phases is not None else None
+    if recorder is None:
+        return
+    try:
+        fd = os.open(os.path.join(_spool_dir, f"child-{os.getpid()}.jsonl"), os.O_WRONLY | os.O_CREAT | os.O_APPEND
+                     | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return
+    if _child_spool is not None and _child_spool.recorder is recorder:  # a grandchild: the wrapping is inherited
+        _child_spool.fd = fd
+    else:
+        _child_spool = _Spool(recorder, fd)
+
+
+class _Spool:
+    """Wraps a forked child's copy of the test's recorder: what it records is also written to ``fd``."""
+
+    def __init__(self, recorder: Any, fd: int) -> None:
+        self.recorder, self.fd = recorder, fd
+        closed, track = recorder._closed, recorder.track_model
+
+        def closed_and_spooled(p) -> None:
+            closed(p)
+            self.write("phase", dict(phase_dict(p), child=os.getpid()))
+
+        def track_and_spool(model, source="", seconds=None):
+            loaded = track(model, source, seconds)
+            self.write("model", loaded_dict(loaded))
+            return loaded
+
+        recorder._closed, recorder.track_model = closed_and_spooled, track_and_spool
+
+    def write(self, kind: str, data: dict) -> None:
+        import json
+
+        try:
+            os.write(self.fd, (json.dumps([kind, data], default=str) + "\n").encode("utf-8"))
+        except (OSError, TypeError, ValueError):
+            pass  # a picture missing from the report, never a failing check
+
+
+def _spooled() -> list[tuple[str, dict]]:
+    import json
+
+    if _spool_dir is None or not os.path.isdir(_spool_dir):
+        return []
+    found = []
+    for name in sorted(os.listdir(_spool_dir)):
+        try:
+            with open(os.path.join(_spool_dir, name), encoding="utf-8") as spool:
+                lines = spool.read().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            try:
+                kind, data = json.loads(line)
+            except ValueError:
+                continue  # a line cut short by a child killed mid-write
+            found.append((kind, data))
+    return found
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem):
+    global _spool_dir
+    state = item.config.stash.get(state_key, None)
+    if state is None or not state.active:
+        return (yield)
+    import shutil
+    import tempfile
+
+    _spool_dir = tempfile.mkdtemp(prefix="llmload-html-")
+    try:
+        return (yield)
+    finally:
+        shutil.rmtree(_spool_dir, ignore_errors=True)
+        _spool_dir = None
+
+
+_TENSORS: dict[str, Optional[list[tuple[str, int]]]] = {}
+
+
+def _checkpoint_tensors(source: str) -> Optional[list[tuple[str, int]]]:
+    """``(name, bytes)`` of every tensor in a local safetensors checkpoint, from its headers; ``None`` where there
+    is none to read (a hub id, a .bin checkpoint)."""
+    if not source or not os.path.isdir(source):
+        return None
+    if source not in _TENSORS:
+        from pytest_llmload.fixes.training_memory import checkpoint_tensors
+
+        try:
+            _TENSORS[source] = [(t.name, t.nbytes) for t in checkpoint_tensors(source)]
+        except (OSError, ValueError, KeyError):
+            _TENSORS[source] = None
+    return _TENSORS[source]
+
+
+def _device_order(device: str) -> tuple:
+    kind, _, index = device.partition(":")
+    rank = {"cpu": 2, "disk": 3, "meta": 4}.get(kind, 1 if kind not in ("cuda",) else 0)
+    return (rank, int(index) if index.isdigit() else 0, device)
+
+
+# --- the figures -----------------------------------------------------------------------------------------
+
+DPI = 100
+WIDTH_IN = 11.0
+DEVICE_COLOURS = {"cpu": "#e6862e", "disk": "#8c6d4f", "meta": "#d62728"}
+CUDA_COLOURS = ("#1f77b4", "#2ca02c", "#9467bd", "#17becf", "#bcbd22", "#e377c2", "#7f7f7f", "#393b79")
+LABEL_CHARS = 64
+PHASE_LABEL_WIDTH = 46
+
+
+def device_colour(device: str) -> str:
+    kind, _, index = device.partition(":")
+    if kind in DEVICE_COLOURS:
+        return DEVICE_COLOURS[kind]
+    return CUDA_COLOURS[int(index) % len(CUDA_COLOURS) if index.isdigit() else 0]
+
+
+def _unit(largest: float) -> tuple[str, float]:
+    for name, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if largest >= size:
+            return name, float(size)
+    return "B", 1.0
+
+
+_NUMBERED = re.compile(r"^(.*\.)(\d+)$")
+
+
+def compress_modules(names: list[str]) -> str:
+    """``model.layers.1-3, model.norm, lm_head``: runs of numbered siblings written as a range."""
+    parts: list[list] = []  # [prefix, first, last] or [name]
+    for name in names:
+        match = _NUMBERED.match(name)
+        if match:
+            prefix, number = match.group(1), int(match.group(2))
+            last = parts[-1] if parts else None
+            if last is not None and len(last) == 3 and last[0] == prefix and last[2] == number - 1:
+                last[2] = number
+                continue
+            parts.append([prefix, number, number])
+        else:
+            parts.append([name])
+    return ", ".join(p[0] if len(p) == 1 else (f"{p[0]}{p[1]}" if p[1] == p[2] else f"{p[0]}{p[1]}\u2013{p[2]}")
+                     for p in parts)
+
+
+def _short(text: str, limit: int = LABEL_CHARS) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
+
+
+def _wrap(text: str, width: int) -> str:
+    import textwrap
+
+    return "\n".join(textwrap.wrap(text, width, break_on_hyphens=False)) or text
+
+
+def _png(fig) -> bytes:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=DPI, metadata={"Software": None})
+    return buffer.getvalue()
+
+
+def _test_name(nodeid: str) -> str:
+    """The check's name for a check's row (``check_offload_inference``), else the test's node id."""
+    from pytest_llmload.reports.progress import check_name
+
+    name = check_name(nodeid)
+    return name if name.startswith("check_") else nodeid
+
+
+def _model_name(model: dict) -> str:
+    name = os.path.basename(model["source"].rstrip("/\\")) or "?"
+    return f"{model['kind']} from {name}"
+
+
+def _style(ax) -> None:
+    ax.tick_params(axis="x", labelsize=9.5)
+    ax.grid(axis="x", alpha=0.35)
+    ax.set_axisbelow(True)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+
+
+def device_map_figure(models: list[dict], nodeid: str) -> bytes:
+    """One panel per model load: a bar per device (its bytes), the modules on it written beside the bar."""
+    from matplotlib.figure import Figure
+
+    heights = [1.3 + 0.55 * max(1, len(m["devices"])) for m in models]
+    fig = Figure(figsize=(WIDTH_IN, sum(heights) + 0.45), layout="constrained")
+    axes = fig.subplots(len(models), 1, squeeze=False, gridspec_kw={"height_ratios": heights})[:, 0]
+    fig.suptitle(_wrap(f"Where the models went \u2014 {_test_name(nodeid)}", 80), fontsize=13, fontweight="bold")
+    for ax, model in zip(axes, models):
+        devices = model["devices"]
+        known = all(d["bytes"] is not None for d in devices)
+        raw = [d["bytes"] if known else len(d["modules"]) for d in devices]
+        unit, scale = _unit(max(raw, default=0)) if known else ("", 1.0)
+        values = [v / scale for v in raw]
+        largest = max(values, default=0) or 1
+        y = list(range(len(devices)))[::-1]
+        ax.barh(y, values, color=[device_colour(d["device"]) for d in devices], height=0.62, edgecolor="#333333",
+                linewidth=0.6)
+        ax.set_yticks(y, [d["device"] for d in devices], fontsize=11.5, fontweight="bold")
+        ax.set_xlim(0, largest * 1.02)
+        ax.set_ylim(-0.6, len(devices) - 0.4)
+        for yi, d, v in zip(y, devices, values):
+            count = len(d["modules"])
+            size = format_bytes(d["bytes"]) if known else "size unknown"
+            text = f"{size} \u00b7 {count} module{'s' if count != 1 else ''}: {compress_modules(d['modules'])}"
+            inside = v > 0.55 * largest
+            dark = inside and d["device"] not in ("cpu",)
+            room = v / largest if inside else 1 - v / largest  # of the axes' width, ~150 characters at this size
+            width = max(30, int(140 * room))
+            ax.text(v - largest * 0.015 if inside else v + largest * 0.012, yi, _wrap(_short(text, 3 * width), width),
+                    va="center", ha="right" if inside else "left", fontsize=10,
+                    color="white" if dark else "black")
+        if known:
+            ax.set_xlabel(f"weights on the device ({unit}, as stored in the checkpoint)", fontsize=10)
+        else:
+            ax.set_xlabel("modules on the device (the checkpoint's sizes could not be read)", fontsize=10)
+        _style(ax)
+        title = _model_name(model) + (f", loaded in {model['seconds']:.2f} s" if model.get("seconds") else "")
+        detail = f"device map: {model['map_source']}"
+        if model.get("load"):
+            detail += f" \u00b7 load: {model['load']}"
+        if model.get("unmatched_bytes"):
+            detail += f" \u00b7 {format_bytes(model['unmatched_bytes'])} of tensors under no device-map entry"
+        ax.set_title(title, fontsize=11.5, fontweight="bold", loc="left", pad=22 + 13 * (len(_wrap(detail, 140).splitlines()) - 1))
+        ax.text(0, 1.02, _wrap(detail, 140), transform=ax.transAxes, fontsize=9.5, color="#424a53", va="bottom")
+    return _png(fig)
+
+
+def _phase_label(p: dict) -> str:
+    import textwrap
+
+    label = ("\u2717 " if p.get("error") else "") + (p.get("label") or p["name"])
+    lines = textwrap.wrap(label, PHASE_LABEL_WIDTH, break_on_hyphens=False) or [label]
+    if len(lines) > 2:
+        lines = [lines[0], _short(" ".join(lines[1:]), PHASE_LABEL_WIDTH)]
+    indent = "   " * int(p.get("depth") or 0)
+    return "\n".join(indent + line for line in lines)
+
+
+def memory_figure(phases: list[dict], nodeid: str) -> Optional[bytes]:
+    """Per phase: the process RSS before it and at its peak (from the kernel), and each GPU's peak allocation."""
+    from matplotlib.figure import Figure
+
+    rows = [p for p in phases if p.get("rss_peak") is not None or p.get("rss_after") is not None or p.get("cuda_peak")]
+    if not rows:
+        return None
+    cuda = sorted({i for p in rows for i in p.get("cuda_peak", {})}, key=int)
+    panels = [None, *cuda]
+    height = 1.2 + 0.56 * len(rows)
+    fig = Figure(figsize=(WIDTH_IN, 0.5 + height * len(panels)), layout="constrained")
+    axes = fig.subplots(len(panels), 1, squeeze=False)[:, 0]
+    fig.suptitle(_wrap(f"Memory per phase \u2014 {_test_name(nodeid)}", 80), fontsize=13, fontweight="bold")
+    labels = [_phase_label(p) for p in rows]
+    children = {bool(p.get("child")) for p in rows}  # {True}: every phase ran in an isolated child
+    y = list(range(len(rows)))[::-1]
+    for ax, index in zip(axes, panels):
+        if index is None:
+            before = [p.get("rss_before") or 0 for p in rows]
+            peak = [p.get("rss_peak") if p.get("rss_peak") is not None else (p.get("rss_after") or 0) for p in rows]
+            colour, what = "#e6862e", "process RSS"
+            title = ("Process RSS: grey = before the phase, orange = its peak during the phase (the kernel's "
+                     "high-water mark)" + ("; every phase ran in the check's isolated child process"
+                                           if children == {True} else "; [child]: in the check's isolated child "
+                                           "process" if True in children else ""))
+        else:
+            before = [int((p.get("cuda_after") or {}).get(index, [0, 0])[0]) for p in rows]
+            peak = [int((p.get("cuda_peak") or {}).get(index, 0)) for p in rows]
+            colour, what = device_colour(f"cuda:{index}"), f"cuda:{index} allocated"
+            title = f"cuda:{index}: grey = allocated by torch at the end of the phase, coloured = its peak during it"
+        unit, scale = _unit(max([*peak, *before, 1]))
+        largest = max([*peak, *before, 1]) / scale
+        ax.barh([v + 0.19 for v in y], [b / scale for b in before], height=0.36, color="#b9b9b9")
+        ax.barh([v - 0.19 for v in y], [k / scale for k in peak], height=0.36, color=colour)
+        for yi, b, k, p in zip(y, before, peak, rows):
+            grew = f"  (+{format_bytes(k - b)})" if index is None and k > b else ""
+            ax.text(k / scale + largest * 0.01, yi - 0.19, f"{format_bytes(k)}{grew}", va="center", fontsize=9.5)
+            if p.get("error") and index is None:
+                ax.text(k / scale + largest * 0.01, yi + 0.19, _short(f"raised {p['error']}", 38), va="center",
+                        fontsize=9, color="#c00000")
+        ax.set_xlim(0, largest * 1.42)
+        ax.set_ylim(-0.65, len(rows) - 0.35)
+        ax.set_yticks(y, [label + ("  [child]" if p.get("child") and len(children) > 1 else "")
+                          for label, p in zip(labels, rows)],
+                      fontsize=9.5)
+        for tick, p in zip(ax.get_yticklabels(), rows):
+            if p.get("error"):
+                tick.set_color("#c00000")
+        ax.set_xlabel(f"{what} ({unit})", fontsize=10)
+        ax.set_title(_wrap(title, 84), fontsize=10, loc="left", color="#424a53")
+        _style(ax)
+    return _png(fig)
+
+
+def figures(record: dict, nodeid: str) -> list[tuple[str, bytes]]:
+    """The PNGs of one test: its device map and its memory per phase (only for a test that loaded a model)."""
+    if not record.get("models"):
+        return []
+    found = [("llmload: device map", device_map_figure(record["models"], nodeid))]
+    memory = memory_figure(record.get("phases", []), nodeid)
+    if memory is not None:
+        found.append(("llmload: memory per phase", memory))
+    return found
+
+
+def device_map_text(models: list[dict]) -> str:
+    """The device maps in words (the figure's caption): ``LlamaForCausalLM from llama: cpu 224.5 KiB (...); ...``."""
+    return "\n".join(
+        f"{_model_name(m)}: " + "; ".join(
+            f"{d['device']} {format_bytes(d['bytes']) if d['bytes'] is not None else '?'} "
+            f"({compress_modules(d['modules'])})" for d in m["devices"]) for m in models)
+
+
+def memory_text(phases: list[dict]) -> str:
+    """The highest peak in words (the figure's caption)."""
+    peaks = [(p["rss_peak"], p.get("label") or p["name"]) for p in phases if p.get("rss_peak") is not None]
+    parts = []
+    if peaks:
+        peak, label = max(peaks)
+        parts.append(f"peak process RSS {format_bytes(peak)} in phase '{label}'")
+    cuda: dict[str, tuple[int, str]] = {}
+    for p in phases:
+        for index, peak in (p.get("cuda_peak") or {}).items():
+            if peak > cuda.get(index, (-1, ""))[0]:
+                cuda[index] = (peak, p.get("label") or p["name"])
+    parts += [f"cuda:{i} peak allocated {format_bytes(b)} in phase '{label}'" for i, (b, label) in sorted(cuda.items())]
+    return "; ".join(parts)
+
+
+# --- the session: rows, and the file ---------------------------------------------------------------------
+
+
+def _outcome(report: pytest.TestReport) -> str:
+    if hasattr(report, "wasxfail"):
+        return "xpassed" if report.passed else "xfailed"
+    if report.failed:
+        return "failed" if report.when == "call" else "error"
+    return report.outcome
+
+
+class HtmlReport:
+    """The run's rows (in the xdist controller, from the workers' reports) and the file written at its end."""
+
+    def __init__(self, config: pytest.Config, path: Optional[Path], *, extras: bool, missing_matplotlib: bool) -> None:
+        self.config = config
+        self.path = path
+        self.extras = extras
+        self.missing_matplotlib = missing_matplotlib
+        self.rows: dict[str, dict] = {}
+        self.started = time.time()
+        self.written: Optional[str] = None
+        self.write_error: Optional[str] = None
+
+    @property
+    def active(self) -> bool:
+        """Whether anything is drawn: the file, or pytest-html's extras."""
+        return self.path is not None or self.extras
+
+    @property
+    def collects(self) -> bool:
+        return self.path is not None and not hasattr(self.config, "workerinput")
+
+    def _row(self, nodeid: str) -> dict:
+        return self.rows.setdefault(nodeid, {"nodeid": nodeid, "outcome": "passed", "seconds": 0.0, "verdict": None,
+                                             "props": {}, "note": "", "record": None})
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if not self.collects:
+            return
+        from pytest_llmload.reports.verdict import of_report
+
+        row = self._row(report.nodeid)
+        row["seconds"] += report.duration
+        outcome = _outcome(report)
+        if outcome != "passed" and row["outcome"] in ("passed", "skipped") or outcome == "error":
+            row["outcome"] = outcome
+        row["verdict"] = of_report(report) or row["verdict"]
+        row["props"].update(dict(report.user_properties))
+        if report.skipped and isinstance(report.longrepr, tuple):
+            row["note"] = report.longrepr[2].removeprefix("Skipped: ")
+        elif report.failed and not row["note"]:
+            row["note"] = _first_line(report.longreprtext)
+        record = getattr(report, RECORD_ATTRIBUTE, None)
+        if record is not None:
+            row["record"] = record
+
+    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
+        if self.collects and report.failed:
+            row = self._row(report.nodeid or "(collection)")
+            row["outcome"], row["note"] = "error", _first_line(report.longreprtext)
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        if not self.collects:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(render_html(self.config, list(self.rows.values()), self.started, time.time()),
+                                 encoding="utf-8")
+            self.written = str(self.path)
+        except OSError as exc:
+            self.write_error = f"{type(exc).__name__}: {exc}"
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        if hasattr(self.config, "workerinput"):
+            return
+        if self.written:
+            terminalreporter.write_sep("-", f"llmload: HTML report: {Path(self.written).as_uri()}")
+        elif self.write_error:
+            terminalreporter.write_sep("-", f"llmload: the HTML report was not written: {self.write_error}", red=True)
+        if self.missing_matplotlib:
+            terminalreporter.write_line(f"llmload: no pictures in pytest-html's report: matplotlib is not installed "
+                                        f"({INSTALL_HINT})")
+
+
+def _first_line(text: str) -> str:
+    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("E ")]
+    return (errors[0][1:].strip() if errors else lines[-1] if lines else "")[:300]
+
+
+VERDICT_COLOURS = {"passed": "#1a7f37", "failed": "#cf222e", "error": "#b35900", "predicted": "#8250df",
+                   "skipped": "#6e7781", "not exercised": "#6e7781", "xfailed": "#6e7781", "xpassed": "#b35900"}
+
+CSS = """
+body { font: 15px/1.45 system-ui, -apple-system, "Segoe UI", "DejaVu Sans", sans-serif; color: #1f2328;
+       margin: 24px auto; max-width: 1200px; padding: 0 16px; }
+h1 { font-size: 26px; margin: 0 0 6px; }
+h2 { font-size: 20px; margin: 28px 0 10px; border-bottom: 1px solid #d0d7de; padding-bottom: 4px; }
+h3 { font-size: 16px; margin: 22px 0 6px; word-break: break-all; }
+.meta { color: #424a53; margin: 2px 0; }
+.counts span { display: inline-block; margin: 6px 8px 0 0; }
+table { border-collapse: collapse; width: 100%; font-size: 14px; table-layout: fixed; }
+col.c-test { width: 33%; } col.c-verdict { width: 49%; } col.c-failure { width: 11%; } col.c-seconds { width: 7%; }
+th, td { border: 1px solid #d0d7de; padding: 5px 8px; text-align: left; vertical-align: top; }
+th { background: #f6f8fa; }
+td.num { text-align: right; white-space: nowrap; font-variant-numeric: tabular-nums; }
+td.test, td.failure { overflow-wrap: anywhere; }
+.verdict { display: inline-block; color: #fff; border-radius: 10px; padding: 1px 9px; font-size: 13px;
+           font-weight: 600; white-space: nowrap; }
+.sentence { white-space: pre-wrap; overflow-wrap: anywhere; color: #424a53; font-size: 13px; margin-top: 3px; }
+code { font-size: 13px; }
+figure { margin: 8px 0 18px; }
+figure img { max-width: 100%; height: auto; border: 1px solid #d0d7de; }
+figcaption { color: #57606a; font-size: 13px; }
+a { color: #0969da; }
+"""
+
+
+def _severity(kind: str) -> tuple[int, str]:
+    order = ("failed", "error", "predicted", "xpassed", "not exercised", "passed", "skipped", "xfailed")
+    return (order.index(kind) if kind in order else len(order), kind)
+
+
+def _badge(kind: str) -> str:
+    return (f'<span class="verdict" style="background:{VERDICT_COLOURS.get(kind, "#57606a")}">'
+            f"{html.escape(kind)}</span>")
+
+
+def _verdict_of(row: dict) -> tuple[str, str, str]:
+    """(kind, failure, sentence) of a row: the check's verdict where it has one, else pytest's outcome."""
+    verdict = row["verdict"]
+    if verdict is None:
+        return row["outcome"], "", row["note"]
+    kind = verdict["kind"]
+    if row["outcome"] == "error" and kind == "passed":  # a teardown error after the check passed
+        kind = "error"
+    sentence = verdict.get("sentence") or row["note"]
+    failure = verdict.get("failure") or ""
+    guards = row["props"].get(GUARDS_PROPERTY)
+    if not failure and guards:
+        failure = f"guards {guards}"
+    return kind, failure, sentence
+
+
+def _anchor(nodeid: str) -> str:
+    return "t-" + re.sub(r"[^A-Za-z0-9_-]+", "-", nodeid).strip("-")
+
+
+def render_html(config: pytest.Config, rows: list[dict], started: float, ended: float) -> str:
+    from collections import Counter
+    from importlib import metadata
+
+    from pytest_llmload.plugin.header import header_lines
+    from pytest_llmload.reports.progress import check_name
+
+    esc = html.escape
+    kinds = Counter(_verdict_of(row)[0] for row in rows)
+    loaders = sorted({row["props"][LOADER_PROPERTY] for row in rows if row["props"].get(LOADER_PROPERTY)})
+    head = header_lines(config)[0].removeprefix("llmload: ")
+    chosen, _, stack = head.removeprefix("loader ").partition("; ")
+    if loaders and chosen.split(" (from ")[0] not in loaders:  # the rows name the loader they ran
+        chosen = ", ".join(loaders)
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
+    parts = [
+        "<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        "<title>pytest-llmload report</title>", f"<style>{CSS}</style>", "</head>", "<body>",
+        "<h1>pytest-llmload report</h1>",
+        f'<p class="meta"><b>loader:</b> {esc(chosen)}</p>',
+        f'<p class="meta"><b>stack:</b> {esc(stack)}</p>',
+        f'<p class="meta"><b>python</b> {esc(sys.version.split()[0])}, <b>pytest</b> {esc(metadata.version("pytest"))}; '
+        f"started {esc(when)}, took {ended - started:.1f} s; {len(rows)} test{'s' if len(rows) != 1 else ''}</p>",
+        '<p class="counts">' + "".join(f"<span>{_badge(kind)} {kinds[kind]}</span>" for kind in sorted(kinds, key=_severity)) + "</p>",
+        "<h2>Results</h2>",
+        '<table><colgroup><col class="c-test"><col class="c-verdict"><col class="c-failure"><col class="c-seconds"></colgroup>'
+        "<thead><tr><th>test / check</th><th>verdict</th><th>known failure</th><th>seconds</th></tr></thead><tbody>",
+    ]
+    pictured = [row for row in rows if row["record"] and row["record"].get("models")]
+    for row in rows:
+        kind, failure, sentence = _verdict_of(row)
+        nodeid = row["nodeid"]
+        name = check_name(nodeid)
+        link = f' &middot; <a href="#{_anchor(nodeid)}">pictures</a>' if row in pictured else ""
+        parts.append(
+            f'<tr><td class="test"><b>{esc(name)}</b>{link}<br><code>{esc(nodeid)}</code></td>'
+            f"<td>{_badge(kind)}" + (f'<div class="sentence">{esc(sentence)}</div>' if sentence else "") + "</td>"
+            f"<td class=\"failure\">{esc(failure)}</td><td class=\"num\">{row['seconds']:.2f}</td></tr>")
+    parts.append("</tbody></table>")
+    if pictured:
+        parts.append("<h2>Where the models went, and memory per phase</h2>")
+        parts.append('<p class="meta">Bars: the bytes of the checkpoint\'s tensors under each device-map entry '
+                     "(as stored, before any cast or quantization), and each phase's memory as recorded.</p>")
+    for row in pictured:
+        kind, _, _ = _verdict_of(row)
+        nodeid = row["nodeid"]
+        parts.append(f'<h3 id="{_anchor(nodeid)}">{esc(check_name(nodeid))} {_badge(kind)}</h3>')
+        captions = {"llmload: device map": device_map_text(row["record"]["models"]),
+                    "llmload: memory per phase": memory_text(row["record"].get("phases", []))}
+        for name, png in figures(row["record"], nodeid):
+            data = base64.b64encode(png).decode("ascii")
+            parts.append(f'<figure><img alt="{esc(name)}: {esc(nodeid)}" src="data:image/png;base64,{data}">'
+                         f'<figcaption><b>{esc(name)}</b>:<br>{esc(captions.get(name, "")).replace(chr(10), "<br>")}'
+                         "</figcaption></figure>")
+    parts += ["</body>", "</html>", ""]
+    return "\n".join(parts)

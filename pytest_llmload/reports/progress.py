@@ -1,0 +1,134 @@
+"""A machine-readable record of a run, one JSON line per event, for the main job's live table.
+
+Enabled by ``--llmload-progress PATH``; the main job (``python -m pytest_llmload``) reads the file while
+pytest writes it, so a long check shows progress instead of silence. Events: ``loader`` (the loader this run
+tests, and where that choice came from), ``collected`` (the count, and the checks in collection order),
+``collect_error``, ``start`` and ``result`` (one per test, with ``summary``: its failure's cause in one line). It
+hangs off hooks that run in the controlling process under xdist too; under lanes (:mod:`.runners.lanes`) each lane
+writes its own tests' events.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+
+import pytest
+
+from pytest_llmload.system import json_lines as jsonl
+from pytest_llmload.config.stash_keys import LANE_ATTRIBUTE
+from pytest_llmload.checks.row import Row, outcome_of
+
+progress_key = pytest.StashKey["ProgressWriter"]()
+_PARAM_ID = re.compile(r"\[(?:[^\]-]*-)?((?:check|predict)_[^\]]+)\]$")
+
+
+def check_name(nodeid: str) -> str:
+    """``check_x`` from ``...::test_loader_check[check_x]`` or ``...[loader-check_x]``; else the test name."""
+    found = _PARAM_ID.search(nodeid)
+    return found.group(1) if found else nodeid.rpartition("::")[2]
+
+
+_LOADER_ERRORS = ("pytest_llmload.loader.seam.LoaderError", "pytest_llmload.loader.seam.LoaderContractError",
+                  "pytest_llmload.loader.seam.LoaderModelError", "LoaderError: ", "LoaderContractError: ",
+                  "LoaderModelError: ")
+
+
+def _crash_message(report: pytest.TestReport) -> str:
+    """The exception line pytest found (``AssertionError: ...``), else the whole report text."""
+    crash = getattr(report.longrepr, "reprcrash", None)
+    return getattr(crash, "message", "") if crash is not None else str(report.longrepr or "")
+
+
+def _raised_by_the_loader(report: pytest.TestReport) -> bool:
+    message = _crash_message(report)
+    return any(message.startswith(prefix) or f"\n{prefix}" in message for prefix in _LOADER_ERRORS) or \
+        "loader error: " in (message.splitlines() or [""])[0]
+
+
+def summary_line(report) -> str:
+    """A failure's cause in one line: the exception line pytest found (``AssertionError: ...``), else the
+    report's first line (a child's death or deadline, a strict failure), never a tail of captured output. A check's
+    row says more: its verdict's sentence (:mod:`pytest_llmload.reports.verdict`)."""
+    line = next((line.strip() for line in _crash_message(report).splitlines() if line.strip()), "")
+    return line.removeprefix("Failed: ")  # pytest.fail()'s message is the sentence; "Failed" says nothing
+
+
+class ProgressWriter:
+    def __init__(self, path: str) -> None:
+        self._fd = jsonl.open_for_appending(path)  # (the lanes of a run share it: runners.lanes)
+        self._started: dict[str, float] = {}
+        self._collected = False
+
+    def write(self, **record) -> None:
+        jsonl.append(self._fd, record)
+
+    # Registered as a plugin object: these are its hooks.
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        from pytest_llmload.loader.seam import chosen_loader
+
+        choice = chosen_loader(session.config)
+        inifile = session.config.inipath if choice.source.startswith("ini ") else None
+        self.write(event="loader", spec=choice.spec, source=choice.source,
+                   inifile=None if inifile is None else str(inifile))
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        if not self._collected:  # under xdist the controller collects nothing: see the next hook
+            self._collected = True
+            self.write(event="collected", count=len(session.items),
+                       order=[check_name(item.nodeid) for item in session.items])
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_node_collection_finished(self, node, ids) -> None:
+        if not self._collected:  # every worker collects the same tests
+            self._collected = True
+            self.write(event="collected", count=len(ids), order=[check_name(nodeid) for nodeid in ids])
+
+    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
+        if report.failed:
+            self.write(event="collect_error", nodeid=report.nodeid, message=report.longreprtext)
+
+    def pytest_runtest_logstart(self, nodeid: str, location) -> None:
+        self._started[nodeid] = time.perf_counter()
+        self.write(event="start", nodeid=nodeid, check=check_name(nodeid))
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        """One record per test, from the phase that decided its outcome (a later teardown error adds one)."""
+        if (report.when != "call" and report.outcome == "passed") or getattr(report, LANE_ATTRIBUTE, None):
+            return  # (another lane's report: that lane wrote its row)
+        started = self._started.get(report.nodeid, time.perf_counter())
+        row = Row.of_report(report)
+        if row is not None:  # a check's row, decided once by the plugin: written as it is
+            self.write(event="result", nodeid=report.nodeid, check=row.check, outcome=outcome_of(row),
+                       verdict=row.verdict, reason=row.sentence if outcome_of(row) in ("skipped", "xfailed", "xpassed")
+                       else "", summary=row.sentence, seconds=round(time.perf_counter() - started, 3),
+                       failure=row.failure, cause=row.cause, note=row.note or None, notes=list(row.notes),
+                       fix=row.fix, loader=row.loader, guards=row.guards)
+            return
+        outcome, reason = report.outcome, ""  # a test that runs no check (a repo's own, a prediction's)
+        if hasattr(report, "wasxfail"):
+            outcome, reason = ("xfailed" if report.skipped else "xpassed"), report.wasxfail
+        elif report.skipped and isinstance(report.longrepr, tuple):
+            reason = report.longrepr[2].removeprefix("Skipped: ")
+        elif report.failed:
+            outcome, reason = ("failed" if report.when == "call" else "error"), report.longreprtext
+            if _raised_by_the_loader(report):
+                outcome = "error"  # the loader's own error, or a broken contract: not the check's failure
+        from pytest_llmload.reports import verdict
+
+        judged = verdict.of_report(report)
+        failure = cause = None
+        summary = summary_line(report) if report.failed else reason
+        if judged is not None and report.when == "call" and report.failed and \
+                judged["kind"] in ("failed", "predicted", "error"):
+            # a check's failing row: its verdict was decided from the exception (failures.verdict)
+            outcome, failure, cause = judged["kind"], judged["failure"], judged["cause"]
+            summary = judged["sentence"] or summary  # the exception's own words, also from a child or a rank
+        self.write(event="result", nodeid=report.nodeid, check=check_name(report.nodeid), outcome=outcome,
+                   reason=reason, summary=summary,
+                   seconds=round(time.perf_counter() - started, 3), failure=failure, cause=cause,
+                   note=None)  # (notes are a check's: its row carries them)
+
+    def close(self) -> None:
+        os.close(self._fd)

@@ -1,0 +1,191 @@
+"""What a check's exception means, decided in one place: the row's verdict and the known failure it names.
+
+A known failure is named only when the check observed its mechanism: the check's own judgement (an
+``AssertionError`` it raised, in this process, in an isolated child or on a rank), or a deadline passed inside the
+loader call where a hang is the failure's mechanism (:attr:`KnownFailure.hang_is_mechanism`). Everything else is an
+``error`` with no failure: the loader raised, or broke the contract; the loader hung or ended its process; or the
+check's own code crashed, which is a bug in pytest-llmload, reported as such. Nothing here reads the report's text
+(which prints the check's own docstring and source): only the exception and what the child or rank said.
+
+Imports nothing heavy: the progress writer and the main job's parent use it.
+"""
+
+from __future__ import annotations
+
+import re
+import traceback
+from typing import Any, NamedTuple, Optional
+
+# Report properties (report.user_properties; JUnit XML writes them as <property>), named once with the row's record.
+from pytest_llmload.checks.row import CAUSE_PROPERTY, FAILURE_PROPERTY, SENTENCE_PROPERTY, VERDICT_PROPERTY
+
+BUG_REPORT = "https://github.com/pytest-llmload/pytest-llmload/issues"
+
+
+_OWN_FRAME = re.compile(r'File "([^"]*pytest_llmload[/\\][^"]+)", line (\d+), in (\w+)')
+
+
+class Verdict(NamedTuple):
+    kind: str  # "failed" (the check saw its failure), "predicted" (a runner profile would), or "error"
+    failure: Optional[str]  # the known failure's id (or "OOM" for a prediction), only with "failed" or "predicted"
+    cause: str  # mechanism | loader | contract | model | hang | died | check
+    sentence: str  # the row's one line
+
+    def properties(self) -> list[tuple[str, str]]:
+        return [(VERDICT_PROPERTY, self.kind), (FAILURE_PROPERTY, self.failure or ""), (CAUSE_PROPERTY, self.cause),
+                (SENTENCE_PROPERTY, self.sentence)]
+
+
+def of_exception(exc: BaseException, failure: Any) -> Optional[Verdict]:
+    """The verdict of a check guarding ``failure`` (a :class:`~.base.KnownFailure`) that raised ``exc``; ``None``
+    for an outcome that is not a failure (a skip)."""
+    if _is_skip(exc):
+        return None
+    judged = _judge(exc, failure)
+    if judged is not None and judged.kind == "error" and judged.cause in ("loader", "model"):
+        return _same_bug(judged, failure)
+    return judged
+
+
+def _judge(exc: BaseException, failure: Any) -> Optional[Verdict]:
+    from pytest_llmload.loader.seam import LOADER_FRAME, LoaderContractError, LoaderError, LoaderModelError
+    from pytest_llmload.runners.isolation import child_outcomes
+
+    outcomes = child_outcomes(exc)
+    if outcomes is not None:  # an isolated child or the ranks: judge what they raised, then how they ended
+        return _of_children(exc, outcomes, failure)
+    if type(exc).__name__ == "ChildError":  # raised in a child, did not pickle: its type is the message's head
+        kind = str(exc).partition(":")[0]
+        cause = {"ContractGap": "contract", "LoaderContractError": "contract", "LoaderError": "loader",
+                 "LoaderModelError": "model", "LoaderFailedOnRank": "model"}.get(kind)
+        if cause is not None:
+            return Verdict("error", None, cause, _whole(exc).partition(": ")[2])
+    if isinstance(exc, LoaderContractError):
+        return Verdict("error", None, "contract", _whole(exc))
+    if isinstance(exc, LoaderError):
+        return Verdict("error", None, "loader", _whole(exc))
+    if isinstance(exc, LoaderModelError):
+        return Verdict("error", None, "model", _whole(exc))
+    if _is_timeout(exc):
+        in_loader = LOADER_FRAME.search(str(exc) + "".join(traceback.format_tb(exc.__traceback__))) is not None
+        return _hang(failure, in_loader, _first_line(exc))
+    if type(exc).__name__ == "PredictedFailure":  # a prediction for a runner this machine is not: never observed
+        return Verdict("predicted", getattr(exc, "failure", None), "prediction", _head(exc))
+    if type(exc) is AssertionError or type(exc).__name__ == "FailureObserved":
+        return Verdict("failed", failure.id, "mechanism", _head(exc))
+    return _check_broke(exc)
+
+
+def _same_bug(judged: Verdict, failure: Any) -> Verdict:
+    """An error row whose text is another known failure's own error (a ``model.to()`` after an offloaded load breaks
+    every check that offloads): it stays an error here, where this check's mechanism was not observed, and says
+    which failure it is and which check judges it, so that one bug reads as one bug."""
+    from pytest_llmload.failures import REGISTRY, match
+
+    others = [known for known in match(judged.sentence) if known.id != getattr(failure, "id", None)]
+    if not others:
+        return judged
+    known = others[0]
+    checks = sorted({check.name for check in REGISTRY if check.failure.id == known.id and not check.needs_gpus})
+    return judged._replace(sentence=f"{judged.sentence}\nthe same bug as {', '.join(checks) or known.id}: "
+                                    f"{known.id} ({known.title}); fix: {known.fix}")
+
+
+def _of_children(exc: BaseException, outcomes: list, failure: Any) -> Verdict:
+    from pytest_llmload.loader.seam import LOADER_FRAME
+
+    verdicts = []
+    for o in outcomes:
+        if o.status == "raised" and isinstance(o.exception, BaseException) and not _is_skip(o.exception):
+            verdict = _judge(o.exception, failure)  # (the same-bug line is added once, to the row's verdict)
+            if verdict is not None and verdict.cause == "check":  # its frames are in the rank's traceback text
+                verdict = _check_broke(o.exception, o.traceback or "")
+            verdicts.append(verdict)
+    verdicts = [v for v in verdicts if v is not None]
+    for cause in ("mechanism", "contract", "loader", "model", "hang", "check"):  # the most telling first
+        found = next((v for v in verdicts if v.cause == cause), None)
+        if found is not None:
+            return found
+    if any(o.status == "raised" for o in outcomes):  # raised something that did not come back
+        return Verdict("error", None, "check", f"{_first_line(exc)} (report it: {BUG_REPORT})")
+    hung = [o for o in outcomes if o.status == "hung"]
+    if hung:
+        in_loader = any(LOADER_FRAME.search(o.stacks or "") for o in hung)
+        return _hang(failure, in_loader, _first_line(exc))
+    return Verdict("error", None, "died", _first_line(exc))
+
+
+def _hang(failure: Any, in_loader: bool, line: str) -> Verdict:
+    if in_loader and getattr(failure, "hang_is_mechanism", False):
+        return Verdict("failed", failure.id, "mechanism", line)
+    where = "the loader under test hung" if in_loader else "the check did not finish in time"
+    return Verdict("error", None, "hang", f"{where}: {line}")
+
+
+def _check_broke(exc: BaseException, traceback_text: str = "") -> Verdict:
+    frame = _own_frame(exc, traceback_text)
+    return Verdict("error", None, "check",
+                   f"the check itself broke (a bug in pytest-llmload, not a verdict on the loader): "
+                   f"{type(exc).__name__}: {_first_line(exc)}{' at ' + frame if frame else ''}; please report it "
+                   f"with this traceback: {BUG_REPORT}")
+
+
+def _own_frame(exc: BaseException, text: str = "") -> str:
+    """The innermost pytest_llmload frame of ``exc`` (raised in a child: of the child's traceback text)."""
+    if not text:
+        cause = exc.__cause__
+        text = str(cause) if type(cause).__name__ == "ChildTraceback" else "".join(traceback.format_tb(exc.__traceback__))
+    frames = _OWN_FRAME.findall(text)
+    if not frames:
+        return ""
+    path, line, name = frames[-1]
+    return f"{name} ({path.rsplit('pytest_llmload', 1)[-1].lstrip('/')}:{line})"
+
+
+def _is_skip(exc: BaseException) -> bool:
+    import pytest
+
+    return isinstance(exc, (pytest.skip.Exception, pytest.xfail.Exception))
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    """A deadline that really passed in this process: probes.deadline's, or pytest-timeout's."""
+    return type(exc).__name__ == "DeadlineExceeded" or str(exc).startswith("Timeout (>")
+
+
+SUMMARY_LINES = 6
+
+
+def _head(exc: BaseException) -> str:
+    """A check's finding: its first line, and the lines after it where the first ends in a colon (the cause
+    follows), up to :data:`SUMMARY_LINES`."""
+    lines = [line.rstrip() for line in str(exc).splitlines() if line.strip()]
+    if not lines or not lines[0].endswith(":"):
+        return _first_line(exc)
+    return "\n".join(lines[:SUMMARY_LINES])
+
+
+WHOLE_LINES = 40
+
+
+def _whole(exc: BaseException) -> str:
+    """An error row's reason, every line of it (up to :data:`WHOLE_LINES`): the one thing to change is often after
+    the first (``loader error: ImportError:`` with the module on the next line)."""
+    lines = [line.rstrip() for line in str(exc).splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    cut = f"\n... ({len(lines) - WHOLE_LINES} more lines in the log)" if len(lines) > WHOLE_LINES else ""
+    return "\n".join(lines[:WHOLE_LINES]).strip() + cut
+
+
+def _first_line(exc: BaseException) -> str:
+    return next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+
+
+def of_report(report: Any) -> Optional[dict]:
+    """The verdict a report carries (``user_properties``), as a dict; ``None`` where none was attached."""
+    props = dict(getattr(report, "user_properties", ()) or ())
+    if VERDICT_PROPERTY not in props:
+        return None
+    return {"kind": props[VERDICT_PROPERTY], "failure": props.get(FAILURE_PROPERTY) or None,
+            "cause": props.get(CAUSE_PROPERTY), "sentence": props.get(SENTENCE_PROPERTY, "")}

@@ -1,0 +1,356 @@
+"""Choosing the loader under test, and what a user sees when the choice is wrong."""
+
+import pytest
+
+from fixtures import warm_runs
+from pytest_llmload import LoadRequest, call_loader
+from pytest_llmload.loader.seam import REFERENCE_SPEC, LoaderContractError, LoaderSpecError
+
+pytestmark = pytest.mark.timeout(120)
+
+LOADERS = """
+def loader_a(request):
+    raise AssertionError("not called in these tests")
+
+def loader_b(request):
+    raise AssertionError("not called in these tests")
+
+not_callable = 42
+"""
+
+
+@pytest.fixture
+def loaders(pytester, monkeypatch):
+    pytester.makepyfile(my_loaders=LOADERS)
+    monkeypatch.syspath_prepend(pytester.path)
+    monkeypatch.delenv("PYTEST_LLMLOAD_LOADER", raising=False)
+    pytester.makepyfile(
+        "from pytest_llmload.loader.seam import as_loader_under_test\n"
+        "def test_uses_loader(llmload_loader):\n"
+        "    loader = as_loader_under_test(llmload_loader)\n"
+        "    print('LOADER', loader.name, loader.source)\n"
+    )
+    return pytester
+
+
+def header_loader_line(result):
+    return [line for line in result.stdout.lines if line.startswith("llmload: loader")]
+
+
+def test_default_is_the_reference_loader(loaders):
+    result = loaders.runpytest("-s")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines([f"llmload: loader {REFERENCE_SPEC} (from built-in default); *",
+                                 f"*LOADER {REFERENCE_SPEC} built-in default"])
+
+
+@pytest.mark.parametrize(
+    ("option", "env", "ini", "expected"),
+    [
+        ("my_loaders:loader_a", "my_loaders:loader_b", "my_loaders:loader_b", "my_loaders:loader_a (from --llmload-loader)"),
+        (None, "my_loaders:loader_a", "my_loaders:loader_b", "my_loaders:loader_a (from $PYTEST_LLMLOAD_LOADER)"),
+        (None, None, "my_loaders:loader_a", "my_loaders:loader_a (from ini 'llmload_loader')"),
+    ],
+    ids=["option-beats-env-and-ini", "env-beats-ini", "ini-alone"],
+)
+def test_precedence_option_env_ini(loaders, monkeypatch, option, env, ini, expected):
+    if env:
+        monkeypatch.setenv("PYTEST_LLMLOAD_LOADER", env)
+    if ini:
+        loaders.makeini(f"[pytest]\nllmload_loader = {ini}\n")
+    args = ["--llmload-loader", option] if option else []
+    result = loaders.runpytest(*args)
+    result.assert_outcomes(passed=1)
+    assert [line.partition(";")[0] for line in header_loader_line(result)] == [f"llmload: loader {expected}"]
+
+
+def test_conftest_fixture_override_wins(loaders):
+    loaders.makeconftest("""
+        import pytest
+        from my_loaders import loader_b
+
+        @pytest.fixture(scope="session")
+        def llmload_loader():
+            return loader_b
+    """)
+    result = loaders.runpytest("-s", "--llmload-loader", "my_loaders:loader_a")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*LOADER my_loaders:loader_b fixture"])
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("my_loaders", "loader spec 'my_loaders' from --llmload-loader is not of the form 'module:function'*"),
+        ("nope_missing_pkg:load", "loader spec 'nope_missing_pkg:load' from --llmload-loader: module "
+                                  "'nope_missing_pkg' does not import (ModuleNotFoundError: *)*"),
+        ("my_loaders:absent", "loader spec 'my_loaders:absent' from --llmload-loader: module 'my_loaders' "
+                              "has no attribute 'absent'. Name the function that takes a LoadRequest."),
+        ("my_loaders:not_callable", "loader spec 'my_loaders:not_callable' from --llmload-loader names a int, "
+                                    "not a callable.*"),
+    ],
+    ids=["malformed", "does-not-import", "no-such-attribute", "not-callable"],
+)
+def test_bad_spec_is_one_usage_error(loaders, spec, message):
+    result = loaders.runpytest("--llmload-loader", spec)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"ERROR: {message}"])
+
+
+def test_bad_spec_from_env_names_the_env_var(loaders, monkeypatch):
+    monkeypatch.setenv("PYTEST_LLMLOAD_LOADER", "my_loaders:absent")
+    result = loaders.runpytest()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: loader spec 'my_loaders:absent' from $PYTEST_LLMLOAD_LOADER: *"])
+
+
+def test_bad_spec_is_not_imported_when_no_test_uses_a_loader(loaders, monkeypatch):
+    monkeypatch.setenv("PYTEST_LLMLOAD_LOADER", "nope_missing_pkg:load")
+    for existing in loaders.path.glob("test_*.py"):
+        existing.unlink()
+    loaders.makepyfile(test_plain="def test_plain():\n    pass\n")
+    loaders.runpytest().assert_outcomes(passed=1)
+
+
+def test_bad_spec_under_xdist_is_a_usage_error_not_a_crash(loaders):
+    # The controller forked from this process (fixtures/warm_runs.py): what it decides before any worker starts.
+    result = warm_runs.runpytest(loaders, "-n", "2", "--llmload-loader", "nope_missing_pkg:load")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: loader spec 'nope_missing_pkg:load' from --llmload-loader: *"])
+    assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
+
+
+@pytest.mark.parametrize(
+    ("returned", "described"),
+    [
+        ("None", "returned None (type NoneType)"),
+        ("'a string'", "returned 'a string' (type str)"),
+        ("(1, 2, 3)", "returned a 3-tuple (1, 2, 3) (type tuple)"),
+        ("{'model': 1}", "returned {'model': 1} (type dict)"),
+    ],
+)
+def test_loader_returning_the_wrong_thing(pytester, returned, described):
+    pytester.makeconftest(f"""
+        import pytest
+
+        def wrong(request):
+            return {returned}
+
+        @pytest.fixture(scope="session")
+        def llmload_loader():
+            return wrong
+    """)
+    pytester.makepyfile("def test_load(llmload_load):\n    llmload_load()\n")
+    result = pytester.runpytest()
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        f"E *LoaderContractError: loader conftest:wrong {described} for a purpose='inference' request of *; a loader must "
+        "return a torch.nn.Module (a transformers model) or a (model, tokenizer) tuple."
+    ])
+
+
+def test_overridden_fixture_that_is_not_callable(pytester):
+    pytester.makeconftest("import pytest\n@pytest.fixture(scope='session')\ndef llmload_loader():\n    return 'nope'\n")
+    pytester.makepyfile("def test_load(llmload_load):\n    llmload_load()\n")
+    result = pytester.runpytest()
+    result.stdout.fnmatch_lines(["*LoaderSpecError: the loader from fixture is a str ('nope'), not a callable; "
+                                 "the llmload_loader fixture must return a function*"])
+
+
+def test_a_repo_declares_checks_not_applicable_and_their_rows_skip_saying_why(pytester):
+    """A declared inapplicability is a skip that shows the declaration and its reason, and keeps CI green (issue
+    35); a name that is no check is an error naming it, never a silent pass."""
+    pytester.makepyfile(served="""
+        from pytest_llmload.fixes.reference_loader import load_model_and_tokenizer
+
+        def load(request):
+            return load_model_and_tokenizer(request)
+
+        load.llmload_not_applicable = {"check_pad_token_set_offline": "our server sets the pad token itself"}
+    """)
+    pytester.makeini("[pytest]\nllmload_loader = served:load\n"
+                     "llmload_not_applicable = check_load_writes_only_offload_folder: we never offload\n")
+    result = warm_runs.runpytest(pytester, "--pyargs", "pytest_llmload.suite", "-k",
+                                 "pad_token_set_offline or writes_only", "-rs", "-p", "no:cacheprovider")
+    result.assert_outcomes(skipped=2)  # the ini key's and the attribute's, together
+    result.stdout.fnmatch_lines(["*declared not applicable: check_load_writes_only_offload_folder: we never offload*",
+                                 "*declared not applicable: check_pad_token_set_offline: our server sets the pad *"])
+    pytester.makeini("[pytest]\nllmload_loader = served:load\nllmload_not_applicable = check_pad_token: typo\n")
+    result = warm_runs.runpytest(pytester, "--pyargs", "pytest_llmload.suite", "-k", "pad_token_set_offline",
+                                 "-p", "no:cacheprovider")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*loader served:load declares ?'check_pad_token'? not applicable, which are not "
+                                 "checks; the checks are: *"])
+
+
+def test_a_loader_declares_its_dtypes_by_attribute_or_ini(pytester):
+    from pytest_llmload.loader.seam import as_loader_under_test
+
+    def bf16(request):
+        return None
+
+    bf16.llmload_dtypes = ("bf16",)
+    assert as_loader_under_test(bf16).dtypes == ("bfloat16",)
+    bf16.llmload_dtypes = ("int4",)
+    with pytest.raises(LoaderSpecError, match=r"bf16.llmload_dtypes = \('int4',\) is not a list of dtypes; use "
+                                              r"float32, float16, bfloat16"):
+        as_loader_under_test(bf16)
+    pytester.makeini("[pytest]\nllmload_loader_dtypes = float16\n")
+    pytester.makepyfile("def test_dtypes(llmload_loader):\n    assert llmload_loader.dtypes == ('float16',)\n")
+    pytester.runpytest().assert_outcomes(passed=1)
+    result = pytester.runpytest("--llmload-loader-dtypes=fp8")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--llmload-loader-dtypes = *fp8* is not a list of dtypes*"])
+
+
+def test_a_loader_declares_what_it_is_for_by_attribute_or_ini(pytester):
+    from pytest_llmload.loader.seam import as_loader_under_test
+
+    def evaluate(request):
+        return None
+
+    evaluate.llmload_purposes = ("inference",)
+    assert as_loader_under_test(evaluate).purposes == ("inference",)
+    evaluate.llmload_purposes = ("inference", "serving")
+    with pytest.raises(LoaderSpecError, match=r"evaluate.llmload_purposes = \('inference', 'serving'\) is not a "
+                                              r"list of purposes; use 'inference' and/or 'train'"):
+        as_loader_under_test(evaluate)
+    pytester.makeini("[pytest]\nllmload_loader_purposes = inference\n")
+    pytester.makepyfile("def test_purposes(llmload_loader):\n    assert llmload_loader.purposes == ('inference',)\n")
+    pytester.runpytest().assert_outcomes(passed=1)
+
+
+@pytest.mark.timeout(60)
+def test_a_loader_that_sets_up_accelerate_is_judged_and_the_state_is_reset_for_the_check(llmload_checkpoint):
+    """An evaluation harness that makes its own Accelerator() is correct for how its users run it (issue 35): the
+    load goes on, the row says what happened, and the check's own set-up starts from the environment."""
+    from pytest_llmload.runners.isolation import run_isolated
+
+    def makes_its_own_accelerator(request):
+        from accelerate import Accelerator
+
+        from pytest_llmload.fixes.reference_loader import load_model_and_tokenizer
+
+        Accelerator(cpu=True)
+        return load_model_and_tokenizer(request)
+
+    def load_it():
+        from accelerate.state import AcceleratorState
+
+        from pytest_llmload.config.stash_keys import check_notes
+
+        # Imported, not set up: what a test process has. An earlier test in this worker may have set it up, and a
+        # forked child inherits that; what matters is what the loader itself sets up.
+        AcceleratorState._reset_state(reset_partial_state=True)
+        notes: list = []
+        check_notes.set(notes)
+        call_loader(makes_its_own_accelerator, LoadRequest(llmload_checkpoint))
+        return notes, bool(AcceleratorState._shared_state)
+
+    notes, state_left = run_isolated(load_it, (), timeout=50, label="accelerate state")  # the state dies with the child
+    assert not state_left, "the loader's accelerate state is reset after the load"
+    assert len(notes) == 1 and notes[0].startswith("the loader made its own Accelerator() while loading"), notes
+
+
+def test_junit_xml_carries_the_loader_the_failure_guarded_and_the_verdict_of_each_check(pytester):
+    """CI dashboards group JUnit rows by these properties (issue 27)."""
+    import xml.etree.ElementTree as ET
+
+    pytester.makepyfile("""
+        from pytest_llmload.plugin.parametrize import parametrize_with_loader_checks
+        from pytest_llmload.fixes.reference_loader import load_model_and_tokenizer
+
+        @parametrize_with_loader_checks([load_model_and_tokenizer])
+        def test_loader(loader, check, llmload_checkpoint, tmp_path):
+            check(loader, llmload_checkpoint, tmp_path)
+    """)
+    result = warm_runs.runpytest(pytester, "-k", "pad_token and not cuda", "--junitxml=out.xml", "-p",
+                                 "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    (case,) = ET.parse(pytester.path / "out.xml").getroot().iter("testcase")
+    props = {p.get("name"): p.get("value") for p in case.iter("property")}
+    assert props["llmload_loader"] == "pytest_llmload.fixes.reference_loader:load_model_and_tokenizer"
+    assert (props["llmload_guards"], props["llmload_verdict"]) == ("offload-hang", "passed")
+
+
+def test_a_shorter_timeout_than_a_checks_own_deadline_wins(pytester):
+    """A check's own timeout marker would override --timeout; the shorter one is what the run asked for."""
+    pytester.makepyfile("""
+        import time
+        from pytest_llmload.plugin.parametrize import parametrize_with_loader_checks
+
+        def slow(request):
+            time.sleep(90)
+
+        @parametrize_with_loader_checks([slow])
+        def test_loader(loader, check, llmload_checkpoint, tmp_path):
+            check(loader, llmload_checkpoint, tmp_path)
+    """)
+    # Forked from this process (fixtures/warm_runs.py): the run's own pytest-timeout alarm, not this test's. 6 s
+    # covers the setup (the checkpoint, ~1 s) and leaves the check a deadline of its own (what the alarm leaves,
+    # less the room for the child's stacks: 1 s at the least), which must end it first.
+    result = warm_runs.runpytest(pytester, "-k", "pad_token and not cuda", "--timeout=6", "-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    assert result.duration < 60, result.duration  # not the check's own 120 s, nor the loader's 90 s
+    result.stdout.fnmatch_lines(["*did not return: deadline of * s exceeded*"])  # the check's deadline, shortened
+
+
+def test_a_conftest_reads_each_checks_result_through_the_plugins_hook(pytester):
+    """pytest_llmload_check_result (pytest_llmload.plugin.hookspecs): a repo's dashboard or its own gate reads every row."""
+    pytester.makeconftest("""
+        import json
+
+        def pytest_llmload_check_result(item, check, result):
+            with open("results.jsonl", "a") as out:
+                out.write(json.dumps(result) + "\\n")
+    """)
+    pytester.makepyfile("""
+        from pytest_llmload.plugin.parametrize import parametrize_with_loader_checks
+        from pytest_llmload.fixes.reference_loader import load_model_and_tokenizer
+
+        def bf16_always(request):
+            return load_model_and_tokenizer(request.replace(dtype="bfloat16"))
+
+        def shrinks(request):
+            model, tokenizer = load_model_and_tokenizer(request)
+            model.resize_token_embeddings(model.config.vocab_size - 4)
+            return model, tokenizer
+
+        @parametrize_with_loader_checks([load_model_and_tokenizer, bf16_always, shrinks])
+        def test_loader(loader, check, llmload_checkpoint, tmp_path):
+            check(loader, llmload_checkpoint, tmp_path)
+    """)
+    result = warm_runs.runpytest(pytester, "-k", "pad_token and not cuda", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2, failed=1)
+    import json
+
+    rows = [json.loads(line) for line in (pytester.path / "results.jsonl").read_text().splitlines()]
+    assert [row["verdict"] for row in rows] == ["passed", "passed", "error"], rows
+    assert {row["guards"] for row in rows} == {"offload-hang"} and all(row["failure"] is None for row in rows)
+    assert rows[1]["note"].startswith("judged in bfloat16, the dtype its weights came in when asked float32"), rows[1]
+    assert rows[2]["cause"] == "contract" and "rows for a checkpoint of" in rows[2]["sentence"]
+    assert "make the loader honour LoadRequest.model_path" in rows[2]["sentence"], "the field to honour, named"
+    # the loader each row really ran (parametrize_with_loader_checks'), not the configured one
+    assert [row["loader"].rpartition(":")[2] for row in rows] == ["load_model_and_tokenizer", "bf16_always", "shrinks"]
+
+
+def test_a_loader_module_that_imports_too_long_is_a_usage_error_with_progress_meanwhile(pytester):
+    """Before (issue 36): a module that took 200 s to import gave 202 s of silence and no deadline."""
+    pytester.makepyfile(slow_module="""
+        import time
+
+        time.sleep(30)
+
+        def load(request):
+            return None
+    """)
+    pytester.makepyfile(test_it="def test_it(llmload_loader):\n    pass\n")
+    pytester.syspathinsert()
+    result = pytester.runpytest("--llmload-loader", "slow_module:load", "--llmload-import-timeout", "1.5",
+                                "--llmload-phase-progress-seconds", "0.5", "-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert result.duration < 20, result.duration
+    result.stderr.fnmatch_lines(["*still importing the loader's module 'slow_module' (*s)*",
+                                 "*importing the loader's module 'slow_module' (--llmload-loader) did not return: "
+                                 "deadline of 1.5 s exceeded, blocked in <module> (*slow_module.py:*)*",
+                                 "*Make importing 'slow_module' quick*"])

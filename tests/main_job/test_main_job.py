@@ -1,0 +1,543 @@
+"""``python -m pytest_llmload``: one row per check, exit 0 / 1 / 2, progress while it runs."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from fixtures import warm_runs
+
+pytestmark = pytest.mark.timeout(300)
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _temp_dirs_in_tmp_path(tmp_path, monkeypatch):
+    # A main job keeps its temp dir when a check failed (by design); these tests fail checks on purpose.
+    (tmp_path / "tmpdir").mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmpdir"))
+
+
+def main_job(*args, cwd=REPO, env=None):
+    """The real command: for the tests whose subject is the process (exit codes end to end, signals, the process
+    tree, temp dirs left behind, pytest dying, a hang's deadline)."""
+    return subprocess.run([sys.executable, "-m", "pytest_llmload", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=280, env=env)
+
+
+# The main job in this process, its pytest forked from it (fixtures/warm_runs.py): the same command line without
+# a new interpreter's ~8 s of imports, for the tests whose subject is what the main job prints or decides.
+warm_main_job = warm_runs.main_job
+
+
+def new_tmpdir(tmp_path) -> dict:
+    """An environment whose TMPDIR is a new empty directory: what a main job leaves there can be listed."""
+    (tmp_path / "tmp").mkdir()
+    return {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
+
+
+def left_in(env: dict) -> list[Path]:
+    return [p for p in Path(env["TMPDIR"]).iterdir() if p.name.startswith("llmload-main-")]
+
+
+# (Each real main job imports the stack, ~8 s: a run serves every assertion about it.)
+def test_reference_loader_passes_with_a_row_per_check_and_leaves_nothing_behind(tmp_path):
+    """The real command end to end: exit 0, the default loader as a new interpreter finds it, no temp dir left."""
+    env = new_tmpdir(tmp_path)
+    run = main_job("-k", "pad_token or offload_inference", env=env)
+    assert run.returncode == 0, run.stdout + run.stderr
+    out = run.stdout
+    assert "llmload: checking loader pytest_llmload.fixes.reference_loader:load_model_and_tokenizer (from built-in default)" in out
+    assert "llmload: 3 checks collected" in out
+    assert re.search(r"^\[1/3\] check_", out, re.M)  # progress rows as results arrive (two lanes: in any order)
+    table = out[out.index("check  "):]
+    rows = (r"check_offload_inference +offload-hang \(000\) +passed +\d+\.\d\ds",
+            r"check_pad_token_set_offline +offload-hang \(000\) +passed",
+            r"check_offload_inference_cuda +offload-hang \(000\) +skipped \(needs 1 GPU, 0 visible")
+    # the table in collection order, whichever lane finished first
+    assert re.search("".join(f"^{row}.*\n" for row in rows), table, re.M), table
+    assert "llmload: 2 passed, 1 skipped in" in out
+    assert "nothing failed: pytest output removed (--log PATH keeps it)" in out
+    assert left_in(env) == []
+
+
+def test_a_before_loader_fails_with_exit_1_naming_the_check():
+    run = warm_main_job("--loader", "fixtures.loaders.before_meta_backward:load", "-k",
+                        "train_request_trains and not cuda")
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert re.search(r"^check_train_request_trains +meta-backward \(002\) +FAILED", run.stdout, re.M), run.stdout
+    # The finding in the check's own words, with the lines that say what failed, then what to do about it.
+    assert "FAILED check_train_request_trains: 4 of 8 train requests failed (write-up 002" in run.stdout, run.stdout
+    assert re.search(r"^ +\[max_memory=.*lora=False, gradient_checkpointing=False\]$", run.stdout, re.M), run.stdout
+    assert "    fix (meta-backward): " in run.stdout, run.stdout
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("nope_missing_pkg:load", "llmload: ERROR: loader spec 'nope_missing_pkg:load' from --loader: module "
+                                  "'nope_missing_pkg' does not import"),
+        ("not a spec", "llmload: error: loader spec 'not a spec' from --loader is not of the form 'module:function'"),
+    ],
+)
+def test_a_bad_loader_is_a_usage_error_exit_2(spec, message):
+    run = main_job("--loader", spec)  # the real command: exit 2 end to end (no pytest starts: no stack imported)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert message in run.stderr, run.stderr
+
+
+def test_list_names_every_check_and_its_failure():
+    run = warm_main_job("--list")
+    assert run.returncode == 0
+    for line in ("check_train_request_trains", "meta-backward", "check_distributed_train_step",
+                 "distributed-device-map", "check_trainer_does_not_wrap_placed_model", "dp-dtype"):
+        assert line in run.stdout
+
+
+LOADERS = '''
+from pytest_llmload.fixes.reference_loader import load_model_and_tokenizer
+
+
+def breaks_on_train(request):
+    """A loader's own bug (a keyword its helper does not take): an error, not a known failure."""
+    if request.purpose == "train":
+        raise TypeError("load_model() got an unexpected keyword argument 'load_in_4bit'")
+    return load_model_and_tokenizer(request)
+
+
+def never_offloads(request):
+    """Ignores the budget: loads whole, so an offloading check exercises nothing."""
+    return load_model_and_tokenizer(request.replace(max_memory=None))
+
+
+def for_evaluation(request):
+    return load_model_and_tokenizer(request)
+
+
+for_evaluation.llmload_purposes = ("inference",)
+
+
+def interrupts(request):
+    """A loader that raises KeyboardInterrupt (a script's own Ctrl-C handling, a blocking read interrupted)."""
+    if request.max_memory is None:
+        raise KeyboardInterrupt
+    return load_model_and_tokenizer(request)
+'''
+
+
+@pytest.fixture
+def odd_loaders(tmp_path):
+    (tmp_path / "odd_loaders.py").write_text(LOADERS)
+    return tmp_path
+
+
+def test_a_loaders_own_error_is_an_error_row_not_a_known_failure_and_its_log_is_kept(odd_loaders):
+    import json
+
+    env = new_tmpdir(odd_loaders)
+    run = warm_main_job("--loader", "odd_loaders:breaks_on_train", "-k", "train_request_trains and not cuda",
+                   "--json", str(odd_loaders / "out.json"), cwd=odd_loaders, env=env)
+    assert run.returncode == 1, run.stdout + run.stderr
+    (kept,) = left_in(env)
+    assert [p.name for p in kept.iterdir()] == ["pytest.log"] and f"pytest output: {kept / 'pytest.log'}" in run.stdout
+    assert re.search(r"^check_train_request_trains +meta-backward \(002\) +error ", run.stdout, re.M), run.stdout
+    assert "ERROR check_train_request_trains: " in run.stdout and "'load_in_4bit'" in run.stdout
+    document = json.loads((odd_loaders / "out.json").read_text())
+    assert document["loader"] == {"spec": "odd_loaders:breaks_on_train", "source": "--loader", "inifile": None}
+    assert set(document) >= {"stack", "devices", "order", "started", "seconds", "results"}
+    assert document["order"] == "collection order" and "transformers" in document["stack"]
+    (record,) = document["results"]
+    assert (record["check"], record["outcome"], record["failure"]) == ("check_train_request_trains", "error", None)
+    assert set(record) == {"check", "outcome", "verdict", "failure", "reason", "seconds", "detail", "cause", "note",
+                           "notes", "fix", "loader"}
+
+
+def test_a_check_that_exercised_nothing_skips_and_strict_fails_it(odd_loaders):
+    run = warm_main_job("--loader", "odd_loaders:never_offloads", "-k", "check_offload_inference and not cuda",
+                        cwd=odd_loaders)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "skipped (not exercised: check_offload_inference: the loader loaded the model whole on cpu" in run.stdout
+    strict = warm_main_job("--loader", "odd_loaders:never_offloads", "-k", "check_offload_inference and not cuda",
+                           "--strict", cwd=odd_loaders)
+    assert strict.returncode == 1, strict.stdout + strict.stderr
+    assert "FAILED check_offload_inference: llmload strict: a check that exercised nothing is a failure" in strict.stdout
+
+
+def test_a_loaders_keyboard_interrupt_is_an_interruption_with_the_rows_so_far(odd_loaders):
+    """Before (issue 36): exit 2 and "pytest exited 2 before any check ran", the rows that had run lost."""
+    run = warm_main_job("--loader", "odd_loaders:interrupts", "--lanes", "1", "-k",
+                        "(offload_inference or pad_token) and not cuda", cwd=odd_loaders)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert re.search(r"^check_offload_inference +offload-hang \(000\) +passed", run.stdout, re.M), run.stdout
+    assert "ERROR check_pad_token_set_offline: interrupted while this check ran (a KeyboardInterrupt" in run.stdout
+    assert "llmload: interrupted while check_pad_token_set_offline ran (pytest's exit 2" in run.stderr
+    assert "before any check ran" not in run.stderr
+
+
+def test_an_inference_only_loader_skips_the_training_checks(odd_loaders):
+    run = warm_main_job("--loader", "odd_loaders:for_evaluation", "-k", "train_request_trains and not cuda",
+                        cwd=odd_loaders)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "skipped (check_train_request_trains: loader odd_loaders:for_evaluation is declared for inference only" \
+        in run.stdout
+
+
+# --- reliability: signals, crashes, hangs (issue 17) ---------------------------------------------------------
+
+MISBEHAVING = '''
+import ctypes
+import os
+import signal
+import time
+
+
+def _called():
+    with open(os.environ["LLMLOAD_TEST_CALLED"], "a") as f:
+        f.write(f"{os.getpid()}\\n")
+
+
+def hangs(request):
+    _called()
+    while True:
+        time.sleep(1)
+
+
+def crashes(request):
+    """The first call dies by SIGSEGV, the next by os._exit(3), as a loader's native code or its script might."""
+    try:
+        os.close(os.open(os.environ["LLMLOAD_TEST_CALLED"], os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        print("Writing model shards: 100%")
+        os._exit(3)
+    ctypes.string_at(0)
+
+
+def kills_pytest(request):
+    os.kill(os.getppid(), signal.SIGKILL)  # the isolated check's parent: pytest itself
+    time.sleep(60)
+'''
+# pytest-timeout's deadline for the call only (setup builds the checkpoint): an isolated check's own deadline ends
+# before it, leaving room for the child's stacks (pytest_llmload.runners.isolation.effective_timeout: 4 s gives the
+# check 1 s, its least), so a hang costs a second here. The loader hangs at once: 1 s finds it in the loader.
+SHORT_DEADLINES = '''
+import pytest
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        item.add_marker(pytest.mark.timeout(4, func_only=True), append=False)
+'''
+
+
+@pytest.fixture
+def misbehaving(tmp_path, monkeypatch):
+    (tmp_path / "misbehaving.py").write_text(MISBEHAVING)
+    (tmp_path / "short_deadlines.py").write_text(SHORT_DEADLINES)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("LLMLOAD_TEST_CALLED", str(tmp_path / "called"))
+    return tmp_path
+
+
+def _left_behind(tmpdir: Path) -> list[str]:
+    return sorted(str(p.relative_to(tmpdir)) for p in tmpdir.rglob("llmload-*"))
+
+
+def _processes_with(marker: str) -> list[int]:
+    """Every process whose environment carries ``marker`` (what the run's processes inherit)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker.encode() in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+def _until(condition, seconds: float):
+    end = time.monotonic() + seconds
+    while not condition() and time.monotonic() < end:
+        time.sleep(0.05)
+    return condition()
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the run's processes through /proc")
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
+def test_a_signal_to_the_main_job_ends_its_whole_tree(misbehaving, signum):
+    """SIGTERM, Ctrl-C or SIGKILL while the loader hangs in an isolated check: within seconds no process of the
+    run is left, and no temp dir; a catchable signal ends in one line and 128 + its number."""
+    marker = f"LLMLOAD_TEST_RUN={uuid.uuid4().hex}"
+    env = {**os.environ, marker.split("=")[0]: marker.split("=")[1]}
+    main = subprocess.Popen([sys.executable, "-m", "pytest_llmload", "--loader", "misbehaving:hangs", "-k",
+                             "check_pad_token_set_offline"], cwd=misbehaving, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert _until((misbehaving / "called").exists, 120), "the loader was never called"
+        tree = _processes_with(marker)
+        assert len(tree) >= 3, tree  # the main job, pytest, the isolated check's child
+        main.send_signal(signum)
+        out, err = main.communicate(timeout=30)
+        assert _until(lambda: not _processes_with(marker), 20), [
+            (Path(f"/proc/{pid}/cmdline").read_bytes()[:200]) for pid in _processes_with(marker)]
+        tmpdir = Path(os.environ["TMPDIR"])
+        assert _until(lambda: not _left_behind(tmpdir), 5), _left_behind(tmpdir)
+    finally:
+        for pid in _processes_with(marker):
+            os.kill(pid, signal.SIGKILL)
+    if signum == signal.SIGKILL:
+        return
+    assert main.returncode == 128 + signum, out + err
+    assert "Traceback" not in err, err
+    name = "SIGINT (Ctrl-C)" if signum == signal.SIGINT else "SIGTERM"
+    (line,) = err.splitlines()
+    assert line.startswith(f"llmload: interrupted by {name} after ") and "pytest stopped and cleaned up" in line, err
+
+
+def test_a_hung_loader_costs_one_deadline_not_one_per_check(misbehaving):
+    checks = "(pad_token or load_writes) and not cuda"
+    # What the main job decides after a hang (the deadline is the isolated child's, killed in the forked pytest as in
+    # a new one; the signal tests above take the real command's process tree).
+    run = warm_main_job("--loader", "misbehaving:hangs", "-k", checks, "--", "-p", "short_deadlines",
+                        cwd=misbehaving)
+    assert run.returncode == 1, run.stdout + run.stderr
+    out = run.stdout
+    assert re.search(r"^FAILED check_load_writes_only_offload_folder: check_load_writes_only_offload_folder did not "
+                     r"return: deadline of [\d.]+ s exceeded", out, re.M), out
+    assert re.search(r"^check_pad_token_set_offline +offload-hang \(000\) +error \(not run: the loader hung before\) "
+                     r"+0\.\d\ds", out, re.M), out
+    assert re.search(r"^NOT RUN check_pad_token_set_offline: the loader under test hung in "
+                     r"check_load_writes_only_offload_folder \(deadline [\d.]+ s\); skipping the wait: "
+                     r"--wait-after-hang runs every check to its deadline$", out, re.M), out
+
+    # What --wait-after-hang decides: the main job's option, read by its pytest.
+    waits = warm_main_job("--loader", "misbehaving:hangs", "-k", checks, "--wait-after-hang", "--", "-p",
+                          "short_deadlines", cwd=misbehaving)
+    assert waits.returncode == 1, waits.stdout + waits.stderr
+    assert re.search(r"^FAILED check_pad_token_set_offline: check_pad_token_set_offline did not return: deadline",
+                     waits.stdout, re.M), waits.stdout
+
+
+def test_a_crashing_loader_is_summed_up_by_its_cause_under_xdist_too(misbehaving):
+    """The loader named by the cwd's ini key, as the run really uses it; a death's cause (a signal, an exit code),
+    not the last line of its output; the progress total under xdist."""
+    (misbehaving / "pytest.ini").write_text("[pytest]\nllmload_loader = misbehaving:crashes\n")
+    # What the main job prints: its pytest forked from this process, xdist's workers new interpreters, which import
+    # the loader from the run's own PYTHONPATH (runners.warm gives xdist the fork's sys.path, not this process's).
+    run = warm_main_job("-k", "(pad_token or load_writes) and not cuda", "--", "-p", "xdist", "-n", "2",
+                        cwd=misbehaving)
+    assert run.returncode == 1, run.stdout + run.stderr
+    out = run.stdout
+    assert (f"llmload: checking loader misbehaving:crashes (from ini 'llmload_loader' in "
+            f"{misbehaving / 'pytest.ini'})") in out, out
+    assert re.search(r"^\[1/2\] check_", out, re.M) and re.search(r"^\[2/2\] check_", out, re.M), out
+    # Neither is a known failure (issue 25): a death is an error with its cause, an exit is the loader's own doing.
+    errors = sorted(line for line in out.splitlines() if line.startswith("ERROR "))
+    assert len(errors) == 2 and not any(line.startswith("FAILED ") for line in out.splitlines()), out
+    assert any(re.search(r": its child \(pid \d+\) died: killed by SIGSEGV \(exit code -11\)$", line)
+               for line in errors), out
+    assert any("tried to end its process with os._exit(3) while loading" in line for line in errors), out
+
+
+def test_pytest_dying_under_the_main_job_is_a_row_and_keeps_the_log(misbehaving):
+    run = main_job("--loader", "misbehaving:kills_pytest", "-k", "pad_token and not cuda", cwd=misbehaving)
+    assert run.returncode == 1, run.stdout + run.stderr
+    tmpdir = Path(os.environ["TMPDIR"])
+    (kept,) = tmpdir.glob("llmload-main-*")
+    assert [p.name for p in kept.iterdir()] == ["pytest.log"]  # the isolated check's temp dir went with the rest
+    assert re.search(r"^ERROR check_pad_token_set_offline: pytest itself ended \(killed by SIGKILL \(exit code -9\)\) "
+                     f"while this check ran; its output: {re.escape(str(kept / 'pytest.log'))}$",
+                     run.stdout, re.M), run.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (("--log", "no/such/dir/out.log"), {},
+         "llmload: error: --log 'no/such/dir/out.log': the directory 'no/such/dir' does not exist; create it or "
+         "name a file in an existing directory."),
+        (("--log", "."), {}, "llmload: error: --log '.' is a directory; name a file, e.g. --log llmload.out."),
+        ((), {"PYTEST_LLMLOAD_LOADER": " "}, "llmload: error: $PYTEST_LLMLOAD_LOADER is set but empty; set it to"),
+        (("--lanes", "0"), {}, "llmload: error: --lanes '0' is not a positive whole number; give e.g. --lanes 2"),
+    ],
+    ids=["log-missing-directory", "log-a-directory", "empty-loader-variable", "lanes-zero"],
+)
+def test_a_bad_command_line_is_a_sentence_and_exit_2(tmp_path, args, env, message):
+    run = warm_main_job(*args, cwd=tmp_path, env={**os.environ, **env})
+    assert (run.returncode, run.stdout) == (2, ""), run.stdout + run.stderr
+    assert run.stderr.startswith(message) and len(run.stderr.splitlines()) == 1, run.stderr
+    assert _left_behind(Path(os.environ["TMPDIR"])) == []
+
+
+def test_a_collection_error_is_shown_whole(tmp_path, monkeypatch):
+    reason = "a collection error naming its source: " + "x" * 200
+    (tmp_path / "breaks_collection.py").write_text(
+        f"def pytest_generate_tests(metafunc):\n    raise ValueError({reason!r})\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    run = warm_main_job("-k", "pad_token", "--", "-p", "breaks_collection", cwd=tmp_path)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert f"ValueError: {reason}" in run.stderr, run.stderr
+    assert "llmload: pytest exited 2 before any check ran; pytest output removed" in run.stderr, run.stderr
+    assert _left_behind(Path(os.environ["TMPDIR"])) == []
+
+
+def test_the_main_job_runs_under_its_own_options_not_the_repos_addopts(tmp_path):
+    """A repo's addopts (and PYTEST_ADDOPTS) selecting nothing, or asking for randomised order, do not reach the
+    main job's pytest: it decides what it runs under (issue 27)."""
+    (tmp_path / "pytest.ini").write_text("[pytest]\naddopts = -k no_such_check --maxfail=1\n")
+    env = {**new_tmpdir(tmp_path), "PYTEST_ADDOPTS": "-k nothing_either"}
+    run = warm_main_job("-k", "pad_token and not cuda", cwd=tmp_path, env=env)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert re.search(r"^\[1/1\] check_pad_token_set_offline +passed", run.stdout, re.M), run.stdout
+
+
+def test_the_main_job_turns_off_the_house_plugins_unless_asked_after_the_double_dash():
+    from pytest_llmload.main_job.job import pytest_command
+
+    plain = pytest_command(None, None, Path("progress"), [])
+    assert {"no:randomly", "no:pytest_cov", "no:xdist", "no:anyio", "no:html", "no:metadata"} <= set(plain)
+    assert "addopts=" in plain
+    asked = pytest_command(None, None, Path("progress"), ["-n", "2", "--cov=mypkg", "--html", "report.html"])
+    assert not {"no:xdist", "no:pytest_cov", "no:html", "no:metadata"} & set(asked)
+    assert {"no:randomly", "no:anyio"} <= set(asked)
+    ours = pytest_command(None, None, Path("progress"), ["--llmload-html", "report.html"])
+    assert "no:html" in ours  # the plugin's own report needs no pytest-html
+
+
+# --- the warm start the tests above use (fixtures.warm_popen) ---------------------------------------------
+
+PROBE = '''
+import json, os, signal, sys, tempfile
+
+how = sys.argv[1]
+print(json.dumps({
+    "argv": sys.argv[1:], "cwd": os.getcwd(), "path": sys.path, "marker": os.environ.get("WARM_PROBE"),
+    "tempdir": tempfile.gettempdir(), "own_group": os.getpgid(0) == os.getpid(), "stdin": sys.stdin.read(),
+    "handlers": [str(signal.getsignal(s)) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM, signal.SIGPIPE)],
+}))
+print("on stderr", file=sys.stderr)
+if how == "raises":
+    raise ValueError("the module's own error")
+if how == "interrupted":
+    raise KeyboardInterrupt
+sys.exit(3)
+'''
+
+
+@pytest.mark.parametrize("how", ["exits", "raises", "interrupted"])
+def test_a_warm_start_is_what_a_new_interpreter_sees_and_never_returns_here(tmp_path, how):
+    """The same ``python -m`` command, started as a new interpreter and forked from this test process (with a
+    Python handler of its own for SIGTERM, as the main job has): the same view of itself, output and exit code."""
+    from fixtures.warm_popen import popen_forked
+
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "warm_probe.py").write_text(PROBE)
+    env = {**os.environ, "PYTHONPATH": "lib", "WARM_PROBE": "1", "TMPDIR": str(tmp_path)}
+    seen = {}
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        for name, popen in (("new", subprocess.Popen), ("warm", popen_forked)):
+            with (tmp_path / name).open("w") as log:
+                child = popen([sys.executable, "-m", "warm_probe", how], stdout=log, stderr=subprocess.STDOUT,
+                              stdin=subprocess.DEVNULL, env=env, cwd=tmp_path, process_group=0)
+            seen[name] = child.wait(60), (tmp_path / name).read_text()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    # The same code, view and output; a traceback's frames differ below the module's (runpy's, warm's).
+    assert {name: (code, out.splitlines()[:2], out.splitlines()[-1]) for name, (code, out) in seen.items()} == {
+        name: (seen["new"][0], seen["new"][1].splitlines()[:2], seen["new"][1].splitlines()[-1]) for name in seen}, seen
+    code, output = seen["warm"]
+    assert code == {"exits": 3, "raises": 1, "interrupted": -signal.SIGINT}[how], output
+    assert ('"marker": "1"' in output and f'"cwd": "{tmp_path}"' in output and "on stderr" in output
+            and str(tmp_path / "lib") in output), output
+    if how == "raises":
+        assert "ValueError: the module's own error" in output, output
+
+
+def test_a_warm_start_starts_its_own_forkserver_not_this_processs(tmp_path):
+    """A forkserver this process runs is not the child's (a new interpreter has none): its isolated calls that need
+    one start their own, and this process's goes on serving it."""
+    from pytest_llmload.runners import warm_server
+    from pytest_llmload.runners.isolation import run_isolated
+    from fixtures.warm_popen import popen_forked
+
+    (tmp_path / "forkserver_probe.py").write_text(
+        "import os\nfrom pytest_llmload.runners.isolation import run_isolated\n"
+        "if __name__ == '__main__':\n    print('parent of the call', run_isolated(os.getppid, start='forkserver'))\n")
+    ours = run_isolated(os.getppid, start="forkserver", timeout=60)
+    with (tmp_path / "out").open("w") as log:
+        child = popen_forked([sys.executable, "-m", "forkserver_probe"], stdout=log, stderr=subprocess.STDOUT,
+                             cwd=tmp_path, process_group=0)
+    assert child.wait(120) == 0, (tmp_path / "out").read_text()
+    theirs = int((tmp_path / "out").read_text().split("parent of the call")[1])
+    assert theirs != ours and ours == warm_server.forkserver_pid() == run_isolated(os.getppid, start="forkserver")
+
+
+@pytest.mark.parametrize(("option", "path", "said"), [
+    ("--json", "/dev/full", "--json '/dev/full' is not a regular file"),
+    ("--log", "/dev/full", "--log '/dev/full' is not a regular file"),
+])
+def test_an_output_path_that_would_fail_after_the_run_is_refused_before_it(option, path, said):
+    """Before (issue 36): --json /dev/full ran every check, then a traceback and no JSON."""
+    run = warm_main_job(option, path)  # (refused before any pytest starts)
+    assert run.returncode == 2 and said in run.stderr, run.stdout + run.stderr
+
+
+def test_a_json_that_cannot_be_written_after_the_run_says_so_and_keeps_the_table(odd_loaders, monkeypatch):
+    from pytest_llmload.main_job import job as job_module
+
+    out = odd_loaders / "out.json"
+    real = job_module.Path.write_text
+
+    def full(self, *args, **kwargs):
+        if self == out:
+            raise OSError(28, "No space left on device")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(job_module.Path, "write_text", full)
+    run = warm_main_job("--loader", "odd_loaders:for_evaluation", "-k", "pad_token and not cuda", "--json", str(out),
+                        cwd=odd_loaders)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert re.search(r"^check_pad_token_set_offline +offload-hang \(000\) +passed", run.stdout, re.M), run.stdout
+    assert "could not be written after the run (OSError: [Errno 28] No space left on device)" in run.stderr
+
+
+def test_two_jobs_given_the_same_log_the_second_is_refused(odd_loaders):
+    import fcntl
+
+    log = odd_loaders / "shared.log"
+    with log.open("a") as first:  # a job running now holds its log
+        fcntl.flock(first, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        run = warm_main_job("--loader", "odd_loaders:for_evaluation", "-k", "pad_token and not cuda", "--log",
+                            str(log), cwd=odd_loaders)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "is the log of another job running now; give each job its own --log file" in run.stderr
+
+
+def test_a_check_that_started_and_has_no_result_gets_a_row_saying_so(tmp_path):
+    """pytest ended normally (here: exit 1) while a check it had started had sent no result (its report lost): the
+    row is there, saying so, and the run fails (issue 36)."""
+    import argparse
+    import io
+    import time as clock
+
+    from pytest_llmload.main_job import job as job_module
+
+    job = job_module.MainJob.__new__(job_module.MainJob)
+    log = tmp_path / "pytest.log"
+    log.write_text("...")
+    job.args = argparse.Namespace(log=None, json_path=None, runner=None, pytest_args=[])
+    job.out, job.collect_errors, job.results, job.total, job.log_path = io.StringIO(), [], [], 1, log
+    job.order, job.checks, job.started = ["check_pad_token_set_offline"], (), clock.monotonic()
+    job.running = {"x::test_loader_check[check_pad_token_set_offline]": ("check_pad_token_set_offline",
+                                                                         clock.monotonic())}
+    code, kept = job_module._report(job, 1)
+    assert (code, kept) == (1, True)
+    assert "ERROR check_pad_token_set_offline: pytest ended without this check's result (exit code 1) while this " \
+           "check ran" in job.out.getvalue(), job.out.getvalue()

@@ -1,0 +1,72 @@
+"""A run that uses no llmload fixture must not import the heavy stack (checked in a fresh interpreter)."""
+
+import pytest
+
+pytestmark = pytest.mark.timeout(180)
+
+HEAVY = ("torch", "transformers", "accelerate", "peft", "bitsandbytes", "deepspeed")
+
+# Modules of the plugin itself that a run using none of its fixtures, markers or checks never needs.
+DEFERRED = ("pytest_llmload.runners.isolation", "pytest_llmload.failures", "pytest_llmload.system.offline", "pytest_llmload.reports.progress",
+            "pickle")
+
+# What the probe sees must be this plugin's doing: other installed plugins import pickle themselves (pytest-html,
+# and on a GPU machine's image pytest-benchmark or jaxtyping's), so the runs load this plugin alone.
+ONLY_THIS_PLUGIN = "PYTEST_DISABLE_PLUGIN_AUTOLOAD"  # (set to 1; the runs name it: -p llmload)
+
+PROBE = f"""
+import sys
+
+def pytest_unconfigure(config):
+    print("HEAVY IMPORTED:", sorted(m for m in {HEAVY!r} if m in sys.modules))
+    print("DEFERRED IMPORTED:", sorted(m for m in {DEFERRED!r} if m in sys.modules))
+"""
+
+
+def test_plain_run_with_plugin_imports_nothing_heavy(pytester, monkeypatch):
+    monkeypatch.setenv(ONLY_THIS_PLUGIN, "1")
+    pytester.makeconftest(PROBE)
+    pytester.makepyfile("import pytest\n\n@pytest.mark.needs_gpus(1)\ndef test_gpu(): pass\n\ndef test_plain(): pass\n")
+    result = pytester.runpytest_subprocess("-p", "llmload")
+    result.assert_outcomes(passed=1, skipped=1)
+    result.stdout.fnmatch_lines(["llmload: loader *", "HEAVY IMPORTED: []", "DEFERRED IMPORTED: []"])
+    # Another project's run gets no warning from the plugin: five PytestAssertRewriteWarnings on every run (the
+    # sub-plugins, once named in pytest_plugins) failed pytest-xdist's own TestWarnings tests.
+    assert "warning" not in result.stdout.str().lower(), result.stdout.str()
+
+
+def test_the_probe_sees_torch_when_a_fixture_needs_it(pytester):
+    # The same probe must be able to fail: a run that uses a fixture does import the stack.
+    pytester.makeconftest(PROBE)
+    pytester.makepyfile("def test_ckpt(llmload_checkpoint): pass\n")
+    result = pytester.runpytest_subprocess()
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["HEAVY IMPORTED: [[]*'torch'*'transformers'*[]]",
+                                 "DEFERRED IMPORTED: [[]*'pytest_llmload.system.offline'*[]]"])
+
+
+PACKAGE_PROBE = """
+import sys
+
+def pytest_unconfigure(config):
+    print("PACKAGE IMPORTED:", sorted(m for m in sys.modules if m.split(".")[0] == "pytest_llmload"))
+"""
+
+
+@pytest.mark.parametrize(("args", "header"), [(("-q",), []), ((), [])], ids=["quiet", "not quiet: no header either"])
+def test_a_run_that_never_uses_the_plugin_imports_only_its_vocabulary_and_fixtures(pytester, monkeypatch, args,
+                                                                                     header):
+    # (keys: the stash keys the fixtures read, one floor below them; hookspecs: the hooks it declares, as
+    # pytest_addhooks must at start-up; settings: the one reader of the settings, which every run asks whether the
+    # plugin is configured; the header line is printed, and its module
+    # imported, only where a run configures or uses the plugin.) Nothing of the plugin's work is compiled or run in such a run: its sub-plugins are registered by
+    # plugin.switch_on once a run configures or uses it. The header (not shown under -q) imports what it reads.
+    monkeypatch.setenv(ONLY_THIS_PLUGIN, "1")
+    pytester.makeconftest(PACKAGE_PROBE)
+    pytester.makepyfile("def test_plain(): pass\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "llmload", *args)
+    result.assert_outcomes(passed=1)
+    expected = sorted({"pytest_llmload", "pytest_llmload._old_paths", "pytest_llmload.config", "pytest_llmload.plugin", "pytest_llmload.plugin.fixtures", "pytest_llmload.plugin.hookspecs", "pytest_llmload.config.stash_keys",
+                       "pytest_llmload.plugin.hooks", "pytest_llmload.config.settings", "pytest_llmload.config.vocabulary",
+                       *(f"pytest_llmload.{name}" for name in header)})
+    result.stdout.fnmatch_lines([f"PACKAGE IMPORTED: {expected}".replace("[", "[[]")])

@@ -1,0 +1,166 @@
+"""The HTML report (``--llmload-html``) and the pictures in pytest-html's report, as a user meets them (pytester):
+one row per test with its verdict, the device map and memory of a check that offloaded, self-contained, under
+``pytest -n 2`` too; and what a run without the report leaves alone."""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import re
+
+import pytest
+
+from fixtures import warm_runs
+from pytest_llmload.reports.html_report import compress_modules
+
+SUITE = ("--pyargs", "pytest_llmload.suite", "-p", "no:cacheprovider")
+OFFLOAD = "check_offload_inference"
+WRITES = "check_load_writes_only_offload_folder"
+# The tiny Llama under offload_budget: the embeddings and layer 0 on cpu, the rest on disk (tests/reports/test_report).
+ON_CPU = "cpu 224.5 KiB (model.embed_tokens, model.layers.0)"
+ON_DISK = "disk 513.8 KiB (model.layers.1\u20133, model.norm, model.rotary_emb, lm_head)"
+PNG_URI = re.compile(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"')
+
+
+def _rows(text: str) -> dict[str, str]:
+    """``{check name: verdict}`` from the results table."""
+    return dict(re.findall(r'<tr><td class="test"><b>([^<]+)</b>.*?<span class="verdict"[^>]*>([^<]+)</span>', text))
+
+
+def _assert_self_contained(text: str) -> None:
+    assert not re.search(r"https?://", text), "a reference to the network"
+    assert "<script" not in text and "<link" not in text, "external script or stylesheet"
+    for data in PNG_URI.findall(text):
+        assert base64.b64decode(data).startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def _pictures_of(text: str, check: str) -> str:
+    """The report's section for one check: from its heading to the next one."""
+    start = text.index(f">{check} <span")
+    end = text.find("<h3", start)
+    return text[start:end if end != -1 else len(text)]
+
+
+@pytest.mark.timeout(120)
+def test_the_report_has_a_row_per_test_and_pictures_of_the_offloaded_model(pytester):
+    # The checks run in an isolated child: their loads come back from the child to the picture. The check that
+    # watches every file the load writes passes: the child's records go through a file it opened at the fork.
+    result = pytester.runpytest(*SUITE, "-k", f"{OFFLOAD} or {WRITES}", "--llmload-html", "out/report.html")
+    result.assert_outcomes(passed=2, skipped=1)  # the _cuda variant needs a GPU
+    result.stdout.fnmatch_lines(["*- llmload: HTML report: file://*/out/report.html -*"])
+    text = (pytester.path / "out" / "report.html").read_text(encoding="utf-8")
+    _assert_self_contained(text)
+    assert _rows(text) == {OFFLOAD: "passed", WRITES: "passed", f"{OFFLOAD}_cuda": "skipped"}
+    assert "needs 1 GPU" in text  # the skipped row says why
+    assert "reference_loader:load_model_and_tokenizer" in text and "torch " in text  # loader, stack versions
+    section = html.unescape(_pictures_of(text, OFFLOAD))
+    assert len(PNG_URI.findall(section)) == 2  # the device map, the memory per phase
+    assert f"LlamaForCausalLM from llama-float32-seed0: {ON_CPU}; {ON_DISK}" in section  # the offloading load
+    assert "LlamaForCausalLM from llama-float32-seed0: cpu 738.2 KiB (<whole model>)" in section  # the ground truth
+    assert "peak process RSS" in section
+    assert f"{OFFLOAD}_cuda <span" not in text  # no pictures for a check that loaded nothing
+
+
+XDIST = """
+import pytest
+from pytest_llmload.checks.ground_truth import offload_budget
+
+def test_offloaded(llmload_load, llmload_checkpoint, tmp_path):
+    llmload_load(max_memory=offload_budget(llmload_checkpoint), offload_folder=tmp_path / "offload")
+
+def test_isolated_check(llmload_loader, llmload_checkpoint, tmp_path):
+    from pytest_llmload.failures.offload_hang import CHECKS
+
+    CHECKS[0](llmload_loader, llmload_checkpoint, tmp_path)  # check_offload_inference, in a forked child
+
+def test_plain():
+    pass
+
+def test_failing():
+    assert 1 == 2
+
+@pytest.mark.skip(reason="not today")
+def test_skipped():
+    pass
+"""
+
+
+@pytest.mark.timeout(120)
+def test_under_xdist_the_workers_records_reach_the_controllers_report(pytester):
+    pytester.makepyfile(test_many=XDIST)
+    # The controller forked from this process (fixtures/warm_runs.py); its workers are xdist's own new interpreters.
+    result = warm_runs.runpytest(pytester, "-n", "2", "-p", "no:cacheprovider", "--llmload-html", "report.html")
+    result.assert_outcomes(passed=3, failed=1, skipped=1)
+    text = (pytester.path / "report.html").read_text(encoding="utf-8")
+    _assert_self_contained(text)
+    assert _rows(text) == {"test_offloaded": "passed", "test_isolated_check": "passed", "test_plain": "passed",
+                           "test_failing": "failed", "test_skipped": "skipped"}
+    assert "<code>test_many.py::test_failing</code>" in text
+    assert "not today" in text and "assert 1 == 2" in text
+    section = html.unescape(_pictures_of(text, "test_offloaded"))
+    assert len(PNG_URI.findall(section)) == 2
+    assert f"{ON_CPU}; {ON_DISK}" in section
+    isolated = html.unescape(_pictures_of(text, "test_isolated_check"))  # a worker's forked child, then the controller
+    assert f"{ON_CPU}; {ON_DISK}<br>LlamaForCausalLM from llama-float32-seed0: cpu 738.2 KiB" in isolated
+    assert text.count("<figure>") == 4  # only the tests that loaded a model have pictures
+
+
+@pytest.mark.timeout(120)
+def test_pytest_html_gets_the_same_pictures_as_extras(pytester):
+    pytest.importorskip("pytest_html")
+    result = pytester.runpytest(*SUITE, "-k", OFFLOAD, "--html", "html/pytest.html", "--self-contained-html")
+    result.assert_outcomes(passed=1, skipped=1)
+    text = (pytester.path / "html" / "pytest.html").read_text(encoding="utf-8")
+    blob = json.loads(html.unescape(re.search(r'data-jsonblob="([^"]*)"', text).group(1)))
+    extras = {test_id: [e for entry in entries for e in entry["extras"]]
+              for test_id, entries in blob["tests"].items()}
+    offloaded = next(found for test_id, found in extras.items() if test_id.endswith(f"[{OFFLOAD}]"))
+    assert [e["name"] for e in offloaded] == ["llmload: device map", "llmload: memory per phase"]
+    for extra in offloaded:
+        assert extra["format_type"] == "image" and extra["mime_type"] == "image/png"
+        assert base64.b64decode(extra["content"].removeprefix("data:image/png;base64,")).startswith(b"\x89PNG")
+    assert not any(found for test_id, found in extras.items() if test_id.endswith("_cuda]"))
+    assert not (pytester.path / "report.html").exists()  # no --llmload-html: pytest-html's report only
+
+
+@pytest.mark.timeout(60)
+def test_without_matplotlib_the_option_is_one_usage_error_naming_the_extra(pytester):
+    pytester.makeconftest("import sys\nsys.modules['matplotlib'] = None  # as if not installed\n")
+    pytester.makepyfile("def test_plain(): pass\n")
+    # Its own process, forked from this one (fixtures/warm_runs.py): the conftest blocks matplotlib there first.
+    result = warm_runs.runpytest(pytester, "-p", "no:cacheprovider", "--llmload-html", "report.html")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: --llmload-html draws its figures with matplotlib, which is not installed: "
+                                 "pip install 'pytest-llmload[report]'"])
+    assert not (pytester.path / "report.html").exists()
+
+
+PROBE = """
+import sys
+
+def pytest_unconfigure(config):
+    print("MATPLOTLIB IMPORTED:", "matplotlib" in sys.modules)
+    print("REPORT REGISTERED:", config.pluginmanager.has_plugin("llmload-html-report"))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_run_without_the_report_draws_nothing_and_imports_no_matplotlib(pytester):
+    pytester.makeconftest(PROBE)
+    pytester.makepyfile("def test_ckpt(llmload_load): llmload_load()\n")
+    # A new interpreter: what the run imports is the subject (a forked one starts with this process's modules).
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["MATPLOTLIB IMPORTED: False", "REPORT REGISTERED: False"])
+
+
+@pytest.mark.parametrize(("names", "written"), [
+    (["model.embed_tokens", "model.layers.0"], "model.embed_tokens, model.layers.0"),
+    (["model.layers.1", "model.layers.2", "model.layers.3", "model.norm", "lm_head"],
+     "model.layers.1\u20133, model.norm, lm_head"),
+    (["model.layers.0", "model.layers.2", "model.layers.3"], "model.layers.0, model.layers.2\u20133"),
+    (["<whole model>"], "<whole model>"),
+])
+def test_numbered_modules_are_written_as_ranges(names, written):
+    assert compress_modules(names) == written

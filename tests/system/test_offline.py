@@ -1,0 +1,162 @@
+"""Offline mode: on for the tests that use an llmload fixture, while they run; and what the guard refuses.
+
+No test here reaches the network: the guard refuses before anything is sent, and the checks that the guard is
+gone use numeric addresses, which need no DNS.
+"""
+
+import _socket
+import socket
+import sys
+
+import pytest
+
+from pytest_llmload.system import offline
+from pytest_llmload.system.offline import NetworkAccessBlocked, hub_offline, network_guard
+
+pytestmark = pytest.mark.timeout(180)
+
+FAKE = ("10.255.255.1", 9)  # a private address: refused by the guard before a packet could leave
+
+# Two llmload tests (one through a session fixture, set up inside the first), each followed by a plain one.
+ORDERED = """
+import _socket, os, socket
+
+import huggingface_hub.constants
+import pytest
+
+from pytest_llmload.system import offline
+
+OFFLINE_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
+
+
+def assert_offline():
+    assert all(os.environ[name] == "1" for name in OFFLINE_VARS)
+    assert huggingface_hub.constants.HF_HUB_OFFLINE is True
+    with pytest.raises(offline.NetworkAccessBlocked):
+        socket.gethostbyname("10.0.0.1")
+
+
+def assert_as_without_the_plugin():
+    assert not any(name in os.environ for name in OFFLINE_VARS), dict(os.environ)
+    assert huggingface_hub.constants.HF_HUB_OFFLINE is False
+    assert not offline.guard_active()
+    assert "connect" not in vars(socket.socket) and socket.gethostbyname is _socket.gethostbyname  # no patches
+    assert socket.getaddrinfo.__code__.co_filename == socket.__file__
+    assert socket.gethostbyname("10.0.0.1") == "10.0.0.1"  # numeric: no DNS, and no guard in the way
+
+
+@pytest.fixture
+def setup_and_teardown_offline(llmload_offline):
+    assert_offline()
+    yield
+    assert_offline()
+
+
+def test_llmload_fixture(llmload_loader, setup_and_teardown_offline):
+    assert_offline()
+
+
+def test_plain_after_llmload_fixture():
+    assert_as_without_the_plugin()
+
+
+def test_llmload_offline_is_the_switch(llmload_offline):
+    assert_offline()
+
+
+def test_plain_at_the_end():
+    assert_as_without_the_plugin()
+"""
+
+
+@pytest.fixture
+def online_environment(monkeypatch):
+    for name in offline.OFFLINE_ENV:
+        monkeypatch.delenv(name, raising=False)
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+
+
+def test_offline_only_while_llmload_tests_run(pytester, online_environment):
+    pytester.makepyfile(test_ordered=ORDERED)
+    pytester.runpytest("-p", "no:randomly").assert_outcomes(passed=4)
+    assert not offline.guard_active()
+
+
+def test_offline_only_while_llmload_tests_run_under_xdist(pytester, online_environment):
+    # loadfile: each file's tests run in order on one worker, and each worker has an llmload test first.
+    pytester.makepyfile(test_first=ORDERED, test_second=ORDERED)
+    result = pytester.runpytest_subprocess("-p", "xdist", "-n", "2", "--dist", "loadfile", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=8)
+
+
+@pytest.mark.parametrize("reach", [
+    pytest.param(lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b"x", FAKE), id="udp-sendto"),
+    pytest.param(lambda: socket.gethostbyname("huggingface.co"), id="gethostbyname"),
+    pytest.param(lambda: socket.gethostbyname_ex("huggingface.co"), id="gethostbyname_ex"),
+    pytest.param(lambda: socket.gethostbyaddr(FAKE[0]), id="gethostbyaddr"),
+    pytest.param(lambda: _socket.socket.connect(socket.socket(), FAKE), id="_socket-connect"),
+    pytest.param(lambda: socket.socket().connect_ex(FAKE), id="connect_ex"),
+    pytest.param(lambda: socket.create_connection(("huggingface.co", 443)), id="create_connection"),
+    pytest.param(lambda: socket.getnameinfo(FAKE, 0), id="getnameinfo"),  # (issue 36: it went through)
+])
+def test_guard_refuses_every_way_out_naming_the_caller(reach):
+    attempts = []
+    with network_guard(record=attempts):
+        with pytest.raises(NetworkAccessBlocked, match=r"blocked .* from <lambda> \(.*test_offline\.py:\d+\)"):
+            reach()
+    assert len(attempts) == 1 and "from <lambda>" in attempts[0], attempts
+    assert not offline.guard_active()
+
+
+def test_guard_lets_loopback_through_and_nests():
+    outer, inner = [], []
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    with network_guard(record=outer):
+        with network_guard(record=inner):
+            socket.create_connection(server.getsockname(), timeout=5).close()
+            with pytest.raises(NetworkAccessBlocked):
+                socket.gethostbyname("10.0.0.1")
+        assert offline.guard_active()  # the outer one is still entered
+        with pytest.raises(NetworkAccessBlocked):
+            socket.gethostbyname("10.0.0.2")
+    server.close()
+    assert not offline.guard_active()
+    assert (len(outer), len(inner)) == (2, 1), (outer, inner)
+
+
+def test_hub_constant_of_a_module_imported_under_the_guard_is_restored(monkeypatch, online_environment):
+    # huggingface_hub first imported while offline reads HF_HUB_OFFLINE=1 into its constant: afterwards the
+    # constant must say what the restored environment says, not stay offline.
+    monkeypatch.delitem(sys.modules, "huggingface_hub.constants")
+    imported_meanwhile = type(sys)("huggingface_hub.constants")
+    with hub_offline():
+        imported_meanwhile.HF_HUB_OFFLINE = True
+        sys.modules["huggingface_hub.constants"] = imported_meanwhile
+    assert imported_meanwhile.HF_HUB_OFFLINE is False
+
+
+def test_the_loader_module_is_imported_offline_at_collection(pytester, online_environment):
+    """Code a loader module runs when it is imported (at collection) ran outside the guard (issue 36)."""
+    pytester.makepyfile(reaching="""
+        import socket
+
+        try:
+            socket.getaddrinfo("huggingface.co", 443)
+            REACHED = "reached"
+        except OSError as exc:
+            REACHED = type(exc).__name__
+
+        def load(request):
+            return None
+    """)
+    pytester.makepyfile(test_it="""
+        def test_it(llmload_loader):
+            import reaching
+            assert reaching.REACHED == "NetworkAccessBlocked", reaching.REACHED
+    """)
+    pytester.syspathinsert()
+    pytester.runpytest("--llmload-loader", "reaching:load", "-p", "no:cacheprovider").assert_outcomes(passed=1)
