@@ -4,12 +4,16 @@
   :data:`~pytest_llmload.failures.MODULES` and :data:`~pytest_llmload.failures.REGISTRY`, with the docstrings of
   each failure's before-loader (``fixtures/loaders/before_<id>.py``) and regression tests
   (``tests/failures/test_<id>.py``);
+- the known-failures table of README.md and of the home page (``docs/index.md``), from the catalog: the site's copy
+  is made at build time, and ``python docs/hooks.py`` rewrites both files' copies (between :data:`TABLE_START` and
+  :data:`TABLE_END`), which tests/failures/test_homes.py checks are current;
 - ``reference/settings.md``: every setting of :data:`pytest_llmload.config.vocabulary.SETTINGS`, the markers' help texts and
   the fixtures' docstrings (read from ``pytest_llmload/plugin/fixtures.py`` without importing it);
 - the ``LoadRequest`` field table, put where a page says ``<!-- llmload:load-request-fields -->``.
 
-The functions that make the pages (:func:`generated_pages`, :func:`failure_page`, :func:`settings_page`,
-:func:`load_request_fields`) import nothing of MkDocs, so a test can call them without it (tests/test_docs.py).
+The functions that make the pages (:func:`generated_pages`, :func:`failure_page`, :func:`known_failures_table`,
+:func:`settings_page`, :func:`load_request_fields`) import nothing of MkDocs, so a test can call them without it
+(tests/test_docs.py).
 Importing the catalog needs neither torch nor the Hugging Face stack.
 """
 
@@ -26,6 +30,10 @@ ROOT = Path(__file__).resolve().parents[1]
 FIELDS_MARK = "<!-- llmload:load-request-fields -->"
 RECORDS_MARK = "<!-- llmload:record-fields -->"
 FAILURES_INDEX = "failures/index.md"
+# The known-failures table sits between these lines in README.md and docs/index.md.
+TABLE_START = "<!-- llmload:known-failures (generated from the catalog: python docs/hooks.py) -->"
+TABLE_END = "<!-- /llmload:known-failures -->"
+TABLE_HOMES = {"README.md": False, "docs/index.md": True}  # file -> whether its ids link to the failures' pages
 SETTINGS_PAGE = "reference/settings.md"
 
 # What each LoadRequest field asks, and what a loader that honours it returns (the contract the checks verify
@@ -68,6 +76,13 @@ RECORD_DOCS = {
         "without_tell": "what the report section says when the tell is absent",
         "hang_is_mechanism": "a deadline passed inside the loader call is this failure itself (offload-hang); "
                              "otherwise a hung loader is an `error` row",
+        "order": "its place in the catalog: the registry, the main job's rows and the tables list failures in "
+                 "this order; a new failure takes the next number",
+        "predicted_by": "the runner predictions that name it: names of scenario functions of "
+                        "`pytest_llmload.prediction.predict`",
+        "symptom": "the known-failures table's *failure* cell (Markdown): what the user sees",
+        "occurs_briefly": "the table's *where it occurs* cell (Markdown): `occurs` in a few words",
+        "reproduced_here": "the table's *reproduced here by* cell (Markdown): what its regression tests show",
     },
     "Check": {
         "function": "`function(loader, checkpoint, workdir)`, raising `AssertionError` on a faulty loader; it gets the "
@@ -146,17 +161,7 @@ def module_docstring(path: Path) -> str:
     return ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
 
 
-def slug(failure_id: str) -> str:
-    return failure_id.replace("-", "_")
-
-
 # --- the known failures -------------------------------------------------------------------------------------------
-
-def _homes(failure) -> dict[str, str]:
-    return {"catalog entry and checks": f"pytest_llmload/failures/{slug(failure.id)}.py",
-            "before-loader": f"fixtures/loaders/before_{slug(failure.id)}.py",
-            "regression tests": f"tests/failures/test_{slug(failure.id)}.py"}
-
 
 def _checks_of(failure) -> list:
     from pytest_llmload.failures import REGISTRY
@@ -166,7 +171,7 @@ def _checks_of(failure) -> list:
 
 def failure_page(failure) -> str:
     """The reference page of one known failure."""
-    homes = _homes(failure)
+    homes = failure.homes
     lines = [f"# {failure.id}: {plain(failure.title)}", "",
              "*Generated from the catalog (`pytest_llmload.failures`) when the docs are built.*", "",
              "| | |", "|---|---|",
@@ -230,6 +235,44 @@ def failures_index() -> str:
     return "\n".join(lines) + "\n"
 
 
+def _write_up_cell(failure) -> str:
+    """A write-up's number (``seeds/002_....txt`` -> ``002``), or the field reports as the catalog names them."""
+    name = failure.write_up.rpartition("/")[2]
+    if failure.write_up.startswith("seeds/") and name[:3].isdigit():
+        return code(name[:3])
+    return cell(plain(failure.write_up))
+
+
+def known_failures_table(linked: bool) -> str:
+    """The table of the known failures, one row a failure in the catalog's order; ``linked``: each id links to its
+    page (the site's copy; the README's links nowhere, for it is read on a package index too)."""
+    from pytest_llmload.failures import CATALOG
+
+    lines = ["| id | failure | write-up or field reports | where it occurs | reproduced here by |",
+             "|---|---|---|---|---|"]
+    for failure in CATALOG:
+        missing = [field for field in ("symptom", "occurs_briefly", "reproduced_here") if not getattr(failure, field)]
+        if missing:
+            raise ValueError(f"docs/hooks.py: the catalog entry of {failure.id} has no {', '.join(missing)} "
+                             f"for the known-failures table; set them in {failure.homes['catalog entry and checks']}")
+        name = f"[{code(failure.id)}](failures/{failure.id}.md)" if linked else code(failure.id)
+        tests = code(failure.homes["regression tests"])
+        lines.append(f"| {name} | {cell(failure.symptom)} | {_write_up_cell(failure)} | "
+                     f"{cell(failure.occurs_briefly)} | {tests}: {cell(failure.reproduced_here)} |")
+    return "\n".join(lines)
+
+
+def with_known_failures_table(text: str, linked: bool) -> str:
+    """``text`` (README.md, docs/index.md) with the table between :data:`TABLE_START` and :data:`TABLE_END` made
+    anew from the catalog."""
+    before, start, rest = text.partition(TABLE_START)
+    _, end, after = rest.partition(TABLE_END)
+    if not start or not end:
+        raise ValueError(f"docs/hooks.py: no {TABLE_START!r} ... {TABLE_END!r} lines to put the known failures' "
+                         "table between")
+    return f"{before}{start}\n\n{known_failures_table(linked)}\n\n{end}{after}"
+
+
 # --- settings, markers, fixtures ----------------------------------------------------------------------------------
 
 def _fixtures() -> list[tuple[str, str, str]]:
@@ -259,10 +302,10 @@ def _markers() -> list[tuple[str, str]]:
 
 
 def _main_job_options() -> list[tuple[str, str]]:
-    """``(option, help)`` of each option of the main job's parser (``pytest_llmload.main_job.job.build_parser``)."""
+    """``(option, help)`` of each option of the main job's parser (``pytest_llmload.main_job.cli.build_parser``)."""
     import argparse
 
-    from pytest_llmload.main_job.job import build_parser
+    from pytest_llmload.main_job.cli import build_parser
 
     found = []
     for action in build_parser()._actions:
@@ -416,4 +459,27 @@ def on_page_markdown(markdown, page, config, files, **kwargs):
         markdown = markdown.replace(FIELDS_MARK, load_request_fields())
     if RECORDS_MARK in markdown:
         markdown = markdown.replace(RECORDS_MARK, record_fields())
+    if TABLE_START in markdown:
+        markdown = with_known_failures_table(markdown, linked=True)
     return markdown
+
+
+def write_tables() -> list[str]:
+    """Rewrite the known-failures table in README.md and docs/index.md from the catalog; the files it changed."""
+    changed = []
+    for name, linked in TABLE_HOMES.items():
+        path = ROOT / name
+        text = path.read_text(encoding="utf-8")
+        new = with_known_failures_table(text, linked)
+        if new != text:
+            path.write_text(new, encoding="utf-8")
+            changed.append(name)
+    return changed
+
+
+if __name__ == "__main__":  # python docs/hooks.py: the tables after a change to the catalog
+    import sys
+
+    sys.path.insert(0, str(ROOT))  # this checkout's catalog, whatever copy of the package is installed
+    changed = write_tables()
+    print(f"rewrote the known failures' table in {', '.join(changed)}" if changed else "the tables are current")

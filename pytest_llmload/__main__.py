@@ -1,10 +1,10 @@
-"""``python -m pytest_llmload`` (and the ``llmload`` console script): the main job, see ``main_job.py``."""
+"""``python -m pytest_llmload`` (and the ``llmload`` console script): the main job, see :mod:`pytest_llmload.main_job`."""
 
 import sys
 
 
 def main() -> None:
-    from pytest_llmload.main_job.job import run
+    from pytest_llmload.main_job import run
 
     sys.exit(run())
 

@@ -46,7 +46,7 @@ OLD_TO_NEW = {
     "progress": "reports.progress",
     "fixtures": "plugin.fixtures",
     "markers": "plugin.markers",
-    "header": "plugin.header",
+    "header": "reports.header",
     "hookspecs": "plugin.hookspecs",
     "per_test": "plugin.phase_state",
     "hung_loader": "plugin.loader_hang",

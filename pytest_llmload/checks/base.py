@@ -45,11 +45,35 @@ class KnownFailure(NamedTuple):
     # A deadline passed inside the loader call is this failure's own mechanism (offload-hang: the load never
     # returns); for every other failure a hung loader is an error row, no verdict on the failure.
     hang_is_mechanism: bool = False
+    # Its place in the catalog: the registry, the main job's rows and the docs' tables list the failures in this
+    # order (the write-ups first, then those from issue trackers as they were added). A new failure takes the next.
+    order: int = 0
+    # The runner predictions that name it, by their function's name in pytest_llmload.prediction.predict (a layer
+    # above this one, so the catalog names them and the predictions look them up).
+    predicted_by: tuple[str, ...] = ()
+    # Its row in the known-failures table (README.md, the docs' home page), in Markdown: what the user sees, where
+    # it occurs in a few words, and how its regression tests reproduce it.
+    symptom: str = ""
+    occurs_briefly: str = ""
+    reproduced_here: str = ""
+
+    @property
+    def slug(self) -> str:
+        """The id as a module name: ``meta-backward`` -> ``meta_backward``."""
+        return self.id.replace("-", "_")
 
     @property
     def module(self) -> str:
         """The module that is this failure's home: ``meta-backward`` -> ``pytest_llmload.failures.meta_backward``."""
-        return f"pytest_llmload.failures.{self.id.replace('-', '_')}"
+        return f"pytest_llmload.failures.{self.slug}"
+
+    @property
+    def homes(self) -> dict[str, str]:
+        """Its three files, from the repository's root: the module (catalog entry and checks), the write-up's loader
+        before its fix, and the regression tests. All follow the id."""
+        return {"catalog entry and checks": f"pytest_llmload/failures/{self.slug}.py",
+                "before-loader": f"fixtures/loaders/before_{self.slug}.py",
+                "regression tests": f"tests/failures/test_{self.slug}.py"}
 
     def matches(self, text: str) -> bool:
         if not any(re.search(pattern, text) for pattern in self.signatures):
@@ -138,11 +162,10 @@ class Check(NamedTuple):
             preload_for_isolated_checks(args[1], peft=self.uses_peft)
         if not self.isolated:
             return self.function(*args, **kwargs)
-        from pytest_llmload.plugin import isolated_marker
         from pytest_llmload.runners import isolation
 
         isolation.run_isolated(self.function, args, kwargs, timeout=self.timeout, label=self.name,
-                               render=isolated_marker.render_failure)
+                               render=isolation.render_failure)
 
     def on_gpu(self) -> "Check":
         """The same check on ``cuda:0`` (the write-ups' own setup), named ``<name>_cuda``, needing 1 GPU."""

@@ -42,10 +42,7 @@ from pytest_llmload.checks.base import not_exercised
 from pytest_llmload.fixes.training_scripts import is_distributed
 from pytest_llmload.loader.seam import LoaderContractError, LoadResult, call_loader
 from pytest_llmload.loader.request import LoadRequest
-
-# A test seam, read in every process a check runs in (isolated children, ranks): the name of a check whose code
-# should crash right after its load, to prove that a check's own crash is an error row, never a verdict.
-INJECT_CRASH_ENV = "PYTEST_LLMLOAD_INJECT_CHECK_CRASH"
+from pytest_llmload.config.vocabulary import INJECT_CRASH_ENV  # (a test seam: see there)
 
 _QUANTIZED_LAYERS = ("Linear4bit", "Linear8bitLt")
 _ADAPTER_MARKERS = ("lora_", "modules_to_save", "lokr_", "loha_", "ia3_", "prompt_encoder")

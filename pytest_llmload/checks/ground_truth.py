@@ -16,11 +16,11 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from pytest_llmload.instruments.phases import phase, track_model
+from pytest_llmload.instruments.phases import phase
+from pytest_llmload.instruments.recorder import track_model
 from pytest_llmload.fixes.training_memory import checkpoint_tensors
-
-# Libraries whose frames mean "raised while loading", not "refused before loading".
-LOADING_LIBRARIES = ("torch", "transformers", "accelerate", "peft", "safetensors", "huggingface_hub", "bitsandbytes")
+from pytest_llmload.instruments.device_map_summary import offloaded_parts  # noqa: F401  (re-exported)
+from pytest_llmload.system import tracebacks
 
 
 # --- budgets ---------------------------------------------------------------------------------------------
@@ -146,32 +146,10 @@ def refusal_problem(exc: BaseException) -> Optional[str]:
     short = text if len(text) < 400 else text[:400] + "..."
     if not any(word in str(exc).lower() for word in ("max_memory", "budget", "memory")):
         return f"raised {short} -- not a refusal that names the memory budget"
-    tb, module = exc.__traceback__, None
-    while tb is not None:
-        module, tb = tb.tb_frame.f_globals.get("__name__", ""), tb.tb_next
-    if module and module.split(".")[0] in LOADING_LIBRARIES:
-        return f"raised {short} inside {module} while loading -- not a refusal before loading"
+    raised_in = tracebacks.frames(exc)[-1:]  # the innermost frame
+    if raised_in and tracebacks.is_library(raised_in[0].module):
+        return f"raised {short} inside {raised_in[0].module} while loading -- not a refusal before loading"
     return None
-
-
-
-
-def offloaded_parts(model) -> list[str]:
-    """What of ``model`` is offloaded (parameters on meta, accelerate hooks that offload, ``hf_device_map``
-    entries on cpu/disk next to an accelerator); empty when it was loaded whole. The premise of every check
-    of an offloading load: without it, the offloaded path was not exercised."""
-    params = list(model.named_parameters())
-    meta = [n for n, p in params if p.device.type == "meta"]
-    hooked = [n for n, m in model.named_modules() if getattr(getattr(m, "_hf_hook", None), "offload", False)]
-    tiers = {str(v) for v in (getattr(model, "hf_device_map", None) or {}).values()}
-    parts = []
-    if meta:
-        parts.append(f"{len(meta)} of {len(params)} parameters on meta")
-    if hooked:
-        parts.append(f"{len(hooked)} modules with an offloading hook")
-    if "disk" in tiers or ("cpu" in tiers and len(tiers) > 1):
-        parts.append(f"hf_device_map tiers {sorted(tiers)}")
-    return parts
 
 
 def where_loaded(model) -> str:

@@ -8,7 +8,8 @@ come back from children with their answer), and the skip reason. It travels as d
 progress file, the main job's table and ``--json``, JUnit XML, the HTML report and the
 ``pytest_llmload_check_result`` hook read its fields; none of them reads another's text.
 
-Imports nothing heavy: the progress writer and the main job's parent read it.
+Imports nothing: the progress writer reads it, and the main job's parent reads its fields from the progress
+file (what each row guards against and where that failure comes from included), never the check registry.
 """
 
 from __future__ import annotations
@@ -34,7 +35,10 @@ class Row:
     only with ``failed``/``predicted``), ``cause`` (what an ``error`` is: loader, contract, model, hang, died, check),
     ``sentence`` (the whole reason: the finding, the error, the skip reason), ``notes`` (how the check judged:
     ``judged in float16 ...``, ``simulated: ...``), ``fix`` (the failure's fix, where it was named), ``loader`` (the
-    loader that really ran) and ``guards`` (the failure the check guards against)."""
+    loader that really ran), ``guards`` (the failure the check guards against) and where that failure comes from,
+    ``guards_origin`` (``002``: its write-up in shared/seeds; ``field``: upstream issue trackers; ``extension``: a
+    repo's own), and ``not_run`` (an ``error`` that did not wait: the loader under test hung in an earlier check,
+    :mod:`pytest_llmload.plugin.loader_hang`)."""
 
     check: str
     verdict: str
@@ -45,6 +49,8 @@ class Row:
     notes: tuple[str, ...] = ()
     fix: Optional[str] = None
     loader: Optional[str] = None
+    guards_origin: Optional[str] = None
+    not_run: bool = False
 
     @property
     def note(self) -> str:

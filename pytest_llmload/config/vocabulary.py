@@ -1,5 +1,5 @@
-"""The plugin's vocabulary: every option, ini key and marker, with its help text, and the environment variables
-it reads at start-up.
+"""The plugin's vocabulary: every option, ini key and marker, with its help text, and every ``PYTEST_LLMLOAD_*``
+environment variable the package sets or reads.
 
 pytest imports the plugin on every run of every repo that installs it, most of which never use it. So the plugin
 imports only this module and its fixtures at start-up (plain strings, no imports), and the code that reads a
@@ -40,7 +40,38 @@ class Setting(NamedTuple):
         return "llmload_" + self.key
 
 
+# --- environment variables: each one's name, who sets it and who reads it -------------------------------------
+# The loader under test, set by the user; read by loader.seam (between --llmload-loader and the ini key).
 LOADER_ENV = "PYTEST_LLMLOAD_LOADER"
+# Set by the main job for its pytest child, and by that child for its xdist workers: the pid to die with; read by
+# runners.lifeline (and plugin.hooks, which ties such a run to it).
+PARENT_ENV = "PYTEST_LLMLOAD_PARENT_PID"
+# Set by the main job for its pytest child: the temp dir to remove if the main job dies first; read (and removed from
+# the environment) by runners.lifeline.
+PARENT_WORKDIR_ENV = "PYTEST_LLMLOAD_PARENT_WORKDIR"
+# Set by the user for a launched job (exported before srun/mpirun/torchrun): a secret every rank shares; the ranks'
+# keys in the launcher's store live under it (runners.launcher), so a process that reaches the port but does not
+# know it cannot post a value they read.
+RUN_SECRET_ENV = "PYTEST_LLMLOAD_RUN_SECRET"
+# Set by a rank's pytest (plugin.launched_run) for what it starts; read by runners.launcher: a pytest run from its
+# tests (pytester) sees the launcher's variables too, but is no rank of the job, and runs plain.
+RANK_OF_ENV = "PYTEST_LLMLOAD_RANK_OF"
+# Set (to anything) by the user, or this repo's conftest: the forkserver preloads torch only, not the Hugging Face
+# stack and DeepSpeed; read by runners.warm_server.
+COLD_FORKSERVER_ENV = "PYTEST_LLMLOAD_COLD_FORKSERVER"
+# Set by plugin.xdist_gpus in each xdist worker that got GPUs: its list and the run's count of them; read by
+# system.gpus for the skip reason of a test that needs more than the worker holds.
+WORKER_GPUS_ENV = "PYTEST_LLMLOAD_WORKER_GPUS"
+GPUS_TOTAL_ENV = "PYTEST_LLMLOAD_GPUS_TOTAL"
+# Test seam, never set in real use: the comma-separated UUIDs of the machine's GPUs, read by system.gpus in place of
+# `nvidia-smi -L` (xdist's controller) and of torch's count, so that the assignment and the skips can be tested on a
+# CPU machine.
+FAKE_GPUS_ENV = "PYTEST_LLMLOAD_FAKE_GPUS"
+# Test seam: the name of a check whose code should crash right after its load, read by checks.contract in every
+# process a check runs in (isolated children, ranks), to prove that a check's own crash is an error row, never a
+# verdict.
+INJECT_CRASH_ENV = "PYTEST_LLMLOAD_INJECT_CHECK_CRASH"
+
 HOOK_ATTRIBUTE = "llmload_training_args_hook"
 PURPOSES_ATTRIBUTE = "llmload_purposes"
 DTYPES_ATTRIBUTE = "llmload_dtypes"
@@ -196,11 +227,3 @@ MEMORY_LIMIT_HELP = (
     "visible (device='cuda'), else torch's CPU allocator (device='cpu', profiler memory events). Skips, "
     "saying why, where it cannot measure."
 )
-
-# --- set by the main job for its pytest child (pytest_llmload.runners.lifeline) ---------------------------
-PARENT_ENV = "PYTEST_LLMLOAD_PARENT_PID"  # the pid to die with
-# --- set by the user for a launched job (pytest_llmload.runners.launcher) -------------------------------------------
-# A secret every rank of a launched job shares (exported before srun/mpirun/torchrun): the ranks' keys in the launcher's
-# store live under it, so a process that reaches the port but does not know it cannot post a value they read.
-RUN_SECRET_ENV = "PYTEST_LLMLOAD_RUN_SECRET"
-PARENT_WORKDIR_ENV = "PYTEST_LLMLOAD_PARENT_WORKDIR"  # the temp dir to remove if it dies first

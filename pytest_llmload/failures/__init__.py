@@ -1,34 +1,45 @@
-"""The known failures, one module each, named by the failure's id (``dp-dtype`` is :mod:`.dp_dtype`).
+"""The known failures, one module each, named by the failure's id (``dp-dtype`` is :mod:`.dp_dtype`), and nothing else.
 
-Each module holds the failure's catalog entry (``FAILURE``, a :class:`~.base.KnownFailure`: signatures, root
-cause, fix) and its conformance checks (``CHECKS``, :class:`~.base.Check` records). The catalog and the
-check registry are both built from :data:`MODULES`; so are the homes outside the package, which follow the
-id: the write-up's "before" loader ``fixtures/loaders/before_<id>.py`` and the regression tests
-``tests/failures/test_<id>.py``. Adding a failure: one module here, one before-loader, one test module, and a
-row in the README's table.
+Each module declares all there is about its failure: its catalog entry (``FAILURE``, a
+:class:`~pytest_llmload.checks.base.KnownFailure`: signatures, root cause, fix, its place in the catalog, the
+runner predictions that name it, its row in the docs' table) and its conformance checks (``CHECKS``,
+:class:`~pytest_llmload.checks.base.Check` records). This package finds the modules itself (every module in it is
+a failure) and builds from them the catalog, the check registry, the predictions' failures and the docs' tables.
+Outside the package, the homes follow the id: the write-up's "before" loader ``fixtures/loaders/before_<id>.py``
+and the regression tests ``tests/failures/test_<id>.py``. Adding a failure: one module here, one before-loader,
+one test module (docs/contributing.md).
 """
 
 from __future__ import annotations
 
-from pytest_llmload.failures import (
-    adapter_on_offloaded,
-    distributed_device_map,
-    dp_dtype,
-    fp16_unscale,
-    inference_stall,
-    meta_backward,
-    move_offloaded,
-    offload_hang,
-    quantized_cast,
-    zero3_device_map,
-)
+import importlib
+import pkgutil
+from types import ModuleType
+
 from pytest_llmload.checks.base import Check, KnownFailure
 from pytest_llmload.runners.ranks import preload_for_isolated_checks  # (its home: one floor down)
 
-# The write-ups' five first (shared/seeds), then those taken from upstream issue trackers.
-MODULES = (meta_backward, offload_hang, inference_stall, dp_dtype, distributed_device_map,
-           move_offloaded, adapter_on_offloaded, quantized_cast, zero3_device_map, fp16_unscale)
 
+def _discovered() -> tuple[ModuleType, ...]:
+    """Every module of this package, in the catalog's order (``FAILURE.order``); one that is not a failure's home
+    (no ``FAILURE`` and ``CHECKS``, a name that is not its id's, an order another holds) is an error here."""
+    modules = [importlib.import_module(f"{__name__}.{info.name}") for info in pkgutil.iter_modules(__path__)]
+    for module in modules:
+        failure = getattr(module, "FAILURE", None)
+        if not isinstance(failure, KnownFailure) or not isinstance(getattr(module, "CHECKS", None), tuple):
+            raise ImportError(f"{module.__name__} is not a known failure's module (FAILURE, a KnownFailure, and "
+                              "CHECKS, a tuple of Check records): this package holds failures only")
+        if failure.module != module.__name__:
+            raise ImportError(f"{module.__name__} declares the failure {failure.id!r}, whose module is "
+                              f"{failure.module}: name the module after the id")
+    orders = sorted(module.FAILURE.order for module in modules)
+    if len(set(orders)) != len(orders) or 0 in orders:
+        raise ImportError(f"the known failures' FAILURE.order must be distinct and positive; they are "
+                          f"{ {module.FAILURE.id: module.FAILURE.order for module in modules} }")
+    return tuple(sorted(modules, key=lambda module: module.FAILURE.order))
+
+
+MODULES = _discovered()
 CATALOG: tuple[KnownFailure, ...] = tuple(module.FAILURE for module in MODULES)
 BY_ID: dict[str, KnownFailure] = {failure.id: failure for failure in CATALOG}
 # The order the main job runs them in: the CPU checks, then those that need GPUs.

@@ -33,10 +33,9 @@ fail earlier and louder:
   has some modules offloaded to cpu or disk.`` (that text alone is the ``move-offloaded`` entry's signature).
 
 The fix that worked in the field (tloen/alpaca-lora#368): one device, no offload -- load the base whole
-(``device_map={"": device}``), then the adapter. :func:`adapter_placement_kwargs` and :func:`put_adapter` do
-that honestly: whole on the device when the budget holds it; on an accelerator whose budget cannot, whole on
-the host, merge there, and dispatch the *merged* model under the budget (:func:`merge_and_dispatch`); else a
-clear refusal before loading (:class:`AdapterBudgetError`).
+(``device_map={"": device}``), then the adapter; :mod:`pytest_llmload.fixes.adapters` does that
+(``adapter_placement_kwargs``, ``put_adapter``: also importable from here). The check's verdicts and the fix's
+refusals all carry the id (``TAG``).
 
 The check (see :mod:`pytest_llmload.failures.meta_backward` for the calling convention)::
 
@@ -60,16 +59,23 @@ from typing import Any
 
 from pytest_llmload.checks.base import Check, KnownFailure, not_exercised
 from pytest_llmload.checks import contract
+from pytest_llmload.fixes.adapters import (  # noqa: F401  (the fix; re-exported from its old home)
+    TAG,
+    AdapterBudgetError,
+    adapter_bytes,
+    adapter_placement_kwargs,
+    merge_and_dispatch,
+    put_adapter,
+)
 from pytest_llmload.loader.request import LoadRequest
 from pytest_llmload.loader.tiny_models import copy_tokenizer
 from pytest_llmload.checks.ground_truth import input_ids, offload_budget, plain_model, refusal_problem
+from pytest_llmload.system import tracebacks
 
 Loader = Callable[[LoadRequest], Any]
 
 # torch's text when a meta tensor is copied to a real device (Module.to on a model with offloaded weights).
 META_COPY = r"Cannot copy out of meta tensor"
-# The check's own verdicts and the fix's refusal all carry the id.
-TAG = "adapter-on-offloaded"
 # peft <= 0.17's _update_offload (adapter on a disk-offloaded base) looks up a module name with the root prefix
 # doubled: KeyError: 'base_model.model.model.model.layers.0.input_layernorm' (huggingface/peft#2213).
 PEFT_OFFLOAD_KEY = r"KeyError: 'base_model\.model\.[\w.]+'"
@@ -80,6 +86,8 @@ _ADAPTER_CALLS = r"(?:^| )peft\.|:(?:load_adapter|_update_offload|merge_and_unlo
 
 FAILURE = KnownFailure(
     id="adapter-on-offloaded",
+    order=7,
+    predicted_by=("predict_adapter_on_offloaded",),
     title="a trained PEFT adapter put onto a base model that device_map offloaded to cpu/disk",
     write_up=("tloen/alpaca-lora#368, tloen/alpaca-lora#536, SCIR-HI/Huatuo-Llama-Med-Chinese#75, "
               "QwenLM/Qwen3#297, huggingface/peft#2213, hiyouga/LlamaFactory#6030"),
@@ -107,7 +115,13 @@ FAILURE = KnownFailure(
             "torch 2.13, CPU with disk offload; and peft 0.17.1, accelerate 1.10.1, transformers 4.56.2 as a "
             "KeyError in peft's _update_offload / accelerate's move refusal); reports on cuda:N with cpu/disk "
             "offload, 8-bit bases included."),
-    tell=r"(?:peft_model\.py\", line \d+, in _update_offload|big_modeling\.py\", line \d+, in dispatch_model)",
+    symptom=("a trained LoRA adapter put on a base that `device_map` offloaded: `PeftModel.from_pretrained` raises "
+             "`NotImplementedError: Cannot copy out of meta tensor; no data!` (peft re-dispatches without the "
+             "budget); other ways leave adapter weights on meta (KeyError, or silent garbage)"),
+    occurs_briefly="peft + accelerate offload; cuda:N with cpu/disk offload in the reports",
+    reproduced_here="the tiny Llama with a saved adapter, half its weights on disk (peft 0.21 / accelerate 1.15)",
+    tell=(f"(?:{tracebacks.frame_pattern('peft_model.py', '_update_offload')}"
+          f"|{tracebacks.frame_pattern('big_modeling.py', 'dispatch_model')})"),
     without_tell=(
         "no accelerate dispatch_model (or peft _update_offload) frame in the traceback: check hf_device_map for "
         "'cpu'/'disk' entries and where the adapter's lora_ weights are (meta?) before blaming the adapter load."
@@ -115,11 +129,6 @@ FAILURE = KnownFailure(
 )
 
 LORA_TARGETS = ("q_proj", "v_proj")
-
-
-class AdapterBudgetError(ValueError):
-    """A request to put an adapter on a model whose ``max_memory`` cannot hold it on one device, refused
-    before loading (an offloaded base cannot take an adapter)."""
 
 
 # --- the adapter -----------------------------------------------------------------------------------------
@@ -151,112 +160,6 @@ def write_adapter(checkpoint, dest, *, seed: int = 0, r: int = 8, lora_alpha: in
     return dest
 
 
-def adapter_bytes(adapter_path) -> int:
-    """Bytes of an adapter's weights, from its safetensors header (0 when it has none)."""
-    from pytest_llmload.fixes.training_memory import _safetensors_header
-
-    path = Path(adapter_path) / "adapter_model.safetensors"
-    if not path.is_file():
-        return 0
-    header = _safetensors_header(path)
-    return sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__")
-
-
-# --- the fix ---------------------------------------------------------------------------------------------
-
-
-def _weights_bytes(request: LoadRequest) -> int:
-    from pytest_llmload.fixes.training_memory import estimate_inference_memory
-
-    return estimate_inference_memory(request, prompt_len=1).rows[0][1]
-
-
-def _spreads(placement: dict, device: str) -> bool:
-    """Whether ``from_pretrained(**placement)`` may put part of the model anywhere but ``device``."""
-    device_map = placement.get("device_map")
-    if isinstance(device_map, str):
-        return True
-    if isinstance(device_map, dict):
-        return {str(v) for v in device_map.values()} - {device, device.partition(":")[2]} != set()
-    return False
-
-
-def adapter_placement_kwargs(request: LoadRequest, placement: dict | None = None) -> dict:
-    """Where the base goes when ``request.adapter_path`` will be put on it: never an offloading spread.
-
-    ``placement`` is what the loader would pass otherwise (the reference loader's ``placement_kwargs``);
-    it is returned as is unless it could offload. Then: whole on ``request.device`` when ``max_memory``
-    gives it the weights and the adapter (or there is no budget); on ``cuda:N``, whole on the host when the
-    budget's ``"cpu"`` holds them (:func:`put_adapter` then merges there and dispatches the merged model under
-    the budget); else :class:`AdapterBudgetError`, raised here, before anything is loaded."""
-    from pytest_llmload.fixes.training_memory import budget_for_device
-    from pytest_llmload.system.sizes import format_bytes
-
-    placement = dict(placement) if placement is not None else {"device_map": {"": request.device}}
-    if not _spreads(placement, request.device) and "max_memory" not in placement:
-        return placement
-    whole = {"device_map": {"": request.device}}
-    if request.max_memory is None:
-        return whole
-    need = _weights_bytes(request) + adapter_bytes(request.adapter_path)
-    on_device = budget_for_device(request.max_memory, request.device)
-    if on_device is not None and need <= on_device:
-        return whole
-    on_host = budget_for_device(request.max_memory, "cpu")
-    if (request.device != "cpu" and request.purpose == "inference" and request.quantization is None
-            and on_host is not None and need <= on_host):
-        return {"device_map": {"": "cpu"}}
-    raise AdapterBudgetError(
-        f"refusing to load {request.model_path} with the adapter {request.adapter_path} on {request.device}: "
-        f"base + adapter need {format_bytes(need)} but max_memory={dict(request.max_memory)!r} gives "
-        f"{request.device} {format_bytes(on_device) if on_device is not None else 'nothing'}"
-        + ("" if request.device == "cpu" else f" and the host {format_bytes(on_host) if on_host else 'nothing'}")
-        + f". Offloading the rest would leave the base on 'meta', and a PEFT adapter cannot be put on it "
-        f"({TAG}: 'Cannot copy out of meta tensor', or adapter weights left on meta). Raise the budget, or merge "
-        "the adapter into the base offline and serve the merged checkpoint with the budget."
-    )
-
-
-def merge_and_dispatch(peft_model, max_memory: dict, offload_folder=None):
-    """Merge the adapter into a base held whole on one device, then spread the *merged* model over
-    ``max_memory`` with accelerate (what does not fit goes to the cpu, then to ``offload_folder`` on disk).
-    An offloaded merged model has no adapter weights left to strand on meta."""
-    from accelerate import dispatch_model, infer_auto_device_map
-
-    merged = peft_model.merge_and_unload()
-    no_split = list(getattr(merged, "_no_split_modules", None) or [])
-    device_map = infer_auto_device_map(merged, max_memory=dict(max_memory), no_split_module_classes=no_split)
-    if "disk" in device_map.values() and offload_folder is None:
-        raise AdapterBudgetError(
-            f"max_memory={dict(max_memory)!r} sends part of the merged model to disk but no offload_folder was "
-            "given; pass one (LoadRequest.offload_folder) or raise the budget.")
-    return dispatch_model(merged, device_map=device_map,
-                          offload_dir=os.fspath(offload_folder) if offload_folder is not None else None)
-
-
-def put_adapter(model, request: LoadRequest):
-    """Put ``request.adapter_path`` on ``model`` (loaded with :func:`adapter_placement_kwargs`).
-
-    Returns the ``PeftModel`` (trainable for ``purpose="train"``); a base that was loaded on the host for a
-    ``cuda:N`` request is merged there and dispatched under the budget (:func:`merge_and_dispatch`). Raises
-    :class:`AdapterBudgetError` for a base that is already offloaded instead of letting peft fail on it."""
-    from peft import PeftModel
-
-    from pytest_llmload.checks.ground_truth import offloaded_parts
-
-    offloaded = offloaded_parts(model)
-    if offloaded:
-        raise AdapterBudgetError(
-            f"{TAG}: the base model is offloaded ({'; '.join(offloaded)}); a PEFT adapter put on it fails "
-            f"('Cannot copy out of meta tensor') or stays on meta. Load the base with "
-            f"adapter_placement_kwargs(request) (max_memory={request.max_memory!r}).")
-    peft_model = PeftModel.from_pretrained(model, request.adapter_path, is_trainable=request.purpose == "train")
-    on_host = {p.device.type for p in model.parameters()} == {"cpu"} and request.device != "cpu"
-    if on_host and request.purpose == "inference" and request.max_memory is not None:
-        return merge_and_dispatch(peft_model, request.max_memory_dict, request.offload_folder)
-    return peft_model
-
-
 # --- the check -------------------------------------------------------------------------------------------
 
 
@@ -268,7 +171,7 @@ def _record_loads(loads: list) -> Iterator[None]:
     original = PreTrainedModel.__dict__["from_pretrained"]
 
     def spy(klass, *args, **kwargs):
-        caller = sys._getframe(1).f_globals.get("__name__", "?")
+        caller = tracebacks.module_of(sys._getframe(1)) or "?"
         model = original.__func__(klass, *args, **kwargs)
         loads.append((caller, dict(getattr(model, "hf_device_map", None) or {})))
         return model
@@ -313,10 +216,9 @@ def _offloaded_tiers(device_map: dict, device: str) -> dict:
 def _frames(exc: BaseException) -> str:
     """The library frames an exception passed through: ``peft.peft_model:load_adapter -> ...``."""
     names = []
-    for frame in traceback.extract_tb(exc.__traceback__):
-        parts = frame.filename.replace(os.sep, "/").split("/site-packages/")
-        if len(parts) == 2 and parts[1].split("/")[0] in ("peft", "accelerate", "transformers", "torch"):
-            name = f"{parts[1].removesuffix('.py').replace('/', '.')}:{frame.name}"
+    for frame in traceback.extract_tb(exc.__traceback__):  # as printed: each module read from its installed path
+        if tracebacks.is_library(tracebacks.module_of(frame), ("peft", "accelerate", "transformers", "torch")):
+            name = f"{tracebacks.module_of(frame)}:{frame.name}"
             if not names or names[-1] != name:
                 names.append(name)
     kept = [n for n in names[:-1] if not n.startswith("torch.")] + names[-1:]  # torch's recursion says little
@@ -367,7 +269,7 @@ def check_adapter_on_offloaded_base(loader: Loader, checkpoint, workdir, *, devi
     from pytest_llmload.fixes.training_memory import budget_for_device, checkpoint_tensors
     from pytest_llmload.system.sizes import format_bytes
 
-    name = "check_adapter_on_offloaded_base"
+    name = CHECK.name
     workdir = Path(workdir)
     adapter = write_adapter(checkpoint, workdir / "adapter")
     budget = offload_budget(checkpoint, device)
@@ -385,7 +287,7 @@ def check_adapter_on_offloaded_base(loader: Loader, checkpoint, workdir, *, devi
     opened: list = []
     try:
         with _record_loads(loads), _record_opens(opened), contextlib.chdir(workdir):
-            loaded = contract.load(loader, request, check="check_adapter_on_offloaded_base",
+            loaded = contract.load(loader, request, check=CHECK.name,
                                    needs=("unquantized",))  # (compared with the checkpoint)
     except LoaderContractError:  # a contract gap, an exit: never a refusal of the budget, whatever its text
         raise
@@ -453,4 +355,5 @@ def check_adapter_on_offloaded_base(loader: Loader, checkpoint, workdir, *, devi
 
 # Isolated: the check patches from_pretrained and adds an audit hook while the loader runs, and changes the
 # working directory (peft writes offload copies relative to it).
-CHECKS = (Check(check_adapter_on_offloaded_base, failure=FAILURE, isolated=True, uses_adapters=True),)
+CHECK = Check(check_adapter_on_offloaded_base, failure=FAILURE, isolated=True, uses_adapters=True)
+CHECKS = (CHECK,)

@@ -47,11 +47,14 @@ from pytest_llmload.instruments.probes import spy_classmethod
 from pytest_llmload.loader.request import LoadRequest
 from pytest_llmload.checks.ground_truth import train_optimizer
 from pytest_llmload.runners import ranks
+from pytest_llmload.runners.ranks import RankResult
 
 Loader = Callable[[LoadRequest], Any]
 
 FAILURE = KnownFailure(
     id="distributed-device-map",
+    order=5,
+    predicted_by=("predict_launcher_ddp", "predict_launcher_deepspeed"),
     title="device_map='auto' under DeepSpeed or another distributed launcher",
     write_up="seeds/004_e47582475487edd3.txt",
     signatures=(
@@ -70,6 +73,9 @@ FAILURE = KnownFailure(
         "pytest_llmload.fixes.training_scripts.device_map_for_rank gives it)."
     ),
     occurs="accelerate >= 0.20 with DistributedType DEEPSPEED, MULTI_GPU or MULTI_CPU; CPU (gloo) and GPU.",
+    symptom="`You can't train a model that has been loaded with device_map='auto' in any distributed mode`",
+    occurs_briefly="accelerate in DEEPSPEED / MULTI_GPU / MULTI_CPU mode",
+    reproduced_here="2 gloo ranks, real DeepSpeed ZeRO-2 and plain multi-CPU",
 )
 
 
@@ -123,10 +129,10 @@ def check_distributed_train_step(
     (``{"": LOCAL_RANK}``) is skipped on a runner without accelerators. Needs deepspeed."""
     unknown = [mode for mode in modes if mode not in MODES]
     if unknown or not modes:
-        raise ValueError(f"check_distributed_train_step(modes={tuple(modes)!r}): choose from {MODES}.")
+        raise ValueError(f"{CHECK.name}(modes={tuple(modes)!r}): choose from {MODES}.")
     if "deepspeed" in modes and _missing("deepspeed"):
         raise RuntimeError(
-            "check_distributed_train_step: mode 'deepspeed' needs the deepspeed package (pip install deepspeed; "
+            f"{CHECK.name}: mode 'deepspeed' needs the deepspeed package (pip install deepspeed; "
             "DS_ACCELERATOR=cpu on a CPU-only machine); pass modes=('ddp',) to check without it."
         )
     ranks.preload(
@@ -142,21 +148,21 @@ def check_distributed_train_step(
     for mode, results in zip(modes, results_by_mode):  # every mode is judged: a loader may pin without a budget
         if isinstance(results, ranks.DistributedRunFailed):
             raise results
-        if any("simulated" in result for result in results):
+        if any("simulated" in result.data for result in results):
             simulated.append(mode)
-            pins.update(result["simulated"] for result in results if "simulated" in result)
-        skipped = [result["skip"] for result in results if "skip" in result]
+            pins.update(result.data["simulated"] for result in results if "simulated" in result.data)
+        skipped = [result.reason for result in results if result.kind == "skip"]
         if skipped:
             unexercised.append(f"{skipped[0]} [mode {mode}]")
             continue
-        if all("refused" in result for result in results):
+        if all(result.kind == "refusal" for result in results):
             continue  # the budget cannot hold the model, and the loader said so: not this failure
         problems += [f"{mode}: {problem}" for problem in _judge(results)]
     if simulated:
         contract.note(f"simulated: the ranks' pins {', '.join(sorted(pins))} loaded on the cpu, no accelerator "
                       f"here ({', '.join(simulated)})")
     if not problems and len(unexercised) == len(modes):
-        not_exercised("check_distributed_train_step", "; ".join(unexercised), "a distributed train load")
+        not_exercised(CHECK.name, "; ".join(unexercised), "a distributed train load")
     if problems:
         raise AssertionError(
             f"write-up 004: the loader's model does not train on every rank of a {world_size}-rank {backend} group "
@@ -172,21 +178,21 @@ def _missing(module: str) -> bool:
     return importlib.util.find_spec(module) is None
 
 
-def _judge(results: list[dict]) -> list[str]:
+def _judge(results: list[RankResult]) -> list[str]:
     problems = []
     for rank, result in enumerate(results):
-        if "prepare_error" in result:
-            entries, planned = result["device_map"], result.get("planned")
+        if result.kind == "error":  # accelerator.prepare() raised
+            entries, planned = result.data["device_map"], result.data.get("planned")
             if planned:
-                where = (f"it passed {result['placement']} to from_pretrained, which on a runner with "
+                where = (f"it passed {result.data['placement']} to from_pretrained, which on a runner with "
                          f"{SIMULATED_GPUS} GPUs places the model as {planned} (accelerate's planner)")
             else:
                 where = (f"hf_device_map has {len(entries)} entries: {entries}" if entries
                          else "the model has no hf_device_map")
-            problems.append(f"rank {rank}: accelerator.prepare() raised {result['prepare_error']} ({where})")
+            problems.append(f"rank {rank}: accelerator.prepare() raised {result.reason} ({where})")
     if problems:
         return problems
-    return judge_step(results, after="the loss after the step (weights out of sync)")
+    return judge_step([result.data for result in results], after="the loss after the step (weights out of sync)")
 
 
 def judge_step(results: list[dict], *, after: str) -> list[str]:
@@ -228,7 +234,7 @@ def step_and_probe(accelerator, model, optimizer, rank: int) -> dict:
     return {"probe_loss_before": before, "step_loss": loss.item(), "probe_loss_after": after}
 
 
-def _load_prepare_and_step(loader: Loader, checkpoint: str, workdir: str, mode: str, backend: str) -> dict:
+def _load_prepare_and_step(loader: Loader, checkpoint: str, workdir: str, mode: str, backend: str) -> RankResult:
     """On one rank: load through ``loader``, prepare with accelerate, one step; the losses, or prepare's error.
 
     The step's batch differs per rank and the probe batch is the same on all: equal probe losses after the
@@ -252,7 +258,7 @@ def _load_prepare_and_step(loader: Loader, checkpoint: str, workdir: str, mode: 
     calls: list = []
     try:
         with spy_classmethod(PreTrainedModel, "from_pretrained", calls):
-            model, request = contract.load(loader, request, check="check_distributed_train_step").model_and_request
+            model, request = contract.load(loader, request, check=CHECK.name).model_and_request
     except LoaderError as exc:
         placement = _placement(calls)
         pinned = placement.get("device_map")
@@ -263,11 +269,11 @@ def _load_prepare_and_step(loader: Loader, checkpoint: str, workdir: str, mode: 
             simulated = f"device_map={pinned!r}"
             calls.clear()
             with spy_classmethod(PreTrainedModel, "from_pretrained", calls), _pins_on_cpu():
-                model, request = contract.load(loader, request, check="check_distributed_train_step").model_and_request
+                model, request = contract.load(loader, request, check=CHECK.name).model_and_request
             result = _prepare_and_step(model, calls, checkpoint, request, mode, backend, rank)
-            return {**result, "simulated": simulated}
+            return result.with_data(simulated=simulated)
         if mode == "ddp-budget" and refusal_problem(exc.original) is None:
-            return {"refused": str(exc.original)}
+            return RankResult.refusal(str(exc.original))
         raise
     return _prepare_and_step(model, calls, checkpoint, request, mode, backend, rank)
 
@@ -294,7 +300,7 @@ def _pins_on_cpu():
 
 
 def _prepare_and_step(model, calls: list, checkpoint: str, request: LoadRequest, mode: str, backend: str,
-                      rank: int) -> dict:
+                      rank: int) -> RankResult:
     """Prepare the rank's model with accelerate as the mode's training script does, and take a step."""
     import torch
     from accelerate import Accelerator
@@ -322,17 +328,17 @@ def _prepare_and_step(model, calls: list, checkpoint: str, request: LoadRequest,
         raise RuntimeError(f"accelerate chose {accelerator.distributed_type}, expected {expected} on rank {rank}")
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable:  # a frozen base: DDP and DeepSpeed refuse to prepare it whatever its placement
-        return {"skip": "returned a model with no trainable parameter (a frozen base): nothing for a distributed "
-                        "job to prepare and train"}
+        return RankResult.skip("returned a model with no trainable parameter (a frozen base): nothing for a "
+                               "distributed job to prepare and train")
     optimizer = train_optimizer(trainable, LEARNING_RATE)
     try:
         model, optimizer = accelerator.prepare(model, optimizer)
     except Exception as exc:  # noqa: BLE001 - whatever prepare() refuses is the finding
-        return {"device_map": device_map, "prepare_error": f"{type(exc).__name__}: {exc}", "planned": planned,
-                "placement": {k: (v if isinstance(v, (str, int)) else dict(v)) for k, v in asked.items()}}
+        return RankResult.error(f"{type(exc).__name__}: {exc}", device_map=device_map, planned=planned,
+                                placement={k: (v if isinstance(v, (str, int)) else dict(v)) for k, v in asked.items()})
 
-    return {"device_map": device_map, "distributed_type": str(accelerator.distributed_type),
-            **step_and_probe(accelerator, model, optimizer, rank)}
+    return RankResult.ok(device_map=device_map, distributed_type=str(accelerator.distributed_type),
+                         **step_and_probe(accelerator, model, optimizer, rank))
 
 
 def _placement(calls: list) -> dict:
@@ -369,4 +375,5 @@ def _plan_on_gpus(checkpoint: str, placement: dict, request: LoadRequest) -> Opt
 # Not isolated: its work already runs in ranks it forks (deadline, stacks, exit codes included), and the
 # DeepSpeed stack it imports here first (seconds) is what makes those ranks cheap; in a child it would be
 # imported again on every call.
-CHECKS = (Check(check_distributed_train_step, failure=FAILURE, world_size=2, timeout=180, purpose="train"),)
+CHECK = Check(check_distributed_train_step, failure=FAILURE, world_size=2, timeout=180, purpose="train")
+CHECKS = (CHECK,)

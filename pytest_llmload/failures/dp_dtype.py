@@ -10,7 +10,7 @@ on CPU, the machine simulated where Trainer reads it:
 
 - the placement: what the loader passes to ``from_pretrained`` (``device_map``, ``max_memory``) is planned for 2
   GPUs of 80 GiB by the planner the predictions and the distributed check use
-  (:func:`pytest_llmload.prediction.predict.place`: transformers' own placement, its quantizer's included); where
+  (:func:`pytest_llmload.placement.planned.place`: transformers' own placement, its quantizer's included); where
   that puts modules on the GPUs, the weights load on the cpu and the model carries the planned ``hf_device_map``,
   as from_pretrained sets it there, for whatever the loader does next and for Trainer to read;
 - ``TrainingArguments`` as there: ``n_gpu`` 2, ``device`` ``cuda:0``
@@ -52,6 +52,8 @@ logger = logging.getLogger(__name__)
 
 FAILURE = KnownFailure(
     id="dp-dtype",
+    order=4,
+    predicted_by=("predict_trainer",),
     title="nn.DataParallel wrapped around a model already placed with device_map",
     write_up="seeds/003_b296b1821f4bec50.txt",
     signatures=(
@@ -74,6 +76,9 @@ FAILURE = KnownFailure(
     occurs=("2+ GPUs seen by one process, the model placed where Trainer sees no model parallelism (on one GPU, "
             "or a spread its hf_device_map does not show); Trainer up to 4.57 wraps 4-bit models, later versions "
             "skip 4-bit but still count n_gpu."),
+    symptom="`expected mat1 and mat2 to have the same dtype, but got: float != c10::BFloat16` under `nn.DataParallel`",
+    occurs_briefly="2+ GPUs; Trainer wraps 4-bit models up to 4.57",
+    reproduced_here="Trainer's own decision at `n_gpu=2` on CPU; the real error needs 2 GPUs (`needs_gpus(2)`)",
     tell=r"data_parallel|parallel_apply",
     without_tell=(
         "no DataParallel frame in the traceback: the same dtype symptom, so look for another float/bf16 mix "
@@ -214,15 +219,15 @@ def _accelerator(where: str) -> bool:
 @contextlib.contextmanager
 def placed_as_on_gpus(request: LoadRequest, n_gpu: int, seen: list, problems: list):
     """``from_pretrained`` as on a machine with ``n_gpu`` GPUs of :data:`SIMULATED_GPU_BYTES`: where the loader's
-    ``device_map``/``max_memory`` puts modules on the GPUs (the predictions' planner, :func:`predict.place`), the
-    weights load on the cpu instead (``device_map={"": "cpu"}``) and the model gets the planned ``hf_device_map``
-    (``cuda:N``). Each such call is appended to ``seen``; a placement that cannot be planned here to ``problems``
-    (and the call runs as the loader made it). A placement from_pretrained would refuse there raises its refusal,
-    from the loader's call."""
+    ``device_map``/``max_memory`` puts modules on the GPUs (the predictions' planner,
+    :func:`~pytest_llmload.placement.planned.place`), the weights load on the cpu instead (``device_map={"": "cpu"}``)
+    and the model gets the planned ``hf_device_map`` (``cuda:N``). Each such call is appended to ``seen``; a
+    placement that cannot be planned here to ``problems`` (and the call runs as the loader made it). A placement
+    from_pretrained would refuse there raises its refusal, from the loader's call."""
     from transformers import PreTrainedModel
 
     from pytest_llmload.placement import architectures, profiles
-    from pytest_llmload.prediction import predict
+    from pytest_llmload.placement.planned import PlacementRefused, place
 
     profile = profiles.RunnerProfile(name=f"{n_gpu} simulated GPUs", devices=n_gpu,
                                      device_memory=SIMULATED_GPU_BYTES, host_memory=SIMULATED_HOST_BYTES,
@@ -240,8 +245,8 @@ def placed_as_on_gpus(request: LoadRequest, n_gpu: int, seen: list, problems: li
             planned = None
             try:
                 config = architectures.load_config(path, source="from_pretrained")
-                planned = predict.place(config, kwargs, request, profile)[1]
-            except predict._PlacementRefused as refused:
+                planned = place(config, kwargs, request, profile)[1]
+            except PlacementRefused as refused:
                 raise ValueError(f"on {n_gpu} simulated GPUs, from_pretrained would refuse this placement "
                                  f"({asked}): {type(refused.refusal).__name__}: {refused.refusal}") from None
             except Exception as exc:  # noqa: BLE001 - a placement the planner cannot take: judged as loaded here
@@ -299,7 +304,7 @@ def check_trainer_does_not_wrap_placed_model(
     if trains_without_trainer or trains_under_deepspeed:
         how = ("to train without transformers.Trainer (llmload_trains_without_trainer)" if trains_without_trainer
                else "to train only under DeepSpeed, one process per GPU (llmload_trains_under_deepspeed)")
-        not_exercised("check_trainer_does_not_wrap_placed_model", f"is declared {how}", "Trainer's wrap decision")
+        not_exercised(CHECK.name, f"is declared {how}", "Trainer's wrap decision")
     refusal = four_bit_refusal()
     if refusal is not None:
         import pytest
@@ -326,7 +331,7 @@ def check_trainer_does_not_wrap_placed_model(
     simulating = placed_as_on_gpus(request, simulated_n_gpu, seen, unplanned) if simulated_n_gpu \
         else contextlib.nullcontext()
     with simulating:
-        model = contract.load(loader, request, check="check_trainer_does_not_wrap_placed_model").model
+        model = contract.load(loader, request, check=CHECK.name).model
     if simulated_n_gpu:
         placed = "; ".join(dict.fromkeys(
             f"from_pretrained({', '.join(f'{k}={v!r}' for k, v in call.asked.items())}) planned as "
@@ -339,7 +344,7 @@ def check_trainer_does_not_wrap_placed_model(
         # DataParallel over a plain, unplaced model is ordinary and works: not this failure's scenario.
         _own_maps_back(seen)
         got = contract.observe(model).quantization
-        not_exercised("check_trainer_does_not_wrap_placed_model", f"ignored the 4-bit request: it returned "
+        not_exercised(CHECK.name, f"ignored the 4-bit request: it returned "
                       f"{'an ' + got if got else 'an unquantized'} model, {where_loaded(model)}",
                       "a placed 4-bit model handed to Trainer")
     obs = observe_trainer(model, workdir / "trainer", simulated_n_gpu=simulated_n_gpu,
@@ -377,7 +382,7 @@ def check_trainer_does_not_wrap_placed_model(
             import pytest
 
             contract.note(ASSUMED_NO_TRAINER)
-            pytest.skip(f"{NOT_EXERCISED}check_trainer_does_not_wrap_placed_model: {ASSUMED_NO_TRAINER}. Were it "
+            pytest.skip(f"{NOT_EXERCISED}{CHECK.name}: {ASSUMED_NO_TRAINER}. Were it "
                         f"handed to a stock Trainer on {simulated_n_gpu} GPUs: "
                         f"{'; '.join(problems + others)} ({reading})")
         contract.note(ASSUMED_EITHER_WAY)
@@ -405,8 +410,7 @@ def check_trainer_does_not_wrap_placed_model(
 
 # Isolated: Trainer leaves accelerate's process-wide AcceleratorState behind (class-level singletons that later
 # tests and forked ranks inherit) and reseeds the global RNGs; the 4-bit load runs bitsandbytes' native code.
-CHECKS = (
-    # Trainer as transformers ships it; a training script's own fix comes in as `prepare_args` (the
-    # llmload_training_args_hook option, ini key or loader attribute), as it does in the script.
-    Check(check_trainer_does_not_wrap_placed_model, failure=FAILURE, timeout=180, purpose="train", isolated=True),
-)
+# Trainer as transformers ships it; a training script's own fix comes in as `prepare_args` (the
+# llmload_training_args_hook option, ini key or loader attribute), as it does in the script.
+CHECK = Check(check_trainer_does_not_wrap_placed_model, failure=FAILURE, timeout=180, purpose="train", isolated=True)
+CHECKS = (CHECK,)

@@ -45,6 +45,7 @@ UNSCALE_ERROR = "Attempting to unscale FP16 gradients."
 
 FAILURE = KnownFailure(
     id="fp16-unscale",
+    order=10,
     title="float16 trainable weights under fp16 mixed precision: GradScaler refuses to unscale their gradients",
     write_up=("huggingface/transformers#23165, huggingface/peft#341, hiyouga/LlamaFactory#1764, "
               "Vision-CAIR/MiniGPT-4#213, sillsdev/silnlp#292; fix in peft: huggingface/peft#1706"),
@@ -66,6 +67,11 @@ FAILURE = KnownFailure(
         "with torch.amp.GradScaler('cpu') (torch 2.13 here); LoRA only with peft < 0.11 or "
         "autocast_adapter_dtype=False."
     ),
+    symptom=("weights loaded in float16 and trained under fp16 mixed precision: `ValueError: Attempting to unscale "
+             "FP16 gradients.`"),
+    occurs_briefly=("Trainer/accelerate `fp16=True` or `torch.amp.GradScaler`; a float16 full fine-tune, or LoRA "
+                    "with fp16 adapters"),
+    reproduced_here='an fp16 autocast + `torch.amp.GradScaler("cpu")` step on CPU; `Trainer(fp16=True)` on an H100',
 )
 
 LORA_VARIANTS = (False, True)
@@ -122,13 +128,13 @@ def check_fp16_train_request_keeps_fp32_master_weights(loader: Loader, checkpoin
     import torch
 
     if trains_under_deepspeed:  # DeepSpeed's fp16 optimizer keeps its own float32 master weights: no GradScaler
-        not_exercised("check_fp16_train_request_keeps_fp32_master_weights", "is declared to train only under "
+        not_exercised(CHECK.name, "is declared to train only under "
                       "DeepSpeed (llmload_trains_under_deepspeed)", "a torch GradScaler step")
     failures, passed, untrainable = [], [], []
     for lora in variants:
         label = f"dtype=float16, lora={lora}"
         request = LoadRequest(checkpoint, purpose="train", dtype="float16", device=device, lora=lora)
-        model = contract.load(loader, request, check="check_fp16_train_request_keeps_fp32_master_weights").model
+        model = contract.load(loader, request, check=CHECK.name).model
         named = list(model.named_parameters())
         trainable = [(n, p) for n, p in named if p.requires_grad]
         if not trainable:
@@ -161,7 +167,7 @@ def check_fp16_train_request_keeps_fp32_master_weights(loader: Loader, checkpoin
             "keep them float32, e.g. pytest_llmload.fixes.training_scripts.upcast_trainable_parameters):\n  "
             + "\n  ".join(failures))
     if untrainable and not passed:
-        not_exercised("check_fp16_train_request_keeps_fp32_master_weights", f"returned a model with no trainable "
+        not_exercised(CHECK.name, f"returned a model with no trainable "
                       f"parameter ({'; '.join(untrainable)})", "an fp16 mixed-precision step")
     if untrainable:  # judged on the requests that trained, as the train check does (a frozen base without LoRA)
         contract.note(f"{len(untrainable)} of {len(untrainable) + len(passed)} float16 train requests got a model "
@@ -169,8 +175,5 @@ def check_fp16_train_request_keeps_fp32_master_weights(loader: Loader, checkpoin
 
 
 # Isolated, like every check that calls the loader in this process (a hang is killed with the child).
-CHECKS = (
-    Check(check_fp16_train_request_keeps_fp32_master_weights, failure=FAILURE, purpose="train", isolated=True),
-    Check(check_fp16_train_request_keeps_fp32_master_weights, failure=FAILURE, purpose="train",
-          isolated=True).on_gpu(),
-)
+CHECK = Check(check_fp16_train_request_keeps_fp32_master_weights, failure=FAILURE, purpose="train", isolated=True)
+CHECKS = (CHECK, CHECK.on_gpu())

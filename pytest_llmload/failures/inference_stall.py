@@ -9,12 +9,14 @@ cap ``max_new_tokens`` and budget the memory.
 from __future__ import annotations
 
 from pytest_llmload.checks.base import Check, KnownFailure
+from pytest_llmload.system.tracebacks import HANG_SIGNATURES
 
 FAILURE = KnownFailure(
     id="inference-stall",
+    order=3,
     title="generate() appears to hang on an offloaded model",
     write_up="seeds/001_8385e6bc387e2557.txt",
-    signatures=(r"Timeout \(>[\d.]+s\) from pytest-timeout", r"deadline .* exceeded", r"Timed out after"),
+    signatures=HANG_SIGNATURES,
     context=(r"generate|_sample|greedy_search",),
     root_cause=(
         "Generation on a model spread over GPU, CPU and disk streams offloaded weights every token; with a "
@@ -26,6 +28,10 @@ FAILURE = KnownFailure(
         "memory that nothing is offloaded for interactive use."
     ),
     occurs="any version; models larger than GPU memory with cpu/disk offload.",
+    symptom="`generate()` appears to hang on an offloaded model",
+    occurs_briefly="any version, models larger than GPU memory",
+    reproduced_here=("diagnostics (`pytest_llmload/instruments/`), and a deadline hit inside `generate` is named in "
+                     "the report"),
 )
 
 

@@ -39,7 +39,8 @@ from pytest_llmload.checks.base import Check, KnownFailure, not_exercised
 from pytest_llmload.checks import contract
 from pytest_llmload.loader.seam import LoaderError
 from pytest_llmload.loader.request import LoadRequest
-from pytest_llmload.checks.ground_truth import LOADING_LIBRARIES, input_ids, offload_budget, offloaded_parts, where_loaded
+from pytest_llmload.checks.ground_truth import input_ids, offload_budget, offloaded_parts, where_loaded
+from pytest_llmload.system.tracebacks import LOADING_LIBRARIES, is_library, module_of
 
 Loader = Callable[[LoadRequest], Any]
 
@@ -50,6 +51,8 @@ VERDICT = r"moved a model with \d+ of \d+ parameters offloaded"
 
 FAILURE = KnownFailure(
     id="move-offloaded",
+    order=6,
+    predicted_by=("predict_moved_after_loading",),
     title="moving (.to/.cuda/.cpu) a model that device_map offloaded to cpu or disk",
     write_up="mlfoundations/rtfm#19, 01-ai/Yi#302, mlcommons/inference#1751, hiyouga/LlamaFactory#2732",
     signatures=(ACCELERATE_REFUSAL, VERDICT),
@@ -67,6 +70,11 @@ FAILURE = KnownFailure(
     ),
     occurs=("accelerate >= 0.2x with transformers 4.x-5.x device_map offload (reproduced: transformers 5.23, "
             "accelerate 1.15, CPU with disk offload); any hardware: cuda:N with cpu offload in the reports."),
+    symptom=("`.to()`/`.cuda()`/`.cpu()` (or `deepspeed.initialize`) on a model that `device_map` + `max_memory` "
+             "offloaded: `RuntimeError: You can't move a model that has some modules offloaded to cpu or disk.`"),
+    occurs_briefly="accelerate offload, transformers 4.x-5.x, any hardware",
+    reproduced_here=('the tiny Llama with half its weights on disk, then `.to("cpu")`; on an H100, `.to("cuda:0")` '
+                     "with cpu offload"),
 )
 
 # nn.Module methods that move or cast every parameter.
@@ -169,8 +177,8 @@ def _made_by(frames: list, index: int) -> str:
     """The innermost frame before ``frames[index]`` that is not a library's, and the library call between."""
     library_call = None
     for frame, lineno in reversed(frames[:index]):
-        module = frame.f_globals.get("__name__", "")
-        if module.split(".")[0] in LIBRARIES:
+        module = module_of(frame)
+        if is_library(module, LIBRARIES):
             if library_call is None:
                 library_call = f"{module}.{frame.f_code.co_name}"
             continue
@@ -195,7 +203,7 @@ def find_move(exc: BaseException) -> Optional[Move]:
         frames = list(traceback.walk_tb(error.__traceback__))
         if re.search(ACCELERATE_REFUSAL, str(error)):
             for i, (frame, _) in enumerate(frames):
-                if frame.f_globals.get("__name__") == "accelerate.big_modeling" and "model" in frame.f_locals:
+                if module_of(frame) == "accelerate.big_modeling" and "model" in frame.f_locals:
                     local = frame.f_locals
                     name = getattr(local.get("fn"), "__name__", "to")
                     state = offload_state(local["model"])
@@ -205,7 +213,7 @@ def find_move(exc: BaseException) -> Optional[Move]:
         if "meta" not in str(error):
             continue
         for i, (frame, _) in enumerate(frames):
-            if (frame.f_globals.get("__name__") == "torch.nn.modules.module" and frame.f_code.co_name in MOVES
+            if (module_of(frame) == "torch.nn.modules.module" and frame.f_code.co_name in MOVES
                     and "self" in frame.f_locals):
                 state = offload_state(frame.f_locals["self"])
                 if not state.by_accelerate:
@@ -233,7 +241,7 @@ def check_offloaded_model_not_moved(loader: Loader, checkpoint, workdir, *, devi
                           max_memory=offload_budget(checkpoint, device, fraction=fraction),
                           offload_folder=Path(workdir) / "offload")
     try:
-        model, request = contract.load(loader, request, check="check_offloaded_model_not_moved").model_and_request
+        model, request = contract.load(loader, request, check=CHECK.name).model_and_request
     except LoaderError as exc:
         move = find_move(exc.original)
         if move is None:
@@ -251,7 +259,7 @@ def check_offloaded_model_not_moved(loader: Loader, checkpoint, workdir, *, devi
             "placed: use it as loaded, or load it whole (device_map={'': device}) when it fits."
         ) from (move.error if accelerate_said else None)
     if not offloaded_parts(model):
-        not_exercised("check_offloaded_model_not_moved", f"loaded the model {where_loaded(model)} under "
+        not_exercised(CHECK.name, f"loaded the model {where_loaded(model)} under "
                       f"max_memory={request.max_memory}: nothing was offloaded", "moving an offloaded model")
     model.eval()
     ids = input_ids(model, device, batch=1, length=8)
@@ -261,7 +269,5 @@ def check_offloaded_model_not_moved(loader: Loader, checkpoint, workdir, *, devi
 
 # Isolated, like every check that calls the loader in this process: a load that hangs in native code can only be
 # stopped by killing the process it runs in, and a loader may set up process-wide state (deepspeed.initialize).
-CHECKS = (
-    Check(check_offloaded_model_not_moved, failure=FAILURE, isolated=True),
-    Check(check_offloaded_model_not_moved, failure=FAILURE, isolated=True).on_gpu(),
-)
+CHECK = Check(check_offloaded_model_not_moved, failure=FAILURE, isolated=True)
+CHECKS = (CHECK, CHECK.on_gpu())

@@ -29,14 +29,17 @@ from pytest_llmload.loader.seam import LoaderModelError
 from pytest_llmload.instruments.probes import deadline, record_network, record_writes, spy_classmethod, system_tempdir
 from pytest_llmload.loader.request import LoadRequest
 from pytest_llmload.checks.ground_truth import input_ids, offload_budget, offloaded_parts, plain_model, where_loaded
+from pytest_llmload.system.tracebacks import HANG_SIGNATURES
 
 Loader = Callable[[LoadRequest], Any]
 
 FAILURE = KnownFailure(
     id="offload-hang",
+    order=2,
+    predicted_by=("predict_inference_load",),
     title="from_pretrained never returns after the shards load (offload_state_dict round-trip)",
     write_up="seeds/000_90648e437c1c073a.txt",
-    signatures=(r"Timeout \(>[\d.]+s\) from pytest-timeout", r"deadline .* exceeded", r"Timed out after"),
+    signatures=HANG_SIGNATURES,
     context=(r"from_pretrained|load_state_dict|offload",),
     root_cause=(
         "With offload_state_dict=True and a budget that offloads, transformers <= 4.56 writes every CPU-bound "
@@ -48,6 +51,10 @@ FAILURE = KnownFailure(
         "offload is wanted, and set pad_token_id directly instead of a second GenerationConfig.from_pretrained."
     ),
     occurs="transformers <= 4.56 with device_map + max_memory + offload_folder; any hardware, worst on big models.",
+    symptom="`from_pretrained` never returns after the shards load (`offload_state_dict` round-trip)",
+    occurs_briefly="transformers <= 4.56 with `device_map` + `max_memory` + `offload_folder`",
+    reproduced_here=("the silent temp-dir round-trip on 4.56; 5.23 drops the keyword silently (asserted); a blocked "
+                     "shard read fails within its deadline naming the frame"),
     hang_is_mechanism=True,
 )
 
@@ -66,12 +73,12 @@ def check_offload_inference(loader: Loader, checkpoint, workdir, *, device: str 
                           max_memory=offload_budget(checkpoint, device), offload_folder=Path(workdir) / "offload")
     start = time.monotonic()
     with deadline(deadline_s, f"the offloading inference load of {checkpoint} (max_memory={request.max_memory_dict})"):
-        loaded = contract.load(loader, request, check="check_offload_inference",
+        loaded = contract.load(loader, request, check=OFFLOAD_INFERENCE.name,
                                needs=("unquantized",))  # (compared with the checkpoint)
     model, request = loaded.model, loaded.request  # (in the dtype the loader loads)
     load_s = time.monotonic() - start
     if not offloaded_parts(model):
-        not_exercised("check_offload_inference", f"loaded the model {where_loaded(model)} under "
+        not_exercised(OFFLOAD_INFERENCE.name, f"loaded the model {where_loaded(model)} under "
                       f"max_memory={request.max_memory}: nothing was offloaded", "the offloaded path")
     model.eval()
     whole = plain_model(checkpoint, device, request.dtype)
@@ -114,7 +121,7 @@ def check_load_writes_only_offload_folder(loader: Loader, checkpoint, workdir, *
                           max_memory=offload_budget(checkpoint, device), offload_folder=offload_folder)
     before = os.stat(system_tmp).st_mtime_ns
     with system_tempdir(system_tmp), record_writes() as writes:
-        loaded = contract.load(loader, request, check="check_load_writes_only_offload_folder")
+        loaded = contract.load(loader, request, check=WRITES_ONLY_OFFLOAD_FOLDER.name)
     model, request = loaded.model, loaded.request
     inside = os.path.realpath(offload_folder) + os.sep
     outside = [w for w in writes if not w.at_import and not (w.path + os.sep).startswith(inside)]
@@ -133,7 +140,7 @@ def check_load_writes_only_offload_folder(loader: Loader, checkpoint, workdir, *
             f"(offload_state_dict=True, write-up 000) looks like a hang on a large model.\n  {shown}"
         )
     if not offloaded_parts(model):
-        not_exercised("check_load_writes_only_offload_folder", f"loaded the model {where_loaded(model)} under "
+        not_exercised(WRITES_ONLY_OFFLOAD_FOLDER.name, f"loaded the model {where_loaded(model)} under "
                       f"max_memory={request.max_memory}: nothing was offloaded", "an offloading load")
 
 
@@ -152,7 +159,7 @@ def check_pad_token_set_offline(loader: Loader, checkpoint, workdir, *, device: 
     request = LoadRequest(checkpoint, purpose="inference", device=device)
     calls: list = []
     with record_network() as attempts, spy_classmethod(GenerationConfig, "from_pretrained", calls):
-        model, tokenizer = contract.load(loader, request, check="check_pad_token_set_offline")
+        model, tokenizer = contract.load(loader, request, check=PAD_TOKEN_SET_OFFLINE.name)
     problems = []
     outside = [c for c in calls if not c[1].startswith("transformers.")]
     if outside:
@@ -190,9 +197,7 @@ def check_pad_token_set_offline(loader: Loader, checkpoint, workdir, *, device: 
 # All isolated: each patches process-wide state while the loader runs (from_pretrained spies, the socket guard,
 # TMPDIR and an audit hook that cannot be removed), and a load that hangs in native code (a blocked shard read)
 # ignores the in-process alarm of ``deadline``; a child can be killed at its deadline, with its stacks.
-CHECKS = (
-    Check(check_offload_inference, failure=FAILURE, isolated=True),
-    Check(check_load_writes_only_offload_folder, failure=FAILURE, isolated=True),
-    Check(check_pad_token_set_offline, failure=FAILURE, isolated=True),
-    Check(check_offload_inference, failure=FAILURE, isolated=True).on_gpu(),
-)
+OFFLOAD_INFERENCE = Check(check_offload_inference, failure=FAILURE, isolated=True)
+WRITES_ONLY_OFFLOAD_FOLDER = Check(check_load_writes_only_offload_folder, failure=FAILURE, isolated=True)
+PAD_TOKEN_SET_OFFLINE = Check(check_pad_token_set_offline, failure=FAILURE, isolated=True)
+CHECKS = (OFFLOAD_INFERENCE, WRITES_ONLY_OFFLOAD_FOLDER, PAD_TOKEN_SET_OFFLINE, OFFLOAD_INFERENCE.on_gpu())

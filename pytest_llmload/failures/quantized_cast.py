@@ -33,7 +33,6 @@ import contextlib
 import functools
 import logging
 import re
-import traceback
 from unittest import mock
 from collections.abc import Callable
 from pathlib import Path
@@ -43,6 +42,7 @@ from pytest_llmload.checks.base import Check, KnownFailure, not_exercised
 from pytest_llmload.checks import contract
 from pytest_llmload.loader.seam import LoaderError, LoaderModelError
 from pytest_llmload.loader.request import LoadRequest
+from pytest_llmload.system import tracebacks
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +58,8 @@ CAST_REFUSALS = (
 
 FAILURE = KnownFailure(
     id="quantized-cast",
+    order=8,
+    predicted_by=("predict_quantized_cast",),
     title="a bitsandbytes-quantized model cast to another dtype after loading",
     write_up=("hiyouga/LlamaFactory#5, deepspeedai/DeepSpeed#3719, InternLM/xtuner#342, axolotl-ai-cloud/axolotl#2511, "
               "huggingface/diffusers#11570, OpenRLHF/OpenRLHF#403"),
@@ -78,6 +80,11 @@ FAILURE = KnownFailure(
             "(8-bit and 4-bit); reproduced on CPU with transformers 5.23 and bitsandbytes 0.50 (4-bit and 8-bit) and "
             "with transformers 4.56 and bitsandbytes 0.47 (same texts; 4.x loads the other weights in float16 "
             "without dtype=, so a swallowed cast leaves a float16 request right and a bfloat16 one float16)."),
+    symptom=("a bitsandbytes 4-bit/8-bit model cast after loading (`.half()`, `.to(dtype)`): ``ValueError: You "
+             "cannot cast a bitsandbytes model in a new `dtype` `` / ``ValueError: `.half()` is not supported for "
+             "quantized model``"),
+    occurs_briefly="any device; transformers since #20409",
+    reproduced_here="bitsandbytes 0.50's CPU backend, 4-bit nf4 and 8-bit (skips on 4.46, which refuses 4-bit on CPU)",
 )
 
 # (quantization, dtype): the requests the check makes. 8-bit in bfloat16 is left out: bitsandbytes' int8 matmul
@@ -97,10 +104,10 @@ def _cast_call_site(exc: BaseException) -> str:
 
     The loader's own line (```model = model.half()` (before_quantized_cast.py:44, in load)``), or a library's
     where one casts the model for the script (DeepSpeed's engine: ``self.module.half()``)."""
-    frames = traceback.extract_tb(exc.__traceback__)
+    frames = tracebacks.frames(exc)
     for index in range(len(frames) - 1, 0, -1):
         frame = frames[index]
-        if frame.name in _CASTS and frame.filename.replace("\\", "/").endswith("transformers/modeling_utils.py"):
+        if frame.name in _CASTS and frame.module == "transformers.modeling_utils":
             below = [f for f in frames[:index] if f.filename != __file__]  # not our spy
             if not below:
                 continue
@@ -112,8 +119,8 @@ def _cast_call_site(exc: BaseException) -> str:
 
 def _inside_from_pretrained(exc: BaseException) -> bool:
     """Whether the refusal was raised under ``from_pretrained`` (the library moving the model), not after it."""
-    return any(frame.name == "from_pretrained" and "/transformers/" in frame.filename.replace("\\", "/")
-               for frame in traceback.extract_tb(exc.__traceback__))
+    return any(frame.name == "from_pretrained" and tracebacks.is_library(frame.module, ("transformers",))
+               for frame in tracebacks.frames(exc))
 
 
 def eight_bit_refusal(device: str = "cpu") -> str | None:
@@ -247,10 +254,10 @@ def check_quantized_request_keeps_dtype(loader: Loader, checkpoint, workdir, *, 
     from pytest_llmload.failures.dp_dtype import four_bit_refusal
 
     if importlib.util.find_spec("bitsandbytes") is None:
-        pytest.skip("check_quantized_request_keeps_dtype: bitsandbytes is not installed; no quantized load exercised")
+        pytest.skip(f"{CHECK.name}: bitsandbytes is not installed; no quantized load exercised")
     refusal = four_bit_refusal()
     if refusal is not None:
-        pytest.skip(f"check_quantized_request_keeps_dtype: {refusal}; no quantized load exercised")
+        pytest.skip(f"{CHECK.name}: {refusal}; no quantized load exercised")
     not_run = []
     if any(q == "8bit" for q, _ in variants):
         why = eight_bit_refusal(device)
@@ -267,7 +274,7 @@ def check_quantized_request_keeps_dtype(loader: Loader, checkpoint, workdir, *, 
         try:
             with record_cast_refusals(refused):
                 model, request = contract.load(loader, request,
-                                               check="check_quantized_request_keeps_dtype").model_and_request
+                                               check=CHECK.name).model_and_request
         except contract.ContractGap:
             if not refused:
                 raise
@@ -318,13 +325,12 @@ def check_quantized_request_keeps_dtype(loader: Loader, checkpoint, workdir, *, 
             + "\n  ".join(failures) + unexercised
         )
     if not exercised:
-        not_exercised("check_quantized_request_keeps_dtype", "; ".join(not_run), "a quantized load")
+        not_exercised(CHECK.name, "; ".join(not_run), "a quantized load")
     for line in not_run:
-        logger.info("check_quantized_request_keeps_dtype: not exercised: %s", line)
+        logger.info("%s: not exercised: %s", CHECK.name, line)
 
 
 # Isolated: bitsandbytes is imported and run; where a GPU is visible its import initialises CUDA, and a test
 # process that has initialised CUDA can no longer fork the other isolated checks (see preload_for_isolated_checks).
-CHECKS = (
-    Check(check_quantized_request_keeps_dtype, failure=FAILURE, isolated=True),
-)
+CHECK = Check(check_quantized_request_keeps_dtype, failure=FAILURE, isolated=True)
+CHECKS = (CHECK,)

@@ -60,6 +60,8 @@ from pytest_llmload.loader.seam import LoaderError, LoaderModelError
 from pytest_llmload.loader.request import LoadRequest
 from pytest_llmload.checks.ground_truth import train_optimizer
 from pytest_llmload.runners import ranks
+from pytest_llmload.runners.ranks import RankResult
+from pytest_llmload.system.tracebacks import is_library, module_of
 
 Loader = Callable[[LoadRequest], Any]
 
@@ -71,6 +73,8 @@ ERROR_RE = (r"DeepSpeed Zero-3 is not compatible with (?:`?low_cpu_mem_usage=Tru
 
 FAILURE = KnownFailure(
     id="zero3-device-map",
+    order=9,
+    predicted_by=("predict_zero3",),
     title="a device_map passed to from_pretrained under DeepSpeed ZeRO-3",
     write_up=("huggingface/peft#306, huggingface/accelerate#2543, hiyouga/LlamaFactory#199, "
               "hiyouga/LlamaFactory#3949, QwenLM/Qwen#833, shibing624/MedicalGPT#477"),
@@ -88,6 +92,10 @@ FAILURE = KnownFailure(
     occurs=("transformers >= 4.2x with DeepSpeed ZeRO-3 (Trainer --deepspeed, accelerate DeepSpeedPlugin with "
             "zero3_init_flag); CPU (DS_ACCELERATOR=cpu, gloo) and GPU; reproduced on transformers 5.23, "
             "accelerate 1.15, deepspeed 0.19.8."),
+    symptom=('any `device_map` (even 004\'s fix `{"": LOCAL_RANK}`) under DeepSpeed ZeRO-3: ``DeepSpeed Zero-3 is '
+             "not compatible with passing a `device_map`.``"),
+    occurs_briefly="Trainer `--deepspeed` / accelerate ZeRO-3; CPU and GPU",
+    reproduced_here="a stage-3 `HfDeepSpeedConfig` in-process, and 2 gloo ranks with accelerate's ZeRO-3 plugin",
 )
 
 
@@ -115,7 +123,7 @@ def check_zero3_load(
     if world_size is None:
         world_size = 2 if backend == "gloo" else max(1, min(2, gpus.visible_gpu_count()))
     if _missing("deepspeed"):
-        raise RuntimeError("check_zero3_load needs the deepspeed package (pip install deepspeed; DS_ACCELERATOR=cpu "
+        raise RuntimeError(f"{CHECK.name} needs the deepspeed package (pip install deepspeed; DS_ACCELERATOR=cpu "
                            "on a CPU-only machine).")
     ranks.preload(ranks.DEEPSPEED_PRELOAD + ranks.model_module(checkpoint))
     # GPU ranks start from a clean forkserver and import DeepSpeed themselves: they must pick its CUDA
@@ -129,9 +137,9 @@ def check_zero3_load(
         backend=backend, timeout=timeout, env=env, gpus_hidden=backend == "gloo",  # (a runner without GPUs)
     )
 
-    refused = [(rank, r) for rank, r in enumerate(results) if "zero3_error" in r]
+    refused = [(rank, r) for rank, r in enumerate(results) if r.kind == "refusal"]
     if refused:
-        lines = [f"rank {rank}: from_pretrained(device_map={r['device_map']}) raised ValueError: {r['zero3_error']}"
+        lines = [f"rank {rank}: from_pretrained(device_map={r.data['device_map']}) raised ValueError: {r.reason}"
                  for rank, r in refused]
         raise AssertionError(
             f"zero3-device-map: under DeepSpeed ZeRO-3 (an accelerate DeepSpeedPlugin with zero_optimization.stage=3, "
@@ -142,26 +150,27 @@ def check_zero3_load(
             "device_map={'': LOCAL_RANK} is the fix for DDP and ZeRO-0/1/2 only. Decide it from "
             "transformers.integrations.is_deepspeed_zero3_enabled() or LoadRequest.zero_stage == 3."
         )
-    errors = [(rank, r["loader_error"]) for rank, r in enumerate(results) if "loader_error" in r]
+    errors = [(rank, r.reason) for rank, r in enumerate(results) if r.kind == "error"]
     if errors:
         raise LoaderFailedOnRank(
-            "check_zero3_load: the loader raised under ZeRO-3, not the device_map refusal (not zero3-device-map):\n"
+            f"{CHECK.name}: the loader raised under ZeRO-3, not the device_map refusal (not zero3-device-map):\n"
             + "\n".join(f"----- rank {rank}\n{text}" for rank, text in errors)
         )
-    unpartitioned = [(rank, r) for rank, r in enumerate(results) if r["ds_params"] == 0]
+    measured = [r.data for r in results]
+    unpartitioned = [(rank, r) for rank, r in enumerate(measured) if r["ds_params"] == 0]
     if unpartitioned:
         rank, r = unpartitioned[0]
-        not_exercised("check_zero3_load", f"built the model outside ZeRO-3's zero.Init (rank {rank}: none of its "
+        not_exercised(CHECK.name, f"built the model outside ZeRO-3's zero.Init (rank {rank}: none of its "
                       f"{r['params']} parameters has a ds_id; is_deepspeed_zero3_enabled() was {r['zero3_after']} "
                       "after the load)", "from_pretrained's device_map decision under ZeRO-3")
-    frozen = [rank for rank, r in enumerate(results) if r.get("trainable") == 0]
+    frozen = [rank for rank, r in enumerate(measured) if r.get("trainable") == 0]
     if frozen:
-        not_exercised("check_zero3_load", f"returned a model with no trainable parameter under ZeRO-3 (ranks "
+        not_exercised(CHECK.name, f"returned a model with no trainable parameter under ZeRO-3 (ranks "
                       f"{frozen}; it loaded without a device_map, as ZeRO-3 needs)", "a ZeRO-3 train step")
-    problems = judge_step(results, after="the loss after the step")
+    problems = judge_step(measured, after="the loss after the step")
     if problems:
         raise LoaderFailedOnRank(
-            "check_zero3_load: the model loaded under ZeRO-3 without a device_map but did not train (not "
+            f"{CHECK.name}: the model loaded under ZeRO-3 without a device_map but did not train (not "
             "zero3-device-map):\n  " + "\n  ".join(problems)
         )
 
@@ -200,7 +209,7 @@ def device_map_in_traceback(exc: BaseException) -> str:
     """
     frames = [frame for frame, _ in traceback.walk_tb(exc.__traceback__)]
     for frame in frames:
-        if not str(frame.f_globals.get("__name__", "")).startswith("transformers."):
+        if not is_library(module_of(frame), ("transformers",)):
             continue
         kwargs = frame.f_locals.get("kwargs")
         if isinstance(kwargs, dict) and kwargs.get("device_map") is not None:
@@ -213,7 +222,7 @@ def device_map_in_traceback(exc: BaseException) -> str:
     return "?"
 
 
-def _load_under_zero3(loader: Loader, checkpoint: str, workdir: str, device: str, backend: str) -> dict:
+def _load_under_zero3(loader: Loader, checkpoint: str, workdir: str, device: str, backend: str) -> RankResult:
     """On one rank: ZeRO-3 set up as accelerate does, the loader's train load, prepare and one step."""
     import torch
     import torch.distributed as dist
@@ -233,14 +242,14 @@ def _load_under_zero3(loader: Loader, checkpoint: str, workdir: str, device: str
     request = LoadRequest(checkpoint, purpose="train", device=device, deepspeed=True, zero_stage=3,
                           offload_folder=Path(workdir) / f"offload-zero3-rank{rank}")
     try:
-        model = contract.load(loader, request, check="check_zero3_load").model
+        model = contract.load(loader, request, check=CHECK.name).model
     except Exception as exc:  # noqa: BLE001 - judged here: the refusal, or the loader's own error
         refusal = zero3_refusal(exc)
         if refusal is not None:
-            return {"zero3_error": str(refusal), "device_map": device_map_in_traceback(refusal)}
+            return RankResult.refusal(str(refusal), device_map=device_map_in_traceback(refusal))
         if not isinstance(exc, LoaderError):
             raise  # a contract gap, or the check's own crash: failures.verdict judges what the rank raised
-        return {"loader_error": traceback.format_exc()}
+        return RankResult.error(traceback.format_exc())
 
     params = list(model.parameters())
     found = {
@@ -251,16 +260,17 @@ def _load_under_zero3(loader: Loader, checkpoint: str, workdir: str, device: str
     }
     trainable = [p for p in params if p.requires_grad]
     if found["ds_params"] == 0 or not trainable:  # (a frozen base: nothing for a step to train)
-        return {**found, "trainable": len(trainable)}
+        return RankResult.ok(**found, trainable=len(trainable))
     optimizer = train_optimizer(trainable, LEARNING_RATE)
     try:
         model, optimizer = accelerator.prepare(model, optimizer)
         losses = step_and_probe(accelerator, model, optimizer, rank)
     except Exception:  # noqa: BLE001 - the model did not train: reported, not judged as this failure
-        return {"loader_error": "the loaded model failed in prepare() or the step:\n" + traceback.format_exc()}
-    return {**found, **losses}
+        return RankResult.error("the loaded model failed in prepare() or the step:\n" + traceback.format_exc())
+    return RankResult.ok(**found, **losses)
 
 
 # Not isolated: the ZeRO-3 config lives only in the ranks it forks (deadline, stacks, exit codes included), and
 # the DeepSpeed stack it preloads here is what makes those ranks cheap.
-CHECKS = (Check(check_zero3_load, failure=FAILURE, world_size=2, timeout=180, purpose="train"),)
+CHECK = Check(check_zero3_load, failure=FAILURE, world_size=2, timeout=180, purpose="train")
+CHECKS = (CHECK,)

@@ -117,7 +117,7 @@ def load_model_and_tokenizer(request: LoadRequest):
     if request.adapter_path is not None:
         # adapter-on-offloaded: an adapter is never put on an offloaded base (peft re-dispatches it without the
         # budget); load whole where the budget allows, else refuse before loading.
-        from pytest_llmload.failures.adapter_on_offloaded import adapter_placement_kwargs
+        from pytest_llmload.fixes.adapters import adapter_placement_kwargs
 
         placement = adapter_placement_kwargs(request, placement)
     model = AutoModelForCausalLM.from_pretrained(
@@ -136,7 +136,7 @@ def load_model_and_tokenizer(request: LoadRequest):
         enable_gradient_checkpointing(model, use_reentrant=False)
         model.config.use_cache = False
     if request.adapter_path is not None:
-        from pytest_llmload.failures.adapter_on_offloaded import put_adapter
+        from pytest_llmload.fixes.adapters import put_adapter
 
         model = put_adapter(model, request)
     elif request.lora:

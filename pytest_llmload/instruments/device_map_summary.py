@@ -11,6 +11,9 @@ Modules per device, parameters on ``meta`` (how many, the first few names), weig
     parameters on meta: 29 of 39 (model.layers.1.self_attn.q_proj.weight, ..., +26 more)
     offloaded by accelerate: 29 weights, 545.5 KiB to disk (folder /tmp/offload), hooks on 30 modules
     dtypes: cpu float32 (10 params, 210.5 KiB); meta float32 (29 params, 545.5 KiB)
+
+:func:`offloaded_parts` says in a few words whether a model is offloaded at all: the premise of the checks of an
+offloading load, and what the adapter fix (:mod:`pytest_llmload.fixes.adapters`) refuses to put an adapter on.
 """
 
 from __future__ import annotations
@@ -115,3 +118,21 @@ def placement_lines(model: Any) -> list[str]:
                                  for dtype, n in counter.items())
         for device, counter in dtypes.items()))
     return lines
+
+
+def offloaded_parts(model) -> list[str]:
+    """What of ``model`` is offloaded (parameters on meta, accelerate hooks that offload, ``hf_device_map``
+    entries on cpu/disk next to an accelerator); empty when it was loaded whole. The premise of every check
+    of an offloading load: without it, the offloaded path was not exercised."""
+    params = list(model.named_parameters())
+    meta = [n for n, p in params if p.device.type == "meta"]
+    hooked = [n for n, m in model.named_modules() if getattr(getattr(m, "_hf_hook", None), "offload", False)]
+    tiers = {str(v) for v in (getattr(model, "hf_device_map", None) or {}).values()}
+    parts = []
+    if meta:
+        parts.append(f"{len(meta)} of {len(params)} parameters on meta")
+    if hooked:
+        parts.append(f"{len(hooked)} modules with an offloading hook")
+    if "disk" in tiers or ("cpu" in tiers and len(tiers) > 1):
+        parts.append(f"hf_device_map tiers {sorted(tiers)}")
+    return parts

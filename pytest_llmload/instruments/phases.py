@@ -21,24 +21,34 @@ long prints a progress line every ``llmload_phase_progress_seconds``. Outside py
 
 Memory is the process RSS (its peak from the kernel) and, where torch has initialised CUDA, each device's
 allocated and reserved bytes (peak allocated from torch); see :mod:`pytest_llmload.instruments.memory_probe`.
+
+This module is the timed step (:class:`Phase`) and a timed generation; where phases go is
+:mod:`pytest_llmload.instruments.recorder`, and the thread that prints progress lines
+:mod:`pytest_llmload.instruments.heartbeat` (both importable from here too).
 """
 
 from __future__ import annotations
 
-import math
 import os
-import sys
 import threading
 import time
-import weakref
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from typing import Any, Callable, Optional
+from collections.abc import Sequence
+from typing import Any, Optional
 
 from pytest_llmload.instruments import memory_probe
+from pytest_llmload.instruments.heartbeat import Clock
+# The record phases go to, and the heartbeat; imported from here too, where they lived before their own modules.
+from pytest_llmload.instruments.heartbeat import Heartbeat, heartbeat, stderr_line as _stderr_line  # noqa: F401
+from pytest_llmload.instruments.recorder import (  # noqa: F401
+    LoadedModel,
+    PhaseRecorder,
+    current_recorder,
+    note_deadline,
+    phase_table,
+    recording,
+    track_model,
+)
 from pytest_llmload.system.sizes import format_bytes
-
-Clock = Callable[[], float]
 
 
 def _detail(detail: str, facts: dict) -> str:
@@ -163,256 +173,8 @@ def _open_phases() -> list[Phase]:
     return stack
 
 
-# --- where phases go -------------------------------------------------------------------------------------
-
-
-class LoadedModel:
-    """A model loaded during a test: what it is, where from, how long it took, where it went. Holds the
-    model weakly: a test that frees a model to load the next one is not kept from doing so."""
-
-    def __init__(self, model: Any, source: str, seconds: Optional[float]) -> None:
-        self.kind = type(model).__name__
-        self.source = source
-        self.seconds = seconds
-        device_map = getattr(model, "hf_device_map", None)
-        self.device_map = dict(device_map) if isinstance(device_map, dict) else None
-        self.where = self._where(model)
-        try:
-            self._ref = weakref.ref(model)
-        except TypeError:
-            self._ref = lambda: None
-
-    @property
-    def model(self) -> Any:
-        return self._ref()
-
-    def _where(self, model: Any) -> str:
-        """``cpu+disk`` from ``hf_device_map``, else the device of the first parameter."""
-        if self.device_map:
-            seen: list[str] = []
-            for value in self.device_map.values():
-                name = f"cuda:{value}" if isinstance(value, int) else str(value)
-                if name not in seen:
-                    seen.append(name)
-            return "+".join(seen)
-        for parameter in getattr(model, "parameters", lambda: ())():
-            return str(parameter.device)
-        return "?"
-
-    def as_dict(self) -> dict:
-        return {"kind": self.kind, "source": self.source, "seconds": self.seconds, "where": self.where}
-
-
-class PhaseRecorder:
-    """The phases of one test (or one script run), the models it loaded, and the deadlines it met.
-
-    ``progress_every``: seconds between progress lines while a phase runs (``None`` or 0: none);
-    ``emit``: where a progress line goes (default: stderr).
-    """
-
-    def __init__(self, label: str = "", *, progress_every: Optional[float] = None,
-                 emit: Optional[Callable[[str], None]] = None, clock: Clock = time.monotonic,
-                 heartbeat: Optional["Heartbeat"] = None) -> None:
-        self.label = label
-        self.progress_every = progress_every or None
-        self.emit = emit or _stderr_line
-        self.clock = clock
-        self.heartbeat = heartbeat
-        self.phases: list[Phase] = []
-        self.models: list[LoadedModel] = []
-        self.deadlines: list[tuple[str, float, float]] = []  # (what, seconds taken, deadline seconds)
-        self._lock = threading.Lock()
-
-    # called by Phase
-    def _opened(self, p: Phase) -> None:
-        p._clock = self.clock
-        with self._lock:
-            self.phases.append(p)
-        if self.progress_every:
-            (self.heartbeat or heartbeat()).schedule(p, self.progress_every, self._progress_line, every=self.progress_every)
-
-    def _closed(self, p: Phase) -> None:
-        if self.progress_every:
-            (self.heartbeat or heartbeat()).cancel(p)
-
-    def _progress_line(self, p: Phase) -> None:
-        if not p.running:
-            return
-        elapsed = p.seconds
-        shown = f"{elapsed:.0f} s" if elapsed >= 10 else f"{elapsed:.1f} s"
-        memory = p.memory_now()
-        where = f"{self.label}: " if self.label else ""
-        self.emit(f"llmload: {where}phase '{p.label}' running for {shown}" + (f"; {memory}" if memory else ""))
-        p.progressed.set()
-
-    def track_model(self, model: Any, source: str = "", seconds: Optional[float] = None) -> LoadedModel:
-        loaded = LoadedModel(model, source, seconds)
-        with self._lock:
-            self.models.append(loaded)
-        return loaded
-
-    def running(self) -> list[Phase]:
-        return [p for p in self.phases if p.running]
-
-    def interrupted(self) -> Optional[Phase]:
-        """The innermost phase that a failure ended (a raised exception, a pytest-timeout ``Failed``)."""
-        failed = [p for p in self.phases if p.error is not None]
-        return max(failed, key=lambda p: (p.depth, p.started or 0.0)) if failed else None
-
-    def table(self) -> str:
-        """The phases as a small aligned table; the phase running or ended by a failure is marked ``>``."""
-        return phase_table(self.phases, marked=self.running() or [self.interrupted()])
-
-
-def phase_table(phases: Sequence[Phase], marked: Sequence[Optional[Phase]] = ()) -> str:
-    devices = sorted({i for p in phases for i in (*p.cuda_after, *p.cuda_peak)})
-    header = ["", "phase", "seconds", "RSS before -> after (peak)"]
-    header += [f"cuda:{i} allocated after (peak) / reserved" for i in devices]
-    header.append("")
-    rows = [header]
-    for p in phases:
-        rss = f"{_fmt(p.rss_before)} -> {_fmt(p.rss_after) if not p.running else '...'}"
-        if p.rss_peak is not None:
-            rss += f" ({_fmt(p.rss_peak)})"
-        row = [">" if any(p is m for m in marked) else "", "  " * p.depth + p.label,
-               f"{p.seconds:.3f}" + ("+" if p.running else ""), rss]
-        for i in devices:
-            allocated, reserved = p.cuda_after.get(i, (None, None))
-            peak = p.cuda_peak.get(i)
-            row.append(f"{_fmt(allocated)} ({_fmt(peak)}) / {_fmt(reserved)}")
-        row.append("running" if p.running else (f"raised {p.error}" if p.error else ""))
-        rows.append(row)
-    widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
-    widths[0] = 1  # the marker column keeps its place whether or not a row is marked
-    lines = ["  ".join(cell.ljust(width) if c < len(header) - 1 else cell for c, (cell, width) in
-                       enumerate(zip(row, widths))).rstrip() for row in rows]
-    return "\n".join(lines)
-
-
-def _fmt(n: Optional[float]) -> str:
-    return "?" if n is None else format_bytes(n)
-
-
-def _stderr_line(line: str) -> None:
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
-
-
-_recorders: list[PhaseRecorder] = []
-
-
-def current_recorder() -> Optional[PhaseRecorder]:
-    """The recorder phases go to now (the running test's, under pytest), or ``None``."""
-    return _recorders[-1] if _recorders else None
-
-
-@contextmanager
-def recording(label: str = "", **kwargs: Any) -> Iterator[PhaseRecorder]:
-    """Record the phases of a block: ``with recording(progress_every=30) as record: ...``."""
-    recorder = kwargs.pop("recorder", None) or PhaseRecorder(label, **kwargs)
-    _recorders.append(recorder)
-    try:
-        yield recorder
-    finally:
-        _recorders.remove(recorder)
-
-
-def track_model(model: Any, source: str = "", seconds: Optional[float] = None) -> None:
-    """Note that ``model`` was loaded (where from, how long): a failing test's report shows where its
-    parameters are. A no-op outside a recording."""
-    recorder = current_recorder()
-    if recorder is not None:
-        recorder.track_model(model, str(source), seconds)
-
-
-def note_deadline(what: str, seconds: float, deadline_s: float) -> None:
-    """Note how long a block with a deadline took, for the session summary of checks near their deadline."""
-    recorder = current_recorder()
-    if recorder is not None:
-        recorder.deadlines.append((what, seconds, deadline_s))
-
-
-# --- progress: one thread per process --------------------------------------------------------------------
-
-
-class Heartbeat:
-    """Calls scheduled callbacks from one daemon thread: ``schedule(key, delay, callback, every=N)``.
-
-    ``run_due(now)`` does one pass and returns when the next callback is due, so a test can drive it with a
-    fake clock and no thread (``start_thread=False``).
-    """
-
-    def __init__(self, clock: Clock = time.monotonic, start_thread: bool = True) -> None:
-        self._clock = clock
-        self._start_thread = start_thread
-        self._cond = threading.Condition()
-        self._due: dict[Any, list] = {}  # key -> [due, every, callback]
-        self._thread: Optional[threading.Thread] = None
-        self._waiting_until = 0.0  # while the thread waits: when it wakes; otherwise 0 (no notify needed)
-
-    def schedule(self, key: Any, delay: float, callback: Callable[[Any], None], every: Optional[float] = None) -> None:
-        with self._cond:
-            due = self._clock() + delay
-            self._due[key] = [due, every, callback]
-            if self._start_thread and self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="llmload-heartbeat", daemon=True)
-                self._thread.start()
-            if due < self._waiting_until:
-                self._cond.notify()
-
-    def cancel(self, key: Any) -> None:
-        with self._cond:
-            self._due.pop(key, None)
-
-    def run_due(self, now: Optional[float] = None) -> float:
-        """Call every callback due at ``now``; returns when the next one is due (``inf``: none)."""
-        calls = []
-        with self._cond:
-            now = self._clock() if now is None else now
-            for key, entry in list(self._due.items()):
-                due, every, callback = entry
-                if due <= now:
-                    calls.append((callback, key))
-                    if every:
-                        entry[0] = due + every * max(1, math.floor((now - due) / every) + 1)
-                    else:
-                        del self._due[key]
-        for callback, key in calls:
-            try:
-                callback(key)
-            except Exception as exc:  # a progress line must never take the test down
-                _stderr_line(f"llmload: progress callback failed: {type(exc).__name__}: {exc}")
-        with self._cond:
-            return min((entry[0] for entry in self._due.values()), default=math.inf)
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                next_due = min((entry[0] for entry in self._due.values()), default=math.inf)
-                now = self._clock()
-                if next_due > now:
-                    self._waiting_until = next_due
-                    self._cond.wait(None if next_due == math.inf else next_due - now)
-                    self._waiting_until = 0.0
-                    continue
-            self.run_due()
-
-
-_heartbeat: Optional[Heartbeat] = None
-
-
-def heartbeat() -> Heartbeat:
-    """The process's heartbeat (its thread starts with the first thing scheduled)."""
-    global _heartbeat
-    if _heartbeat is None:
-        _heartbeat = Heartbeat()
-    return _heartbeat
-
-
 def _after_fork_in_child() -> None:
-    global _heartbeat
-    _heartbeat = None  # threads do not survive fork; the child starts its own when it needs one
-    _local.__dict__.clear()
+    _local.__dict__.clear()  # only the forking thread survives: its open phases are the parent's
 
 
 if hasattr(os, "register_at_fork"):

@@ -24,9 +24,9 @@ import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Optional
 
-from pytest_llmload.instruments.phases import note_deadline
+from pytest_llmload.instruments.recorder import note_deadline
+from pytest_llmload.system import tracebacks
 
 
 # --- deadlines and stacks --------------------------------------------------------------------------------
@@ -38,15 +38,8 @@ class _DeadlinePassed(BaseException):
 
 class DeadlineExceeded(AssertionError):
     """A block of :func:`deadline` ran past its deadline (the verdict decides whether that is a failure's
-    mechanism or a hung loader: :mod:`pytest_llmload.reports.verdict`)."""
-
-
-def _innermost_own_frame(frame) -> Optional[Any]:
-    """The innermost frame that is not threading/queue/futures plumbing: where the code is stuck."""
-    plumbing = ("threading.py", "queue.py", os.path.join("concurrent", "futures"), "selectors.py")
-    while frame is not None and any(p in frame.f_code.co_filename for p in plumbing):
-        frame = frame.f_back
-    return frame
+    mechanism or a hung loader: :mod:`pytest_llmload.reports.verdict`). Its texts and the readers of them are
+    :mod:`pytest_llmload.system.tracebacks`' (which knows it by name: ``DEADLINE_EXCEEDED``)."""
 
 
 def thread_stacks(main_frame=None) -> str:
@@ -66,10 +59,9 @@ def thread_stacks(main_frame=None) -> str:
 
 
 def _where(frame) -> str:
-    own = _innermost_own_frame(frame)
-    if own is None:
-        return "<unknown frame>"
-    return f"{own.f_code.co_name} ({own.f_code.co_filename}:{own.f_lineno})"
+    """Where a block is stuck: the innermost frame that is not threading/queue/futures plumbing."""
+    stuck = tracebacks.culprit(frame, tracebacks.WAITING_PLUMBING)
+    return "<unknown frame>" if stuck is None else tracebacks.where(stuck)
 
 
 @contextlib.contextmanager
@@ -103,7 +95,7 @@ def deadline(seconds: float, what: str) -> Iterator[None]:
     except _DeadlinePassed:
         note_deadline(what, time.monotonic() - start, seconds)
         raise DeadlineExceeded(
-            f"{what} did not return: deadline of {seconds:g} s exceeded, blocked in {captured['where']}.\n"
+            f"{tracebacks.did_not_return(what, seconds)}, blocked in {captured['where']}.\n"
             f"Stacks of every thread:\n{captured['stacks']}"
         ) from None
     finally:
@@ -119,7 +111,7 @@ def _fail_if_late(start: float, seconds: float, what: str) -> None:
     elapsed = time.monotonic() - start
     note_deadline(what, elapsed, seconds)  # the session summary lists checks that came close
     if elapsed > seconds:
-        raise DeadlineExceeded(f"{what} took {elapsed:.2f} s: deadline of {seconds:g} s exceeded.")
+        raise DeadlineExceeded(tracebacks.ran_late(what, elapsed, seconds))
 
 
 # --- spies -----------------------------------------------------------------------------------------------
@@ -133,7 +125,7 @@ def spy_classmethod(cls, name: str, calls: list) -> Iterator[None]:
 
     def spy(klass, *args, **kwargs):
         caller = sys._getframe(1)
-        calls.append((klass.__name__, caller.f_globals.get("__name__", "?"),
+        calls.append((klass.__name__, tracebacks.module_of(caller) or "?",
                       f"{caller.f_code.co_filename}:{caller.f_lineno}", kwargs))
         return original.__func__(klass, *args, **kwargs)
 
@@ -186,7 +178,7 @@ def _audit_hook(event: str, args: tuple) -> None:
     path = os.path.realpath(path)
     frame, at_import = sys._getframe(1), False
     while frame is not None:
-        if frame.f_code.co_filename.startswith("<frozen importlib"):
+        if tracebacks.is_importing(frame.f_code.co_filename):
             at_import = True
             break
         frame = frame.f_back

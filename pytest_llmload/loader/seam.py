@@ -14,6 +14,9 @@ import re
 import sys
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
+from pytest_llmload.system import tracebacks
+# The frame of call_loader below, as tracebacks and faulthandler print it (defined there, by this file's name).
+from pytest_llmload.system.tracebacks import LOADER_FRAME  # noqa: F401
 from pytest_llmload.config.vocabulary import (  # noqa: F401  (the names the plugin declares; read here)
     HOOK_ATTRIBUTE,
     HOOK_INI,
@@ -27,6 +30,10 @@ from pytest_llmload.config.vocabulary import (  # noqa: F401  (the names the plu
     LOADER_OPTION as OPTION,
 )
 
+# The seam's errors cross a process boundary (an isolated check's child, a rank) as themselves, though their
+# __init__ takes more than the message: the one scheme every boundary uses.
+from pytest_llmload.runners.wire import Portable
+
 if TYPE_CHECKING:
     from pytest_llmload.loader.request import LoadRequest
 
@@ -34,45 +41,17 @@ REFERENCE_SPEC = "pytest_llmload.fixes.reference_loader:load_model_and_tokenizer
 
 _SPEC_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
-# The loader call's frame (:func:`call_loader`), as Python's tracebacks and faulthandler print it: where a stack
-# shows that a deadline passed inside the loader.
-LOADER_FRAME = re.compile(r'seam\.py", line \d+,? in call_loader\b')
-
-
-def _rebuilt(cls: type, message: str, state: dict) -> BaseException:
-    exc = cls.__new__(cls)
-    Exception.__init__(exc, message)
-    exc.__dict__.update(state)
-    return exc
-
-
-class _Picklable:
-    """Exceptions whose ``__init__`` takes more than the message still cross a process boundary (an isolated
-    check's child, a rank) as themselves: rebuilt from the message and whatever of their state pickles."""
-
-    def __reduce__(self):
-        import pickle
-
-        state = {}
-        for key, value in vars(self).items():
-            try:
-                pickle.dumps(value)
-            except Exception:  # noqa: BLE001 - the loader's own exception may not pickle: its text is in the message
-                continue
-            state[key] = value
-        return _rebuilt, (type(self), str(self), state)
-
 
 class LoaderSpecError(Exception):
     """A loader spec that is malformed, does not import, or names no callable."""
 
 
-class LoaderContractError(_Picklable, TypeError):
+class LoaderContractError(Portable, TypeError):
     """A loader that returned something other than a model or ``(model, tokenizer)``, or that changed
     process-wide state the harness needs (its own ``Accelerator()``)."""
 
 
-class LoaderError(_Picklable, Exception):
+class LoaderError(Portable, Exception):
     """The loader raised. Not a known failure by itself: a check names a failure only when it sees the failure's
     own mechanism; anything else is the loader's own error, reported as an ``error`` row. ``original`` is the
     loader's exception (also chained as ``__cause__``, so the full traceback is in the log)."""
@@ -85,7 +64,7 @@ class LoaderError(_Picklable, Exception):
                          f"{_phase_detail(request)}){where}")
 
 
-class LoaderModelError(_Picklable, Exception):
+class LoaderModelError(Portable, Exception):
     """The loader's model misbehaves in a way that is not the check's failure (it cannot train for another
     reason, say): reported as an ``error`` row, like :class:`LoaderError`, never as the known failure."""
 
@@ -95,9 +74,9 @@ def _own_frames(exc: BaseException, keep: int = 3) -> list[str]:
     import traceback
 
     frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if "site-packages" not in f.filename and "/lib/python" not in f.filename
+              if not tracebacks.is_installed(f.filename)
               and not f.filename.endswith(os.path.join("pytest_llmload", "loader", "seam.py"))]
-    return [f"{f.name} ({f.filename}:{f.lineno})" for f in reversed(frames[-keep:])]
+    return [tracebacks.where(f) for f in reversed(frames[-keep:])]
 
 
 class LoaderChoice(NamedTuple):
@@ -205,7 +184,7 @@ def _where_raised(exc: BaseException) -> str:
 
     if isinstance(exc, SyntaxError) and exc.filename:
         return f"{exc.filename}:{exc.lineno}"
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<frozen")]
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not tracebacks.is_frozen(f.filename)]
     return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "no traceback"
 
 

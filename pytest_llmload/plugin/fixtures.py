@@ -186,13 +186,13 @@ def distributed_env(request, llmload_offline):
             assert distributed_env.run(all_reduce_ranks, world_size=2, backend="gloo") == [3.0, 3.0]
 
     When pytest itself runs under a launcher (``torchrun ... -m pytest``, see
-    :mod:`pytest_llmload.runners.launcher`), the test runs on every rank, and ``run`` runs ``fn`` on this
+    :mod:`pytest_llmload.plugin.launched_run`), the test runs on every rank, and ``run`` runs ``fn`` on this
     process's rank of the launcher's job instead of forking ranks; ``world_size`` must be the job's.
     """
+    from pytest_llmload.plugin.launched_run import meeting_of
     from pytest_llmload.system import gpus
-    from pytest_llmload.runners import launcher
 
-    if launcher.meeting_of(request.config) is not None:  # under a launcher: its object (imported only there)
+    if meeting_of(request.config) is not None:  # under a launcher: its object (imported only there)
         from pytest_llmload.plugin import launched_env
 
         return launched_env.distributed_env_for(request, gpus.visible_gpu_count, pytest.skip)

@@ -2,14 +2,17 @@
 
 Most runs of a repo that installs the plugin never use it, so at start-up this module imports only the plugin's
 vocabulary (:mod:`pytest_llmload.config.vocabulary`: every option, ini key and marker, declared here) and its fixtures
-(:mod:`pytest_llmload.plugin.fixtures`). The sub-plugins that do the work are imported and registered when a run turns
-out to need them (:func:`switch_on`):
+(:mod:`pytest_llmload.plugin.fixtures`). The sub-plugins that do the work (:data:`SUB_PLUGINS`) are each registered
+once, as a light gate (:class:`_Gate`), and each is switched on by one stash flag, set where the run's need becomes
+known; the gate imports and registers its module the first time it finds the flag set:
 
-- at the start, when the run configures the plugin (one of its options, ini keys or ``$PYTEST_LLMLOAD_LOADER``
-  set: a bad value is then a usage error at once), runs under ``pytest -n`` (the controller sums up what its
-  workers report), or under torchrun/srun/mpirun;
-- after collection, when a collected test uses an llmload fixture or marker, or the test modules imported the
-  plugin's checks (``parametrize_with_loader_checks``).
+- :data:`in_use_key`, the sub-plugins every use of the plugin needs: set when the run configures the plugin (one of
+  its options, ini keys or ``$PYTEST_LLMLOAD_LOADER`` set: a bad value is then a usage error at once), runs under
+  ``pytest -n`` (the controller sums up what its workers report) or under torchrun/srun/mpirun, or, after
+  collection, when a collected test uses an llmload fixture or marker, or the test modules imported the plugin's
+  checks (``parametrize_with_loader_checks``);
+- :data:`lanes_key` (``--llmload-lanes N``), :data:`xdist_controller_key` (``pytest -n``'s controller),
+  :data:`launched_key` (torchrun/srun/mpirun): one sub-plugin each.
 
 A failing test is matched against the known failures in every run (the catalog is imported on the first failure).
 """
@@ -43,25 +46,39 @@ from pytest_llmload.config.stash_keys import checks_key, declared_key, hook_choi
 if TYPE_CHECKING:
     from pytest_llmload.checks.row import Row
 
-# The sub-plugins, by module name: their hooks only (every option, ini key and marker is declared here).
-SUB_PLUGINS = (
-    "pytest_llmload.plugin.isolated_marker",  # llmload_isolated: the test body in a forked child
-    "pytest_llmload.reports.sections",  # phase tables, device-map summaries, the session summary
-    "pytest_llmload.plugin.memory_limit",  # limit_torch_memory
-    "pytest_llmload.plugin.loader_hang",  # after the loader hangs once, the rest fail at once instead of waiting
-    "pytest_llmload.plugin.phase_state",  # markers enforced; offline mode and DeepSpeed only while the tests that need them run
-    "pytest_llmload.reports.html_report",  # --llmload-html, pytest-html extras: device maps, memory per phase
-)
+# The flags that switch the sub-plugins on: what this run needs, each set where that becomes known.
+in_use_key = pytest.StashKey[bool]()  # the run uses the plugin (configures it, xdist's controller, a launcher, a test)
+lanes_key = pytest.StashKey[bool]()  # --llmload-lanes N > 1 (pytest_configure)
+xdist_controller_key = pytest.StashKey[bool]()  # pytest -n's controller (pytest_cmdline_main)
+launched_key = pytest.StashKey[bool]()  # under torchrun/srun/mpirun (pytest_cmdline_main)
+
 LANES = "pytest_llmload.plugin.lanes"  # --llmload-lanes N: the tests in N forked processes
 XDIST_GPUS = "pytest_llmload.plugin.xdist_gpus"  # under pytest -n: each xdist worker its own GPUs
-LAUNCHER = "pytest_llmload.runners.launcher"  # under torchrun/srun/mpirun: distributed_env tests on every rank
+LAUNCHER = "pytest_llmload.plugin.launched_run"  # under torchrun/srun/mpirun: distributed_env tests on every rank
 
 # What marks a test as an llmload test: every llmload fixture requests llmload_offline, except these two.
 _FIXTURE_ROOTS = ("llmload_offline", "llmload_device", "llmload_check_options")
 _MARKERS = frozenset({"needs_gpus", "gpu", surface.DEEPSPEED_MARKER, surface.ISOLATED_MARKER,
                       surface.MEMORY_LIMIT_MARKER})
 
-switched_on_key = pytest.StashKey[bool]()
+# The sub-plugins, by module name (their hooks only: every option, ini key and marker is declared in
+# config.vocabulary), and the one flag that switches each on.
+SUB_PLUGINS = {
+    "pytest_llmload.plugin.isolated_marker": in_use_key,  # llmload_isolated: the test body in a forked child
+    "pytest_llmload.reports.sections": in_use_key,  # phase tables, device-map summaries, the session summary
+    "pytest_llmload.plugin.memory_limit": in_use_key,  # limit_torch_memory
+    "pytest_llmload.plugin.loader_hang": in_use_key,  # after the loader hangs once, the rest fail at once
+    "pytest_llmload.plugin.phase_state": in_use_key,  # markers enforced; offline mode, DeepSpeed only where needed
+    "pytest_llmload.reports.html_report": in_use_key,  # --llmload-html, pytest-html extras: device maps, memory
+    LANES: lanes_key,
+    XDIST_GPUS: xdist_controller_key,
+    LAUNCHER: launched_key,
+}
+# The two a run needs before it configures (xdist asks xdist_gpus for `-n auto`'s count in its own
+# pytest_cmdline_main; a launcher's rank meets the others at configure, first): their gates are registered in
+# pytest_cmdline_main, the others' in pytest_configure, after the flags a configuration sets.
+_BEFORE_CONFIGURE = (XDIST_GPUS, LAUNCHER)
+
 header_shown_key = pytest.StashKey[bool]()
 strict_key = pytest.StashKey[bool]()
 
@@ -78,16 +95,31 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     settings.register(parser)
 
 
-def switch_on(config: pytest.Config, *modules: str) -> None:
-    """Import and register the sub-plugins (``SUB_PLUGINS`` and ``modules``). A sub-plugin registered after
-    configure has its ``pytest_configure`` called at once (pytest replays the historic hook)."""
-    from importlib import import_module
+class _Gate:
+    """A sub-plugin as the run registers it, once: a light stand-in that imports and registers the module (the one
+    place any sub-plugin is registered) the first time it finds the module's flag set: when the gate is
+    registered, or after collection. A module registered after configure has its ``pytest_configure`` called at
+    once (pytest replays the historic hook)."""
 
-    config.stash[switched_on_key] = True
-    for name in (*modules, *SUB_PLUGINS):
-        module = import_module(name)
-        if not config.pluginmanager.is_registered(module):
-            config.pluginmanager.register(module, name)
+    def __init__(self, module: str) -> None:
+        self.module = module
+
+    def open(self, config: pytest.Config) -> None:
+        if config.stash.get(SUB_PLUGINS[self.module], False) and not config.pluginmanager.has_plugin(self.module):
+            from importlib import import_module
+
+            config.pluginmanager.register(import_module(self.module), self.module)
+
+    @pytest.hookimpl(trylast=True)  # after this plugin's own, which sets the flag when a collected test uses it
+    def pytest_collection_modifyitems(self, config: pytest.Config) -> None:
+        self.open(config)
+
+
+def _register_gates(config: pytest.Config, modules) -> None:
+    for module in modules:
+        gate = _Gate(module)
+        config.pluginmanager.register(gate, f"{module} (gate)")
+        gate.open(config)
 
 
 def _under_xdist_controller(config: pytest.Config) -> bool:
@@ -105,11 +137,11 @@ def _configured(config: pytest.Config) -> bool:
 @pytest.hookimpl(wrapper=True)  # before xdist's own (tryfirst) one, which asks xdist_gpus for `-n auto`'s count
 def pytest_cmdline_main(config: pytest.Config):
     # Every launcher sets MASTER_ADDR and MASTER_PORT (launcher.detect reads the rest).
-    launched = bool(os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"))
-    if _under_xdist_controller(config):
-        switch_on(config, XDIST_GPUS, *([LAUNCHER] if launched else []))
-    elif launched:
-        switch_on(config, LAUNCHER)
+    config.stash[launched_key] = bool(os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"))
+    config.stash[xdist_controller_key] = _under_xdist_controller(config)
+    if config.stash[launched_key] or config.stash[xdist_controller_key]:
+        config.stash[in_use_key] = True
+    _register_gates(config, _BEFORE_CONFIGURE)
     return (yield)
 
 
@@ -121,10 +153,10 @@ def pytest_configure(config: pytest.Config) -> None:
     for line in (surface.NEEDS_GPUS_HELP, surface.GPU_HELP, surface.DEEPSPEED_HELP, surface.ISOLATED_HELP,
                  surface.MEMORY_LIMIT_HELP):
         config.addinivalue_line("markers", line)
-    if not _configured(config):
-        return  # the reference loader, no hook, defaults: nothing to check, nothing to import
-    _read_configuration(config)
-    switch_on(config)
+    if _configured(config):  # else the reference loader, no hook, defaults: nothing to check, nothing to import
+        config.stash[in_use_key] = True
+        _read_configuration(config)
+    _register_gates(config, (module for module in SUB_PLUGINS if module not in _BEFORE_CONFIGURE))
 
 
 def _read_configuration(config: pytest.Config) -> None:
@@ -132,6 +164,7 @@ def _read_configuration(config: pytest.Config) -> None:
     from pytest_llmload.loader import seam as loading
     from pytest_llmload.config import settings
 
+    writer = _progress_writer(config)  # first: a check spec that gives no checks, below, is told through it
     try:
         config.stash[loader_choice_key] = loading.choose_loader(
             config.getoption("llmload_loader"), os.environ, config.getini(surface.LOADER_INI))
@@ -144,12 +177,17 @@ def _read_configuration(config: pytest.Config) -> None:
     except loading.LoaderSpecError as exc:
         raise pytest.UsageError(str(exc)) from None
     extra = settings.given(config, "checks")
-    if extra:  # the repo's own checks, this run: a spec that gives none is a usage error now
+    # The repo's own checks, this run: a spec that gives none is a usage error now. A run that writes progress (the
+    # main job's) reads every check here, installed packages' too: a broken one is the main job's usage error,
+    # before any test runs, and its parent, which imports no check, hears of it as the progress file's event.
+    if extra or writer is not None:
         from pytest_llmload.plugin.check_registry import ExtensionError, every_check
 
         try:
-            config.stash[checks_key] = every_check(*extra)
+            config.stash[checks_key] = every_check(*(extra or ()))
         except ExtensionError as exc:
+            if writer is not None:
+                writer.write(event="usage_error", message=str(exc))
             raise pytest.UsageError(str(exc)) from None
     expected = settings.given(config, "expected_failed_checks")
     if expected:  # a usage error here, not a collection error of the suite
@@ -164,23 +202,31 @@ def _read_configuration(config: pytest.Config) -> None:
     for key in ("phase_progress_seconds", "near_deadline", "gpus_per_worker", "wait_after_hang", "require_gpus",
                 "html"):
         settings.value(config, key)  # parsed now, read where used
-    if settings.value(config, "lanes") > 1:
-        switch_on(config, LANES)
+    config.stash[lanes_key] = settings.value(config, "lanes") > 1
     _read_prediction(config)
     config.stash[declared_key] = {keyword: settings.value(config, keyword) for keyword in surface.TRAINING_DECLARATIONS}
     config.stash[strict_key] = settings.value(config, "strict")
-    path = settings.value(config, "progress")
-    if path and not hasattr(config, "workerinput"):
-        from pytest_llmload.reports import progress  # only the main job asks for it
 
-        try:
-            writer = progress.ProgressWriter(path)
-        except OSError as exc:
-            raise pytest.UsageError(f"{settings.given(config, 'progress')[1]} {path!r} cannot be opened for appending "
-                                    f"({type(exc).__name__}: {exc.strerror}); name a file in a directory that "
-                                    "exists.") from None
-        config.stash[progress.progress_key] = writer
-        config.pluginmanager.register(writer, "llmload-progress")
+
+def _progress_writer(config: pytest.Config):
+    """``--llmload-progress``'s writer, registered (closed at unconfigure), or ``None`` where the run writes no
+    progress (the main job asks for it; an xdist worker's reports reach the controller's)."""
+    from pytest_llmload.config import settings
+
+    path = settings.value(config, "progress")
+    if not path or hasattr(config, "workerinput"):
+        return None
+    from pytest_llmload.reports import progress  # only the main job asks for it
+
+    try:
+        writer = progress.ProgressWriter(path)
+    except OSError as exc:
+        raise pytest.UsageError(f"{settings.given(config, 'progress')[1]} {path!r} cannot be opened for appending "
+                                f"({type(exc).__name__}: {exc.strerror}); name a file in a directory that "
+                                "exists.") from None
+    config.stash[progress.progress_key] = writer
+    config.pluginmanager.register(writer, "llmload-progress")
+    return writer
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -200,14 +246,14 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     if not _configured(config):
         return []
     config.stash[header_shown_key] = True
-    from pytest_llmload.plugin.header import header_lines  # imported when the header is printed, not at plugin load
+    from pytest_llmload.reports.header import header_lines  # imported when the header is printed, not at plugin load
 
     return header_lines(config)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     config = session.config
-    if not config.stash.get(switched_on_key, False):
+    if not config.stash.get(in_use_key, False):
         return
     from pytest_llmload.plugin import markers
     from pytest_llmload.config import settings
@@ -217,7 +263,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if not config.stash.get(header_shown_key, False):
         reporter = config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None and config.get_verbosity() >= 0:
-            from pytest_llmload.plugin.header import header_lines
+            from pytest_llmload.reports.header import header_lines
 
             config.stash[header_shown_key] = True
             for line in header_lines(config):
@@ -225,10 +271,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not config.stash.get(switched_on_key, False):
+    if not config.stash.get(in_use_key, False):
         if not _uses_llmload(config, items):
             return
-        switch_on(config)
+        config.stash[in_use_key] = True  # (the gates open after this hook: trylast)
     from pytest_llmload.plugin import markers
 
     _require_the_stack(config, items)
@@ -333,14 +379,14 @@ def _importing_within_limits(config: pytest.Config, choice):
     import time
 
     from pytest_llmload.config import settings
-    from pytest_llmload.instruments.phases import _stderr_line, heartbeat
+    from pytest_llmload.instruments.heartbeat import heartbeat, stderr_line
     from pytest_llmload.instruments.probes import DeadlineExceeded, deadline
 
     module = choice.spec.partition(":")[0]
     every, limit = settings.value(config, "phase_progress_seconds"), settings.value(config, "import_timeout")
     started, key = time.monotonic(), ("llmload-import", module)
     if every:
-        heartbeat().schedule(key, every, lambda _: _stderr_line(
+        heartbeat().schedule(key, every, lambda _: stderr_line(
             f"llmload: still importing the loader's module {module!r} ({time.monotonic() - started:.0f}s)"),
             every=every)
     try:
@@ -449,7 +495,8 @@ def _row(item: pytest.Item, check, report: pytest.TestReport, found) -> Row:
     from pytest_llmload.checks.base import DECLARED_NOT_APPLICABLE, NOT_EXERCISED
     from pytest_llmload.config.stash_keys import notes_key
     from pytest_llmload.loader.seam import chosen_loader
-    from pytest_llmload.reports.progress import check_name, summary_line
+    from pytest_llmload.plugin.loader_hang import FAILED_FAST
+    from pytest_llmload.reports.progress import check_name, failure_origin, summary_line
     from pytest_llmload.checks.row import Row
 
     ran = getattr(item, "callspec", None) and item.callspec.params.get("loader")
@@ -469,10 +516,14 @@ def _row(item: pytest.Item, check, report: pytest.TestReport, found) -> Row:
         sentence = summary_line(report) if report.failed else ""
     failure = found.failure if found is not None and verdict in ("failed", "predicted") else None
     known = check.failure if failure == check.failure.id else None
-    return Row(check=check_name(item.nodeid), verdict=verdict, guards=check.failure.id, failure=failure,
+    name = check_name(item.nodeid)
+    # (an isolated check's death starts with its name)
+    not_run = verdict == "error" and sentence.removeprefix(f"{name}: ").startswith(FAILED_FAST)
+    return Row(check=name, verdict=verdict, guards=check.failure.id, failure=failure,
                cause=found.cause if found is not None else report.when if verdict == "error" else None,
                sentence=sentence,
-               notes=tuple(item.stash.get(notes_key, None) or ()), fix=getattr(known, "fix", None), loader=loader)
+               notes=tuple(item.stash.get(notes_key, None) or ()), fix=getattr(known, "fix", None), loader=loader,
+               guards_origin=failure_origin(check.failure), not_run=not_run)
 
 
 def _record(item: pytest.Item, report: pytest.TestReport, pairs: list) -> None:

@@ -62,9 +62,9 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function):
     isolated, timeout = isolated_timeout(pyfuncitem)
     if not isolated or inspect.iscoroutinefunction(pyfuncitem.obj):
         return None
-    from pytest_llmload.runners import isolation  # imported by the first isolated test, not at plugin load
+    from pytest_llmload.runners import children, isolation  # imported by the first isolated test, not at plugin load
 
-    if isolation.cuda_initialised():
+    if children.cuda_initialised():
         pytest.fail(
             f"{pyfuncitem.nodeid}: @pytest.mark.{MARKER} cannot run here: this process has initialised CUDA, and a "
             "child forked from it cannot use CUDA (its first CUDA call hangs or fails), while the test's fixtures "
@@ -82,20 +82,11 @@ def _call_test(function, funcargs) -> None:
 
 
 def _render(item: pytest.Function, exc: BaseException):
-    """In the child: the failure as pytest would report it in-process (style from --tb, assertion text)."""
+    """In the child: the failure as pytest would report it in-process (style from --tb, assertion text). (A child
+    without a test item, an isolated check, renders with :func:`pytest_llmload.runners.isolation.render_failure`.)"""
     if isinstance(exc, (pytest.skip.Exception, pytest.xfail.Exception)):
         return None
     return str(item.repr_failure(pytest.ExceptionInfo.from_exception(exc)))
-
-
-def render_failure(exc: BaseException):
-    """In a child without a test item (an isolated check): the failure in pytest's long style, from the
-    frame below the child's entry point."""
-    if isinstance(exc, (pytest.skip.Exception, pytest.xfail.Exception)):
-        return None
-    excinfo = pytest.ExceptionInfo.from_exception(exc)
-    excinfo.traceback = excinfo.traceback[1:] or excinfo.traceback
-    return str(excinfo.getrepr(style="long", chain=True, truncate_locals=True))
 
 
 @pytest.hookimpl(wrapper=True)

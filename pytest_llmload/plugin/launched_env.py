@@ -1,6 +1,6 @@
-"""``distributed_env`` under a launcher (see :mod:`.launcher`): ``run(fn, world_size)`` runs ``fn`` on this
-process's rank of the launcher's job, in a child forked from it, and every rank returns every rank's result or
-raises the same failure."""
+"""``distributed_env`` under a launcher (see :mod:`.launched_run`): ``run(fn, world_size)`` runs ``fn`` on this
+process's rank of the launcher's job, in a child forked from it (:mod:`pytest_llmload.runners.children`, as every
+child starts), and every rank returns every rank's result or raises the same failure."""
 
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ from typing import Any, Callable, Optional
 import pytest
 
 from pytest_llmload.system import gpus
-from pytest_llmload.runners import isolation, ranks, wire
-from pytest_llmload.runners.isolation import ChildOutcome
-from pytest_llmload.runners.launcher import RESULT_MARGIN_S, Launch, Meeting, agree, agreed, meeting_of, test_key
+from pytest_llmload.plugin.launched_run import meeting_of
+from pytest_llmload.runners import children, isolation, ranks, wire
+from pytest_llmload.runners.children import ChildOutcome
+from pytest_llmload.runners.launcher import RESULT_MARGIN_S, Launch, Meeting, agree, agreed, test_key
 from pytest_llmload.runners.ranks import DistributedEnv, DistributedRunFailed
 
 
@@ -96,11 +97,9 @@ def _run_here(launch: Launch, fn, args, kwargs, backend, timeout, env, init_proc
     rank_env.update(env or {})
     prepare = functools.partial(ranks._prepare_rank, launch.rank, launch.world_size, port, backend, rank_env,
                                 init_process_group, timeout)
-    spec = isolation.ChildSpec(f"rank {launch.rank}", fn, args, kwargs, merge_output=True, prepare=prepare)
-    (outcome,) = isolation.run_children(
-        [spec], timeout, method=ranks.start_method(backend), prefix="llmload-rank-",
-        accelerator="cuda" if backend == "nccl" else None,
-    )
+    spec = children.ChildSpec(f"rank {launch.rank}", fn, args, kwargs, merge_output=True, prepare=prepare)
+    (outcome,) = children.run_children([spec], timeout, start=children.start_for(backend=backend),
+                                       prefix="llmload-rank-")
     return outcome
 
 

@@ -7,25 +7,21 @@ of waiting out its own deadline in the same call. ``--llmload-wait-after-hang`` 
 Under xdist each worker learns of a hang by itself: one hang per worker, at most. Lanes
 (:mod:`pytest_llmload.plugin.lanes`) share it: a hang in one fails the later tests of every lane.
 
-Registered by ``plugin.switch_on`` when a run uses the plugin; imports nothing heavy.
+Switched on by its gate in :mod:`pytest_llmload.plugin.hooks` when a run uses the plugin; imports nothing heavy.
 """
 
 from __future__ import annotations
 
-import re
-import traceback
 from typing import NamedTuple, Optional
 
 import pytest
 
 from pytest_llmload.config import settings
 from pytest_llmload.config.vocabulary import WAIT_OPTION
+from pytest_llmload.system import tracebacks
 
 # The start of the setup failure of the tests that did not wait (the main job groups them by it).
 FAILED_FAST = "the loader under test hung in "
-
-_PYTEST_TIMEOUT = re.compile(r"Timeout \(>(\d+(?:\.\d+)?)s\) from pytest-timeout")
-_OWN_DEADLINE = re.compile(r"deadline (?:of )?(\d+(?:\.\d+)?) s\b")
 
 
 class Hang(NamedTuple):
@@ -48,29 +44,15 @@ def _uses_loader(item: pytest.Item) -> bool:
 def hang_in_loader(exc: BaseException, test: str) -> Optional[Hang]:
     """The :class:`Hang`, when ``exc`` (``test``'s failure) is a deadline that passed while the loader was being
     called; ``None`` for any other failure."""
-    text = str(exc)
-    from pytest_llmload.loader.seam import LOADER_FRAME
+    from pytest_llmload.reports.verdict import children_end
     from pytest_llmload.runners.isolation import child_outcomes
 
     outcomes = child_outcomes(exc)
-    if outcomes is not None:
-        # Children (an isolated check, ranks): a hang only where one was still running at its deadline and none
-        # raised or died first (the others then wait on it, which is no hang of the loader's).
-        statuses = [getattr(o, "status", None) for o in outcomes]
-        if "hung" not in statuses or "raised" in statuses or "died" in statuses:
-            return None
-        where = "\n".join(o.stacks for o in outcomes if o.status == "hung")
-        found = _OWN_DEADLINE.search(text)
-    else:  # this process: a deadline that really passed (pytest-timeout's, or probes.deadline's own exception)
-        found = _PYTEST_TIMEOUT.search(text)
-        if found is None and type(exc).__name__ == "DeadlineExceeded":
-            found = _OWN_DEADLINE.search(text)
-        if found is None:
-            return None
-        where = text + "".join(traceback.format_tb(exc.__traceback__))
-    if not LOADER_FRAME.search(where):
-        return None
-    return Hang(test, float(found.group(1)) if found else None)
+    if outcomes is not None:  # children (an isolated check, ranks): judged as the row's verdict judges them
+        hung = children_end(outcomes).loader_hung
+    else:  # this process: pytest-timeout's, or probes.deadline's own exception
+        hung = tracebacks.is_passed_deadline(exc) and tracebacks.in_loader_call(tracebacks.exception_text(exc))
+    return Hang(test, tracebacks.deadline_seconds(str(exc))) if hung else None
 
 
 def fail_if_hung_before(item: pytest.Item) -> None:

@@ -1,7 +1,9 @@
 """What the loader under test would do on a runner profile with a full-size architecture: each scenario runs the
 loader as it would run there, stops it at ``from_pretrained`` (nothing is loaded or allocated), plans the placement
-with transformers' own code (:mod:`.planner`), estimates memory (:mod:`pytest_llmload.fixes.training_memory`) and names the known
-failure the runner would hit, or OOM with the figures. Every row is a prediction and says what was simulated.
+with transformers' own code (:mod:`pytest_llmload.placement.planned`), estimates memory
+(:mod:`pytest_llmload.fixes.training_memory`) and names the known failure the runner would hit, or OOM with the
+figures. Every row is a prediction and says what was simulated. The scenarios are the functions declared with
+``@_scenario``; the known failure each predicts is named by the failure's own module (``predicted_by``).
 
 What the loader sees, as on each rank of that runner: the request in the profile's sizes (``max_memory`` the
 profile's capacities, ``gpu_count`` its GPUs, ``device`` ``cuda:<rank>``), the launcher's environment for the
@@ -12,7 +14,6 @@ GPUs (``is_available``, ``device_count``, ``mem_get_info``, ``get_device_propert
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 import types
@@ -20,7 +21,7 @@ from unittest import mock
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional
 
-from pytest_llmload.placement import architectures, planner
+from pytest_llmload.placement import architectures, planned, planner
 from pytest_llmload.placement.profiles import RunnerProfile
 from pytest_llmload.loader.request import LoadRequest
 from pytest_llmload.system.sizes import format_bytes
@@ -86,15 +87,6 @@ class Prediction(NamedTuple):
 
 class _Intercepted(BaseException):
     """Raised in place of loading: a BaseException so that a loader's ``except Exception`` does not swallow it."""
-
-
-class _PlacementRefused(BaseException):
-    """from_pretrained's own planning refused the placement on the runner (a quantized model that does not fit the
-    GPUs, say): what the load would raise there. A BaseException, past the loader's ``except Exception``."""
-
-    def __init__(self, refusal: BaseException):
-        super().__init__(refusal)
-        self.refusal = refusal
 
 
 def _from_pretrained_intercepted(calls: list, stand_in: Optional[Callable[[dict], Any]] = None):
@@ -218,7 +210,7 @@ def run_loader(loader: Callable, request: LoadRequest, profile: RunnerProfile, *
             loader(request)
         except _Intercepted:
             pass
-        except _PlacementRefused as refused:
+        except planned.PlacementRefused as refused:
             raise PredictedFailure("OOM", f"on {profile.name}, from_pretrained would refuse the placement: "
                                    f"{type(refused.refusal).__name__}: {refused.refusal}") from None
         except LoaderError:
@@ -226,60 +218,6 @@ def run_loader(loader: Callable, request: LoadRequest, profile: RunnerProfile, *
         except Exception as exc:
             raise LoaderError(exc, getattr(loader, "__qualname__", repr(loader)), request) from exc
     return Call(calls[0] if calls else None)
-
-
-def _dtype_of(kwargs: dict, request: LoadRequest):
-    import torch
-
-    asked = kwargs.get("dtype", kwargs.get("torch_dtype"))
-    if isinstance(asked, torch.dtype):
-        return asked
-    if isinstance(asked, str) and asked != "auto":
-        return getattr(torch, asked)
-    return request.torch_dtype  # "auto" or none: the checkpoint's, which is what the request names here
-
-
-def _quantizer_of(kwargs: dict):
-    config = kwargs.get("quantization_config")
-    if config is None and (kwargs.get("load_in_4bit") or kwargs.get("load_in_8bit")):
-        from transformers import BitsAndBytesConfig
-
-        config = BitsAndBytesConfig(load_in_4bit=bool(kwargs.get("load_in_4bit")),
-                                    load_in_8bit=bool(kwargs.get("load_in_8bit")))
-    if config is None:
-        return None
-    from transformers.quantizers import AutoHfQuantizer
-
-    return AutoHfQuantizer.from_config(config, pre_quantized=False)
-
-
-_EMPTY_MODELS: dict = {}
-
-
-def _empty(config: dict, dtype: Any, quantizer: Any = None, quantization_config: Any = None,
-           device_map: Any = None) -> Any:
-    """The empty model, built once per architecture, dtype and quantization: every rank of a launcher, and every
-    scenario of a run, plans the same one (a 70B model takes about 0.4 s to build, the first of a process 3-4 s)."""
-    key = (json.dumps(config, sort_keys=True), str(dtype), repr(quantization_config),
-           repr(device_map) if quantizer is not None else None)
-    if key not in _EMPTY_MODELS:
-        _EMPTY_MODELS[key] = architectures.empty_model(config, dtype, quantizer=quantizer, device_map=device_map)
-    return _EMPTY_MODELS[key]
-
-
-def place(config: dict, kwargs: dict, request: LoadRequest, profile: RunnerProfile) -> tuple[Any, dict, Any, Any]:
-    """The empty model and the map from_pretrained would give it on ``profile`` for the loader's ``kwargs``."""
-    dtype = _dtype_of(kwargs, request)
-    quantizer = _quantizer_of(kwargs)
-    device_map = kwargs.get("device_map")
-    model = _empty(config, dtype, quantizer, kwargs.get("quantization_config"), device_map)
-    budget = kwargs.get("max_memory")
-    max_memory = dict(budget) if budget is not None else profile.max_memory
-    try:
-        planned = planner.plan(model, device_map, max_memory, dtype=dtype, hf_quantizer=quantizer)
-    except ValueError as refusal:  # the quantizer's own check of the planned map (validate_environment)
-        raise _PlacementRefused(refusal) from None
-    return model, planned, quantizer, dtype
 
 
 def _capacity(profile: RunnerProfile, device: str) -> Optional[int]:
@@ -316,8 +254,8 @@ def predict_placement(scenario: str, loader: Callable, request: LoadRequest, pro
 
         refusal = zero3_device_map_refusal(kwargs.get("device_map"))
     try:
-        model, device_map, quantizer, dtype = place(config, kwargs, request, profile)
-    except _PlacementRefused as refused:
+        model, device_map, quantizer, dtype = planned.place(config, kwargs, request, profile)
+    except planned.PlacementRefused as refused:
         raise PredictedFailure("OOM", f"on {profile.name}, from_pretrained would refuse the placement: "
                                f"{type(refused.refusal).__name__}: {refused.refusal}") from None
     shares = planner.shares(model, device_map, dtype=dtype, hf_quantizer=quantizer)
@@ -352,11 +290,11 @@ def model_dir(config: dict, workdir: Path) -> Path:
     if not (dest / "config.json").is_file():
         import torch
 
-        architectures.write_checkpoint_dir(config, dest, _empty(config, getattr(torch, DEFAULT_DTYPE)))
+        architectures.write_checkpoint_dir(config, dest, planned.empty(config, getattr(torch, DEFAULT_DTYPE)))
     return dest
 
 
-# --- the scenarios: one row each, named after the check whose failure it predicts ---------------------------------
+# --- the scenarios: one row each; the known failure each predicts is the catalog's to say -------------------------
 
 
 class Scenario(NamedTuple):
@@ -374,6 +312,35 @@ class Scenario(NamedTuple):
     @property
     def summary(self) -> str:
         return " ".join((self.function.__doc__ or "").strip().split("\n\n")[0].split())
+
+
+# name -> (function, GPUs a runner needs for it), in the order the functions are defined below: the rows' order.
+_SCENARIOS: dict[str, tuple[Callable[..., Prediction], int]] = {}
+
+
+def _scenario(needs_gpus: int = 0) -> Callable:
+    """Declares the function below a scenario (a runner with fewer than ``needs_gpus`` GPUs skips it). Which known
+    failure it predicts, the failure's module says (``KnownFailure.predicted_by``): :func:`scenarios` pairs them."""
+
+    def declare(function: Callable[..., Prediction]) -> Callable[..., Prediction]:
+        _SCENARIOS[function.__name__] = (function, needs_gpus)
+        return function
+
+    return declare
+
+
+def scenarios() -> tuple[Scenario, ...]:
+    """Every scenario, in the order this module defines them, with the catalog entry that names it."""
+    from pytest_llmload.failures import CATALOG
+
+    failure_of = {name: failure for failure in CATALOG for name in failure.predicted_by}
+    unknown = sorted(set(failure_of) - set(_SCENARIOS))
+    unclaimed = sorted(set(_SCENARIOS) - set(failure_of))
+    if unknown or unclaimed:
+        raise LookupError(f"the catalog and {__name__} disagree: predicted_by names {unknown or 'nothing'} that is "
+                          f"no scenario here; scenarios no failure's predicted_by names: {unclaimed or 'none'}")
+    return tuple(Scenario(function, failure_of[name], needs_gpus)
+                 for name, (function, needs_gpus) in _SCENARIOS.items())
 
 
 def _request(model_path: Path, profile: RunnerProfile, rank: int = 0, **fields) -> LoadRequest:
@@ -398,6 +365,26 @@ def _raise_if(prediction: Prediction) -> Prediction:
     return prediction
 
 
+@_scenario()
+def predict_inference_load(loader, profile, config, model_name, workdir, checkpoint=None) -> Prediction:
+    """Predicts offload-hang (000) or OOM: an inference load under the runner's memory, and where it offloads."""
+    from importlib import metadata
+
+    from packaging.version import Version
+
+    request = _request(model_dir(config, workdir), profile, purpose="inference", max_memory=profile.max_memory,
+                       offload_folder=Path(workdir) / "offload")
+    prediction = predict_placement("predict_inference_load", loader, request, profile, config, model_name)
+    honours = Version(metadata.version("transformers")).release < (4, 57)
+    if (prediction.failure is None and _offloaded(prediction, profile) and honours
+            and prediction.asked.get("offload_state_dict", False)):
+        prediction = prediction._replace(failure="offload-hang", reason="offload_state_dict=True with a placement "
+                                         "that offloads, on a transformers that honours it: every cpu-bound weight "
+                                         "round-trips through the system temp dir, silently")
+    return _raise_if(prediction)
+
+
+@_scenario()
 def predict_train_load(loader, profile, config, model_name, workdir, checkpoint=None, *,
                        max_memory: Optional[dict] = None) -> Prediction:
     """Predicts meta-backward (002) or OOM: a LoRA train load with gradient checkpointing under the runner's memory.
@@ -426,22 +413,23 @@ def predict_train_load(loader, profile, config, model_name, workdir, checkpoint=
     return _raise_if(prediction)
 
 
-def predict_inference_load(loader, profile, config, model_name, workdir, checkpoint=None) -> Prediction:
-    """Predicts offload-hang (000) or OOM: an inference load under the runner's memory, and where it offloads."""
-    from importlib import metadata
+@_scenario(needs_gpus=2)
+def predict_trainer(loader, profile, config, model_name, workdir, checkpoint=None) -> Prediction:
+    """Predicts dp-dtype (003): Trainer's n_gpu and wrap decision for the loader's 4-bit LoRA model on the runner's GPUs."""
+    from pytest_llmload.failures import dp_dtype
 
-    from packaging.version import Version
-
-    request = _request(model_dir(config, workdir), profile, purpose="inference", max_memory=profile.max_memory,
-                       offload_folder=Path(workdir) / "offload")
-    prediction = predict_placement("predict_inference_load", loader, request, profile, config, model_name)
-    honours = Version(metadata.version("transformers")).release < (4, 57)
-    if (prediction.failure is None and _offloaded(prediction, profile) and honours
-            and prediction.asked.get("offload_state_dict", False)):
-        prediction = prediction._replace(failure="offload-hang", reason="offload_state_dict=True with a placement "
-                                         "that offloads, on a transformers that honours it: every cpu-bound weight "
-                                         "round-trips through the system temp dir, silently")
-    return _raise_if(prediction)
+    start = time.perf_counter()
+    note = (f"Trainer's own decision for n_gpu={profile.devices}, made on the tiny checkpoint (it depends on the "
+            "GPU count and the model's placement and quantization, not its size)")
+    try:
+        dp_dtype.CHECK(loader, checkpoint, Path(workdir) / "trainer", simulated_n_gpu=profile.devices)
+    except AssertionError as exc:
+        failure = dp_dtype.FAILURE.id
+        raise PredictedFailure(failure, f"on {profile.name} with {model_name}, would hit {failure}: "
+                               f"{str(exc).splitlines()[0]}\n  simulated: {note}") from None
+    return Prediction("predict_trainer", profile.name, model_name, {}, (), {}, (note,), None,
+                      f"Trainer keeps n_gpu=1 for the loader's model on {profile.devices} GPUs",
+                      time.perf_counter() - start)
 
 
 def _launched(scenario: str, profile, config, model_name, workdir, loader, *, deepspeed: bool, zero3: bool = False):
@@ -474,7 +462,7 @@ def _deepspeed_states(prediction: Prediction, profile, config: dict, request: Lo
     of model states (a full fine-tune, no offload), against the runner's GPU."""
     if not profile.devices:
         return prediction
-    model = next(m for key, m in _EMPTY_MODELS.items() if key[0] == json.dumps(config, sort_keys=True))
+    model = planned.first_built_for(config)
     total = sum(p.numel() for p in model.parameters())
     if zero3:
         from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
@@ -502,37 +490,22 @@ def _deepspeed_states(prediction: Prediction, profile, config: dict, request: Lo
     return prediction
 
 
+@_scenario(needs_gpus=2)
 def predict_launcher_ddp(loader, profile, config, model_name, workdir, checkpoint=None) -> Prediction:
     """Predicts distributed-device-map (004): a train load on every rank of a torchrun job over the runner's GPUs."""
     return _launched("predict_launcher_ddp", profile, config, model_name, workdir, loader, deepspeed=False)
 
 
+@_scenario(needs_gpus=2)
 def predict_launcher_deepspeed(loader, profile, config, model_name, workdir, checkpoint=None) -> Prediction:
     """Predicts distributed-device-map (004): a train load on every rank of a DeepSpeed (ZeRO-2) job, write-up 004's."""
     return _launched("predict_launcher_deepspeed", profile, config, model_name, workdir, loader, deepspeed=True)
 
 
+@_scenario(needs_gpus=1)
 def predict_zero3(loader, profile, config, model_name, workdir, checkpoint=None) -> Prediction:
     """Predicts zero3-device-map: a train load on every rank under DeepSpeed ZeRO-3 passes no device_map."""
     return _launched("predict_zero3", profile, config, model_name, workdir, loader, deepspeed=True, zero3=True)
-
-
-def predict_trainer(loader, profile, config, model_name, workdir, checkpoint=None) -> Prediction:
-    """Predicts dp-dtype (003): Trainer's n_gpu and wrap decision for the loader's 4-bit LoRA model on the runner's GPUs."""
-    from pytest_llmload.failures import BY_ID, REGISTRY
-
-    start = time.perf_counter()
-    note = (f"Trainer's own decision for n_gpu={profile.devices}, made on the tiny checkpoint (it depends on the "
-            "GPU count and the model's placement and quantization, not its size)")
-    (check,) = [c for c in REGISTRY if c.name == "check_trainer_does_not_wrap_placed_model"]
-    try:
-        check(loader, checkpoint, Path(workdir) / "trainer", simulated_n_gpu=profile.devices)
-    except AssertionError as exc:
-        raise PredictedFailure(BY_ID["dp-dtype"].id, f"on {profile.name} with {model_name}, would hit dp-dtype: "
-                               f"{str(exc).splitlines()[0]}\n  simulated: {note}") from None
-    return Prediction("predict_trainer", profile.name, model_name, {}, (), {}, (note,), None,
-                      f"Trainer keeps n_gpu=1 for the loader's model on {profile.devices} GPUs",
-                      time.perf_counter() - start)
 
 
 def _after_loading(scenario: str, loader, profile, config, model_name, workdir, **fields):
@@ -544,12 +517,12 @@ def _after_loading(scenario: str, loader, profile, config, model_name, workdir, 
     start = time.perf_counter()
     request = _request(model_dir(config, workdir), profile, purpose="inference", max_memory=profile.max_memory,
                        offload_folder=Path(workdir) / "offload", **fields)
-    planned: dict = {}
+    planned_map: dict = {}
 
     def stand_in(kwargs):
-        model, device_map, quantizer, _ = place(config, kwargs, request, profile)
-        planned.update(device_map)
-        fresh = architectures.empty_model(config, _dtype_of(kwargs, request))
+        model, device_map, quantizer, _ = planned.place(config, kwargs, request, profile)
+        planned_map.update(device_map)
+        fresh = architectures.empty_model(config, planned.dtype_of(kwargs, request))
         fresh.hf_device_map = dict(device_map)
         if quantizer is not None:
             fresh.hf_quantizer, fresh.is_loaded_in_4bit = quantizer, request.quantization == "4bit"
@@ -561,18 +534,20 @@ def _after_loading(scenario: str, loader, profile, config, model_name, workdir, 
     except LoaderError as exc:
         if refusal_problem(exc.original) is not None:
             raise
-        refused = Prediction(scenario, profile.name, model_name, planned, (), {}, (), None,
+        refused = Prediction(scenario, profile.name, model_name, planned_map, (), {}, (), None,
                              f"the loader refuses, naming the budget: {type(exc.original).__name__}")
         return refused, [], []
     notes = ("the loader ran to its end on an empty stand-in placed as planned; its moves, casts and adapter loads "
              "recorded, not done",)
-    prediction = Prediction(scenario, profile.name, model_name, planned, (), {} if call.kwargs is None else {
+    prediction = Prediction(scenario, profile.name, model_name, planned_map, (), {} if call.kwargs is None else {
         k: call.kwargs.get(k) for k in ("device_map", "max_memory", "quantization_config") if call.kwargs.get(k)},
         notes, seconds=time.perf_counter() - start)
-    offloads = [name for name, where in planned.items() if where in (("cpu", "disk") if profile.devices else ("disk",))]
+    tiers = ("cpu", "disk") if profile.devices else ("disk",)
+    offloads = [name for name, where in planned_map.items() if where in tiers]
     return prediction, after, offloads
 
 
+@_scenario()
 def predict_moved_after_loading(loader, profile, config, model_name, workdir, checkpoint=None) -> Prediction:
     """Predicts move-offloaded: the loader moves or casts a model the runner's placement offloads."""
     prediction, after, offloads = _after_loading("predict_moved_after_loading", loader, profile, config, model_name,
@@ -588,6 +563,7 @@ def predict_moved_after_loading(loader, profile, config, model_name, workdir, ch
                                f"{', '.join('.' + m + '()' for m in moves) or 'no move or cast'}")
 
 
+@_scenario()
 def predict_adapter_on_offloaded(loader, profile, config, model_name, workdir, checkpoint=None) -> Prediction:
     """Predicts adapter-on-offloaded: the loader puts a trained adapter on a base the runner's placement offloads."""
     adapter = Path(workdir) / "adapter"
@@ -606,6 +582,7 @@ def predict_adapter_on_offloaded(loader, profile, config, model_name, workdir, c
                                f"{adapters[0] if adapters else 'not loaded by the loader'}")
 
 
+@_scenario()
 def predict_quantized_cast(loader, profile, config, model_name, workdir, checkpoint=None) -> Prediction:
     """Predicts quantized-cast: the loader casts a 4-bit model after loading (transformers refuses any dtype cast)."""
     prediction, after, _ = _after_loading("predict_quantized_cast", loader, profile, config, model_name, workdir,
@@ -619,17 +596,3 @@ def predict_quantized_cast(loader, profile, config, model_name, workdir, checkpo
                   "dtype on it: transformers refuses any dtype cast of a bitsandbytes model")
     return prediction._replace(reason=f"{'4-bit' if quantized else 'not quantized (the request was ignored)'}; "
                                f"casts after loading: {', '.join(casts) or 'none'}")
-
-
-def scenarios() -> tuple[Scenario, ...]:
-    from pytest_llmload.failures import BY_ID
-
-    return (Scenario(predict_inference_load, BY_ID["offload-hang"]),
-            Scenario(predict_train_load, BY_ID["meta-backward"]),
-            Scenario(predict_trainer, BY_ID["dp-dtype"], needs_gpus=2),
-            Scenario(predict_launcher_ddp, BY_ID["distributed-device-map"], needs_gpus=2),
-            Scenario(predict_launcher_deepspeed, BY_ID["distributed-device-map"], needs_gpus=2),
-            Scenario(predict_zero3, BY_ID["zero3-device-map"], needs_gpus=1),
-            Scenario(predict_moved_after_loading, BY_ID["move-offloaded"]),
-            Scenario(predict_adapter_on_offloaded, BY_ID["adapter-on-offloaded"]),
-            Scenario(predict_quantized_cast, BY_ID["quantized-cast"]))

@@ -197,8 +197,8 @@ def _after_fork_in_child() -> None:
     global _child_spool
     if _spool_dir is None:
         return
-    phases = sys.modules.get("pytest_llmload.instruments.phases")  # no import here: a fork may hold its lock
-    recorder = phases.current_recorder() if phases is not None else None
+    recorders = sys.modules.get("pytest_llmload.instruments.recorder")  # no import here: a fork may hold its lock
+    recorder = recorders.current_recorder() if recorders is not None else None
     if recorder is None:
         return
     try:
@@ -691,7 +691,7 @@ def render_html(config: pytest.Config, rows: list[dict], started: float, ended: 
     from collections import Counter
     from importlib import metadata
 
-    from pytest_llmload.plugin.header import header_lines
+    from pytest_llmload.reports.header import header_lines
     from pytest_llmload.reports.progress import check_name
 
     esc = html.escape

@@ -1,11 +1,14 @@
 """A machine-readable record of a run, one JSON line per event, for the main job's live table.
 
 Enabled by ``--llmload-progress PATH``; the main job (``python -m pytest_llmload``) reads the file while
-pytest writes it, so a long check shows progress instead of silence. Events: ``loader`` (the loader this run
-tests, and where that choice came from), ``collected`` (the count, and the checks in collection order),
-``collect_error``, ``start`` and ``result`` (one per test, with ``summary``: its failure's cause in one line). It
-hangs off hooks that run in the controlling process under xdist too; under lanes (:mod:`.runners.lanes`) each lane
-writes its own tests' events.
+pytest writes it, so a long check shows progress instead of silence. Events: ``usage_error`` (a check spec or an
+installed extension that gives no checks, read at configure: the main job's usage error), ``loader`` (the loader
+this run tests, and where that choice came from), ``collected`` (the count, the checks in collection order, and
+what each guards against), ``collect_error``, ``start`` and ``result`` (one per test: a check's is its row,
+:class:`~pytest_llmload.checks.row.Row`, with ``summary``: its failure's cause in one line). The main job's parent
+learns everything it prints from these events: it imports no check. They hang off hooks that run in the
+controlling process under xdist too; under lanes (:mod:`pytest_llmload.plugin.lanes`) each lane writes its own
+tests' events.
 """
 
 from __future__ import annotations
@@ -33,6 +36,29 @@ def check_name(nodeid: str) -> str:
 _LOADER_ERRORS = ("pytest_llmload.loader.seam.LoaderError", "pytest_llmload.loader.seam.LoaderContractError",
                   "pytest_llmload.loader.seam.LoaderModelError", "LoaderError: ", "LoaderContractError: ",
                   "LoaderModelError: ")
+
+
+def failure_origin(failure) -> str:
+    """Where a known failure comes from, as the main job's table tags what a check guards against: ``002`` for its
+    write-up in shared/seeds, ``field`` for upstream issue trackers, ``extension`` for a repo's own
+    (:mod:`pytest_llmload.plugin.check_registry`)."""
+    from pytest_llmload.failures import BY_ID
+
+    if BY_ID.get(failure.id) is not failure:
+        return "extension"
+    return failure.write_up.split("/")[-1][:3] if failure.write_up.startswith("seeds/") else "field"
+
+
+def _guards(items) -> dict[str, list[str]]:
+    """``{check: [failure id, origin]}`` for the collected tests that run a check: what the main job's table says a
+    check guards against, also for a row it writes itself (a check that was running when pytest died)."""
+    guards = {}
+    for item in items:
+        check = getattr(getattr(item, "callspec", None), "params", {}).get("check")
+        failure = getattr(check, "failure", None)
+        if failure is not None:
+            guards[check_name(item.nodeid)] = [failure.id, failure_origin(failure)]
+    return guards
 
 
 def _crash_message(report: pytest.TestReport) -> str:
@@ -73,11 +99,12 @@ class ProgressWriter:
         self.write(event="loader", spec=choice.spec, source=choice.source,
                    inifile=None if inifile is None else str(inifile))
 
+    @pytest.hookimpl(tryfirst=True)  # before the sub-plugins' (a DeepSpeed preload takes seconds): the count at once
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         if not self._collected:  # under xdist the controller collects nothing: see the next hook
             self._collected = True
             self.write(event="collected", count=len(session.items),
-                       order=[check_name(item.nodeid) for item in session.items])
+                       order=[check_name(item.nodeid) for item in session.items], guards=_guards(session.items))
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_xdist_node_collection_finished(self, node, ids) -> None:
@@ -104,7 +131,8 @@ class ProgressWriter:
                        verdict=row.verdict, reason=row.sentence if outcome_of(row) in ("skipped", "xfailed", "xpassed")
                        else "", summary=row.sentence, seconds=round(time.perf_counter() - started, 3),
                        failure=row.failure, cause=row.cause, note=row.note or None, notes=list(row.notes),
-                       fix=row.fix, loader=row.loader, guards=row.guards)
+                       fix=row.fix, loader=row.loader, guards=row.guards, guards_origin=row.guards_origin,
+                       not_run=row.not_run)
             return
         outcome, reason = report.outcome, ""  # a test that runs no check (a repo's own, a prediction's)
         if hasattr(report, "wasxfail"):

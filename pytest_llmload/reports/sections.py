@@ -1,6 +1,6 @@
 """Diagnostics in the test report: phase timings, where the models are, and a summary of the session.
 
-Registered by ``plugin.switch_on`` when a run uses the plugin. For every test:
+Switched on by its gate in ``plugin.hooks`` when a run uses the plugin. For every test:
 
 - its phases (:mod:`pytest_llmload.instruments.phases`: loads through the loader seam, the checks' steps, your own
   ``with phase(...)``) are recorded; a failing test's report gets a section ``llmload: phases`` with the
@@ -30,7 +30,8 @@ import pytest
 from pytest_llmload.instruments.device_map_summary import placement_lines
 from pytest_llmload.system.sizes import format_bytes
 from pytest_llmload.config.vocabulary import SETTING
-from pytest_llmload.instruments.phases import PhaseRecorder, heartbeat, recording
+from pytest_llmload.instruments.heartbeat import heartbeat
+from pytest_llmload.instruments.recorder import PhaseRecorder, recording
 
 DEFAULT_NEAR_DEADLINE = SETTING["near_deadline"].default
 # Under pytest-timeout's thread method the table is printed this long before the kill: 5% of the deadline, but

@@ -12,17 +12,14 @@ Imports nothing heavy: the progress writer and the main job's parent use it.
 
 from __future__ import annotations
 
-import re
 import traceback
 from typing import Any, NamedTuple, Optional
 
 # Report properties (report.user_properties; JUnit XML writes them as <property>), named once with the row's record.
 from pytest_llmload.checks.row import CAUSE_PROPERTY, FAILURE_PROPERTY, SENTENCE_PROPERTY, VERDICT_PROPERTY
+from pytest_llmload.system import tracebacks
 
 BUG_REPORT = "https://github.com/pytest-llmload/pytest-llmload/issues"
-
-
-_OWN_FRAME = re.compile(r'File "([^"]*pytest_llmload[/\\][^"]+)", line (\d+), in (\w+)')
 
 
 class Verdict(NamedTuple):
@@ -48,7 +45,7 @@ def of_exception(exc: BaseException, failure: Any) -> Optional[Verdict]:
 
 
 def _judge(exc: BaseException, failure: Any) -> Optional[Verdict]:
-    from pytest_llmload.loader.seam import LOADER_FRAME, LoaderContractError, LoaderError, LoaderModelError
+    from pytest_llmload.loader.seam import LoaderContractError, LoaderError, LoaderModelError
     from pytest_llmload.runners.isolation import child_outcomes
 
     outcomes = child_outcomes(exc)
@@ -66,8 +63,8 @@ def _judge(exc: BaseException, failure: Any) -> Optional[Verdict]:
         return Verdict("error", None, "loader", _whole(exc))
     if isinstance(exc, LoaderModelError):
         return Verdict("error", None, "model", _whole(exc))
-    if _is_timeout(exc):
-        in_loader = LOADER_FRAME.search(str(exc) + "".join(traceback.format_tb(exc.__traceback__))) is not None
+    if tracebacks.is_passed_deadline(exc):
+        in_loader = tracebacks.in_loader_call(tracebacks.exception_text(exc))
         return _hang(failure, in_loader, _first_line(exc))
     if type(exc).__name__ == "PredictedFailure":  # a prediction for a runner this machine is not: never observed
         return Verdict("predicted", getattr(exc, "failure", None), "prediction", _head(exc))
@@ -91,9 +88,39 @@ def _same_bug(judged: Verdict, failure: Any) -> Verdict:
                                     f"{known.id} ({known.title}); fix: {known.fix}")
 
 
-def _of_children(exc: BaseException, outcomes: list, failure: Any) -> Verdict:
-    from pytest_llmload.loader.seam import LOADER_FRAME
+class ChildrenEnd(NamedTuple):
+    """How the children that ran a check ended (an isolated check's child, the ranks), read in one place: the row's
+    verdict and the fail-fast after a hang (:mod:`pytest_llmload.plugin.loader_hang`) both go by it."""
 
+    how: str  # "raised": one raised (what it raised is judged); "hung": one was still running at its deadline and
+    # none raised; "died": one ended without an answer, and none raised or hung
+    in_loader: bool = False  # (hung) a hung child's stacks are inside the loader call
+    after_a_death: bool = False  # (hung) another child died: the hung ones may only have been waiting on it
+
+    @property
+    def loader_hung(self) -> bool:
+        """The loader itself hung: a child still in the loader call at its deadline, and none raised or died first
+        (the others then wait on it, which is no hang of the loader's)."""
+        return self.how == "hung" and self.in_loader and not self.after_a_death
+
+
+def children_end(outcomes: list) -> ChildrenEnd:
+    """How the children with these outcomes (:class:`~pytest_llmload.runners.children.ChildOutcome`) ended."""
+    statuses = [o.status for o in outcomes]
+    if "raised" in statuses:
+        return ChildrenEnd("raised")
+    hung = [o for o in outcomes if o.status == "hung"]
+    if hung:
+        return ChildrenEnd("hung", any(tracebacks.in_loader_call(o.stacks or "") for o in hung), "died" in statuses)
+    return ChildrenEnd("died")
+
+
+def _of_children(exc: BaseException, outcomes: list, failure: Any) -> Verdict:
+    ending = children_end(outcomes)
+    if ending.how == "hung":
+        return _hang(failure, ending.in_loader, _first_line(exc))
+    if ending.how == "died":
+        return Verdict("error", None, "died", _first_line(exc))
     verdicts = []
     for o in outcomes:
         if o.status == "raised" and isinstance(o.exception, BaseException) and not _is_skip(o.exception):
@@ -106,13 +133,7 @@ def _of_children(exc: BaseException, outcomes: list, failure: Any) -> Verdict:
         found = next((v for v in verdicts if v.cause == cause), None)
         if found is not None:
             return found
-    if any(o.status == "raised" for o in outcomes):  # raised something that did not come back
-        return Verdict("error", None, "check", f"{_first_line(exc)} (report it: {BUG_REPORT})")
-    hung = [o for o in outcomes if o.status == "hung"]
-    if hung:
-        in_loader = any(LOADER_FRAME.search(o.stacks or "") for o in hung)
-        return _hang(failure, in_loader, _first_line(exc))
-    return Verdict("error", None, "died", _first_line(exc))
+    return Verdict("error", None, "check", f"{_first_line(exc)} (report it: {BUG_REPORT})")  # (did not come back)
 
 
 def _hang(failure: Any, in_loader: bool, line: str) -> Verdict:
@@ -135,22 +156,13 @@ def _own_frame(exc: BaseException, text: str = "") -> str:
     if not text:
         cause = exc.__cause__
         text = str(cause) if type(cause).__name__ == "ChildTraceback" else "".join(traceback.format_tb(exc.__traceback__))
-    frames = _OWN_FRAME.findall(text)
-    if not frames:
-        return ""
-    path, line, name = frames[-1]
-    return f"{name} ({path.rsplit('pytest_llmload', 1)[-1].lstrip('/')}:{line})"
+    return tracebacks.innermost_own_frame(text)
 
 
 def _is_skip(exc: BaseException) -> bool:
     import pytest
 
     return isinstance(exc, (pytest.skip.Exception, pytest.xfail.Exception))
-
-
-def _is_timeout(exc: BaseException) -> bool:
-    """A deadline that really passed in this process: probes.deadline's, or pytest-timeout's."""
-    return type(exc).__name__ == "DeadlineExceeded" or str(exc).startswith("Timeout (>")
 
 
 SUMMARY_LINES = 6

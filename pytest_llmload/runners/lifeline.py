@@ -8,7 +8,9 @@ isolated children, ranks and xdist workers. Each of them is tied to its parent h
 - :func:`tie_to_main_job`: in the main job's pytest run (and its xdist workers), SIGTERM and SIGHUP stop pytest
   as Ctrl-C does, so that its finalizers kill the checks' children and remove their temp dirs; the parent's
   death sends SIGTERM; a run left behind by a killed main job also removes the main job's temp dir (which holds
-  the run's own temp dirs: the main job points its ``TMPDIR`` there).
+  the run's own temp dirs: the main job points its ``TMPDIR`` there);
+- :func:`become_subreaper` and :func:`end_descendants`: a check's child adopts what the code under test starts and
+  orphans (a double-forked daemon), and ends all of it when that code has ended.
 
 This module imports nothing heavy: the pytest plugin imports it on every run.
 """
@@ -149,3 +151,65 @@ def _hard_stop() -> None:
 def _remove_parent_workdir() -> None:
     if _Tie.parent_workdir:
         shutil.rmtree(_Tie.parent_workdir, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What a child started: ended with it
+# ---------------------------------------------------------------------------------------------------------
+
+
+def become_subreaper() -> bool:
+    """Make this process the reaper of its orphaned descendants (Linux ``PR_SET_CHILD_SUBREAPER``): a daemon the code
+    under test double-forks (a new session) is then reparented here, not to init, and :func:`end_descendants` finds
+    it. ``False`` where the system has no such call."""
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        return False
+
+
+def _descendants(root: int) -> list[int]:
+    """The pids below ``root`` in the process tree, read from /proc (empty where there is none)."""
+    parent_of: dict[int, int] = {}
+    with contextlib.suppress(OSError):
+        for entry in os.listdir("/proc"):
+            fields = proc_stat(int(entry)) if entry.isdigit() else None
+            if fields and len(fields) > 1:
+                parent_of[int(entry)] = int(fields[1])
+    found, frontier = [], [root]
+    while frontier:
+        children = [pid for pid, parent in parent_of.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def _command_line(pid: int) -> str:
+    with contextlib.suppress(OSError):
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            words = cmdline.read().split(b"\0")
+            return " ".join(w.decode(errors="replace") for w in words if w)[:120] or "?"
+    return "?"
+
+
+def end_descendants(grace: float = 1.0) -> list[str]:
+    """End every process below this one (SIGKILL: a daemon may ignore SIGTERM) and reap them; what was ended, as
+    ``"pid (command line)"``. Called by a child when the code it ran has ended: nothing it started outlives it."""
+    import time
+
+    found = _descendants(os.getpid())
+    described = [f"{pid} ({_command_line(pid)})" for pid in found]
+    for pid in found:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    end = time.monotonic() + grace
+    while found and time.monotonic() < end:  # reap: they, and orphans of theirs, are children here now
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if pid == 0:
+            time.sleep(0.01)
+    return described

@@ -24,6 +24,7 @@ This module imports nothing heavy at import time.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import functools
 import importlib
@@ -36,9 +37,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional
 
-from pytest_llmload.system import gpus
-from pytest_llmload.runners import isolation, wire
-from pytest_llmload.runners.isolation import ChildOutcome, describe_exitcode  # noqa: F401  (part of this API)
+from pytest_llmload.system import gpus, tracebacks
+from pytest_llmload.runners import children, isolation, wire
+from pytest_llmload.runners.child_output import LOG_TAIL_LINES
+from pytest_llmload.runners.children import ChildOutcome, describe_exitcode  # noqa: F401  (part of this API)
 
 # ---------------------------------------------------------------------------------------------------------
 # Running a function on N ranks
@@ -57,7 +59,6 @@ _LAUNCHER_PREFIXES = ("ACCELERATE_", "FSDP_", "TORCHELASTIC_", "OMPI_COMM_WORLD_
 from pytest_llmload.runners.warm_server import DEEPSPEED_PRELOAD, HF_PRELOAD  # noqa: E402,F401  (part of this API)
 
 _GRACE_AFTER_FAILURE_S = 5.0
-_LOG_TAIL_LINES = 40
 # Errors a rank reports when a peer went away first: a consequence, listed after the cause.
 _PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "remote worker", "Broken pipe",
               "NCCL communicator was aborted", "ProcessGroupNCCL")
@@ -124,11 +125,57 @@ def lost_a_peer(outcome: ChildOutcome) -> bool:
 
 
 class DistributedRunFailed(AssertionError):
-    """One or more ranks raised, hung or died. ``outcomes`` holds every rank's :class:`~pytest_llmload.runners.isolation.ChildOutcome`."""
+    """One or more ranks raised, hung or died. ``outcomes`` holds every rank's :class:`~.children.ChildOutcome`."""
 
     def __init__(self, message: str, outcomes: Sequence[ChildOutcome]):
         super().__init__(message)
         self.outcomes = list(outcomes)
+
+
+RANK_RESULT_KINDS = ("ok", "skip", "refusal", "error")
+
+
+@dataclasses.dataclass(frozen=True)
+class RankResult:
+    """What a rank's work tells the check that judges the ranks (the function a check runs on each rank returns one;
+    :func:`run_ranks` hands them back in rank order), by its ``kind``:
+
+    - ``ok``: the work ran; ``data`` is what it measured;
+    - ``skip``: what the check needs did not happen on this rank; ``reason`` says what (the check's not exercised);
+    - ``refusal``: the load was refused; ``reason`` is the refusal's message, ``data`` what goes with it;
+    - ``error``: the work failed in a way the rank reports rather than raises; ``reason`` is the error, ``data`` what
+      goes with it.
+
+    A rank that raises, hangs or dies has no result: the run raises :class:`DistributedRunFailed`.
+    """
+
+    kind: str
+    reason: str = ""
+    data: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.kind not in RANK_RESULT_KINDS:
+            raise ValueError(f"RankResult(kind={self.kind!r}); expected one of {RANK_RESULT_KINDS}.")
+
+    @classmethod
+    def ok(cls, **data: Any) -> "RankResult":
+        return cls("ok", data=data)
+
+    @classmethod
+    def skip(cls, reason: str) -> "RankResult":
+        return cls("skip", reason)
+
+    @classmethod
+    def refusal(cls, reason: str, **data: Any) -> "RankResult":
+        return cls("refusal", reason, data)
+
+    @classmethod
+    def error(cls, reason: str, **data: Any) -> "RankResult":
+        return cls("error", reason, data)
+
+    def with_data(self, **more: Any) -> "RankResult":
+        """The same result, with more in its ``data``."""
+        return dataclasses.replace(self, data={**self.data, **more})
 
 
 def start_method(backend: str, requested: Optional[str] = None) -> str:
@@ -139,7 +186,7 @@ def start_method(backend: str, requested: Optional[str] = None) -> str:
     never touches CUDA forks them, and all CUDA work happens in the ranks. The same holds for gloo ranks when
     this process has initialised CUDA.
     """
-    return isolation.start_method(requested, clean_server=backend != "gloo")
+    return children.start_for(requested, backend=backend).method
 
 
 def run_ranks(
@@ -209,12 +256,7 @@ def run_rank_groups(
             "run_ranks: this process already has a torch.distributed process group, and its ranks would "
             "inherit it half-working. Call torch.distributed.destroy_process_group() first."
         )
-    method, accelerator = start_method(backend, start), "cuda" if backend == "nccl" else None
-    if gpus_hidden and gpus.visible_gpu_count() > 0:
-        # Ranks forked from here would see this machine's GPUs, and DeepSpeed imported here with its cuda
-        # accelerator (fixed at import): gloo ranks then put the model on cuda:LOCAL_RANK and rank 1 of a 1-GPU
-        # runner has none (the main job hung on the H200). A server started with no GPU visible starts them.
-        method, accelerator = "forkserver", "cpu"
+    how = children.start_for(start, backend=backend, gpus_hidden=gpus_hidden)
     # Each group's rendezvous store lives here, bound to a port the OS picked, for as long as the ranks run: nothing
     # has to guess a free port and race another test or xdist worker for it. The ranks connect to it as
     # clients, as torchrun's workers connect to their agent's store.
@@ -233,16 +275,16 @@ def run_rank_groups(
 
     try:
         specs = [
-            isolation.ChildSpec(
+            children.ChildSpec(
                 f"rank {rank}", group.fn, group.args, group.kwargs, merge_output=True,
                 prepare=functools.partial(_prepare_rank, rank, world_size, store.port, backend, dict(env or {}),
                                           init_process_group, timeout),
             )
             for group, store in zip(groups, stores) for rank in range(world_size)
         ]
-        outcomes = isolation.run_children(
-            specs, timeout, method=method, tmp_root=tmp_root, prefix="llmload-ranks-",
-            accelerator=accelerator, gpus_hidden=gpus_hidden, on_failure=grace_once_the_others_are_done,
+        outcomes = children.run_children(
+            specs, timeout, start=how, tmp_root=tmp_root, prefix="llmload-ranks-",
+            on_failure=grace_once_the_others_are_done,
             # All forks first, then the ranks: a rank forked while this process's store thread serves another
             # rank's connection can inherit the C library's resolver mid-lookup (torch names socket addresses by
             # reverse DNS; here a lookup stalls 5 s every 5 s) and hang in its own rendezvous for good. Measured on
@@ -272,7 +314,7 @@ def _failure_message(outcomes: Sequence[ChildOutcome], backend: str, timeout: fl
 
     failed.sort(key=cause_first)
     lines = [
-        f"{len(failed)} of {len(outcomes)} ranks failed ({backend}, deadline {timeout:g} s); "
+        f"{len(failed)} of {len(outcomes)} ranks failed ({backend}, {tracebacks.deadline_text(timeout, of=False)}); "
         f"first: {failed[0].describe()}"
     ]
     for o in failed:
@@ -283,7 +325,7 @@ def _failure_message(outcomes: Sequence[ChildOutcome], backend: str, timeout: fl
             lines.append(f"thread stacks of rank {o.index} at the deadline (most recent call first):")
             lines.append(o.stacks)
         if o.output.strip():
-            lines.append(f"output of rank {o.index} (last {_LOG_TAIL_LINES} lines):")
+            lines.append(f"output of rank {o.index} (last {LOG_TAIL_LINES} lines):")
             lines.append(o.output.rstrip())
     return "\n".join(lines)
 
@@ -298,7 +340,7 @@ def _prepare_rank(rank, world_size, port, backend, env, init_pg, timeout):
     _set_launcher_env(rank, world_size, port, backend, env)
     import torch
 
-    # (isolation's child has set one OpenMP thread: 2 ranks on 2 cores want no more, and GNU OpenMP is not
+    # (children.start_child has set one OpenMP thread: 2 ranks on 2 cores want no more, and GNU OpenMP is not
     # fork-safe.) accelerate sets torch's thread count from OMP_NUM_THREADS when it is unset: see the env.
     _forget_inherited_state()
     _deepspeed_without_shm_op()
@@ -325,7 +367,7 @@ def _set_launcher_env(rank: int, world_size: int, port: int, backend: str, env: 
         MASTER_PORT=str(port),
         # The store is hosted by the parent: rank 0 must connect to it, not try to host one on that port.
         TORCHELASTIC_USE_AGENT_STORE="True",
-        # accelerate sets torch's thread count from this when it is unset (see isolation._child_main for why 1).
+        # accelerate sets torch's thread count from this when it is unset (see children.start_child for why 1).
         OMP_NUM_THREADS="1",
         TOKENIZERS_PARALLELISM="false",
     )

@@ -22,7 +22,8 @@ import os
 from typing import Optional
 from unittest import mock
 
-COLD_ENV = "PYTEST_LLMLOAD_COLD_FORKSERVER"
+from pytest_llmload.config.vocabulary import COLD_FORKSERVER_ENV as COLD_ENV
+
 # Set in the server only: CUDA availability from NVML, no CUDA context (torch's documented switch for forkservers).
 SERVER_ENV = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
 
@@ -52,8 +53,9 @@ DEEPSPEED_PRELOAD = HF_PRELOAD + (
     "transformers.integrations.deepspeed",
     "deepspeed.comm.torch",
 )
-# The runners' own modules: the children's entry points (a module that is not installed is skipped by the server).
-RUNNERS = ("pytest_llmload.runners.isolation", "pytest_llmload.runners.ranks")
+# The runners' own modules: the children's entry point (children._child_main) and the callers that start them (a
+# module that is not installed is skipped by the server).
+RUNNERS = ("pytest_llmload.runners.children", "pytest_llmload.runners.isolation", "pytest_llmload.runners.ranks")
 
 
 def ensure(*, accelerator: Optional[str], gpus_hidden: bool = False) -> None:

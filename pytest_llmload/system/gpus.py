@@ -1,7 +1,8 @@
 """How many CUDA devices this process can see, without paying for a torch import where there are none.
 
-The count is taken lazily (first marker or header that asks) and cached for the process. On a machine
-without an NVIDIA driver the answer is 0 without importing torch: collection on CPU CI stays cheap.
+The count is taken lazily (first marker or header that asks) and cached for as long as the variables it reads keep
+their values. On a machine without an NVIDIA driver the answer is 0 without importing torch: collection on CPU CI
+stays cheap.
 """
 
 from __future__ import annotations
@@ -12,7 +13,12 @@ import re
 import sys
 from typing import NamedTuple, Optional
 
-from pytest_llmload.config.vocabulary import GPUS_PER_WORKER_OPTION
+from pytest_llmload.config.vocabulary import (
+    FAKE_GPUS_ENV,
+    GPUS_PER_WORKER_OPTION,
+    GPUS_TOTAL_ENV as TOTAL_ENV,
+    WORKER_GPUS_ENV,
+)
 
 _DRIVER_PROC = "/proc/driver/nvidia/gpus"
 
@@ -27,14 +33,19 @@ def _driver_present() -> bool:
     return os.path.isdir(_DRIVER_PROC) or os.path.exists("/dev/nvidiactl")
 
 
-@functools.lru_cache(maxsize=None)
 def visible_gpu_count() -> int:
-    """Number of CUDA devices torch would see. Cached; imports torch only where a driver exists."""
-    if FAKE_GPUS_ENV in os.environ:  # the test seam: GPUs faked on a CPU machine
-        outer = os.environ.get("CUDA_VISIBLE_DEVICES")
+    """Number of CUDA devices torch would see; imports torch only where a driver exists. Cached by what it reads
+    (``CUDA_VISIBLE_DEVICES`` and the fake-GPUs seam): a changed environment is counted again, an unchanged one
+    is not probed twice."""
+    return _count_of(os.environ.get(FAKE_GPUS_ENV), os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+@functools.lru_cache(maxsize=None)
+def _count_of(fake: Optional[str], outer: Optional[str]) -> int:
+    if fake is not None:  # the test seam: GPUs faked on a CPU machine
         return len(visible_devices(outer, physical_devices()))
     if "torch" not in sys.modules:
-        if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        if outer in ("", "-1"):
             return 0
         if not _driver_present():
             return 0
@@ -85,15 +96,8 @@ def skip_reason(needed: int) -> str | None:
     return reason if hint is None else f"{reason}; {hint}"
 
 
-# --- the machine's GPUs without torch, and a worker's share (runners.xdist_gpus assigns them) ------------
+# --- the machine's GPUs without torch, and a worker's share (plugin.xdist_gpus assigns them) -------------
 
-# Test seam, never set in real use: the comma-separated UUIDs of the machine's GPUs, read in place of
-# `nvidia-smi -L` (controller) and of torch's count (gpus.visible_gpu_count), so that the assignment and
-# the skips can be tested on a CPU machine.
-FAKE_GPUS_ENV = "PYTEST_LLMLOAD_FAKE_GPUS"
-# Set in each worker that got GPUs: its list and G, for the skip reason of a test that needs more than it holds.
-WORKER_GPUS_ENV = "PYTEST_LLMLOAD_WORKER_GPUS"
-TOTAL_ENV = "PYTEST_LLMLOAD_GPUS_TOTAL"
 
 class Physical(NamedTuple):
     """The machine's GPUs as the driver lists them: their count (``None``: unknown) and UUIDs (GPU and MIG)."""

@@ -22,15 +22,12 @@ import sys
 from collections.abc import Iterator
 from typing import Optional
 
+from pytest_llmload.system import tracebacks
+
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 # Module constants the offline variables are read into at import: (module, attribute). transformers < 4.50 kept
 # its own copy of huggingface_hub's.
 _OFFLINE_CONSTANTS = (("huggingface_hub.constants", "HF_HUB_OFFLINE"), ("transformers.utils.hub", "_is_offline_mode"))
-
-# Frames of these packages are plumbing; the culprit named in the error is the first frame outside them.
-_PLUMBING = ("socket", "ssl", "http", "urllib", "urllib3", "requests", "httpx", "httpcore", "h11", "anyio",
-             "asyncio", "huggingface_hub/utils/_http", "pytest_llmload/system/offline", "pytest_llmload/instruments/probes",
-             "contextlib")
 
 # The audit events that reach the network, and where their arguments hold the address: connect and connect_ex
 # raise socket.connect (socket, address), gethostbyname_ex raises socket.gethostbyname (host,).
@@ -64,13 +61,9 @@ def _is_local(address) -> bool:
 
 
 def _culprit() -> str:
-    frame = sys._getframe(1)
-    while frame is not None:
-        path = frame.f_code.co_filename.replace(os.sep, "/")
-        if not any(f"/{p}" in path for p in _PLUMBING):
-            return f"{frame.f_code.co_name} ({path}:{frame.f_lineno})"
-        frame = frame.f_back
-    return "unknown caller"
+    """Who reached for the network: the first frame outside the network stack and this guard."""
+    found = tracebacks.culprit(sys._getframe(1), tracebacks.NETWORK_PLUMBING)
+    return "unknown caller" if found is None else tracebacks.where(found)
 
 
 # One entry per guard entered and not yet left, ``[its record list or None]``: the hook refuses while any is.

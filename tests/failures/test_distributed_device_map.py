@@ -152,7 +152,7 @@ def _drifting(original):
         import torch.distributed as dist
 
         result = original(loader, checkpoint, workdir, mode, backend)
-        result["probe_loss_after"] += 0.01 * dist.get_rank()
+        result.data["probe_loss_after"] += 0.01 * dist.get_rank()
         return result
 
     return drifting
@@ -410,6 +410,8 @@ def test_every_mode_is_judged_even_when_the_first_cannot_run_here(llmload_checkp
 def test_non_finite_probe_losses_are_no_verdict():
     from pytest_llmload.loader.seam import LoaderModelError
 
-    results = [{"probe_loss_before": 2.0, "step_loss": float("nan"), "probe_loss_after": float("nan")}] * 2
+    from pytest_llmload.runners.ranks import RankResult
+
+    results = [RankResult.ok(probe_loss_before=2.0, step_loss=float("nan"), probe_loss_after=float("nan"))] * 2
     with pytest.raises(LoaderModelError, match=r"the probe step produced non-finite losses on rank 0"):
         check._judge(results)

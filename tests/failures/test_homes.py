@@ -1,8 +1,10 @@
 """Every known failure has its homes, all found from its id: its module in ``pytest_llmload/failures/`` (catalog
 entry and checks), its before-loader ``fixtures/loaders/before_<id>.py`` and its regression tests
-``tests/failures/test_<id>.py``; the catalog and the check registry are built from those modules alone."""
+``tests/failures/test_<id>.py``; the catalog, the check registry, the predictions' failures and the docs' tables
+are built from those modules alone (docs/contributing.md: adding a failure touches those three files)."""
 
 import importlib
+import importlib.util
 import inspect
 import pickle
 from pathlib import Path
@@ -22,18 +24,53 @@ def test_every_failure_has_its_module_before_loader_and_tests(failure_id):
     failure = failures.BY_ID[failure_id]
     module = importlib.import_module(failure.module)
     assert module.__name__ == f"pytest_llmload.failures.{stem}" and module.FAILURE is failure
-    missing = [path for path in (ROOT / "fixtures" / "loaders" / f"before_{stem}.py",
-                                 ROOT / "tests" / "failures" / f"test_{stem}.py") if not path.is_file()]
-    assert not missing, f"{failure_id} lacks {[str(p.relative_to(ROOT)) for p in missing]}"
+    assert failure.homes == {"catalog entry and checks": f"pytest_llmload/failures/{stem}.py",
+                             "before-loader": f"fixtures/loaders/before_{stem}.py",
+                             "regression tests": f"tests/failures/test_{stem}.py"}
+    missing = [path for path in failure.homes.values() if not (ROOT / path).is_file()]
+    assert not missing, f"{failure_id} lacks {missing}"
     assert importlib.import_module(f"fixtures.loaders.before_{stem}").load
 
 
 def test_no_module_in_the_package_or_the_loaders_without_a_failure():
     stems = {failure_id.replace("-", "_") for failure_id in IDS}
-    package = {p.stem for p in (ROOT / "pytest_llmload" / "failures").glob("*.py")} - {"__init__", "base", "contract", "verdict"}
+    package = {p.stem for p in (ROOT / "pytest_llmload" / "failures").iterdir() if p.name != "__pycache__"}
     before = {p.stem.removeprefix("before_") for p in (ROOT / "fixtures" / "loaders").glob("before_*.py")}
-    tests = {p.stem.removeprefix("test_") for p in (ROOT / "tests" / "failures").glob("test_*.py")} - {"homes", "contract"}
-    assert package == stems and before == stems and tests == stems
+    tests = {p.stem.removeprefix("test_") for p in (ROOT / "tests" / "failures").glob("test_*.py")} - {"homes"}
+    assert package - {"__init__"} == stems and before == stems and tests == stems
+
+
+def test_the_modules_are_found_not_listed_and_come_in_the_catalogs_order():
+    # pytest_llmload/failures/__init__.py names no module: every module of the package is a failure, in the order
+    # its FAILURE.order gives (the registry's, the main job's rows', the tables').
+    init = (ROOT / "pytest_llmload" / "failures" / "__init__.py").read_text()
+    assert not any(f"{module.__name__.rpartition('.')[2]}," in init for module in failures.MODULES)
+    orders = [failure.order for failure in failures.CATALOG]
+    assert orders == sorted(orders) and len(set(orders)) == len(orders) and 0 not in orders
+    assert IDS[:5] == ["meta-backward", "offload-hang", "inference-stall", "dp-dtype", "distributed-device-map"]
+
+
+def test_the_docs_tables_have_every_failure_and_are_current():
+    # The known-failures table of README.md and of the docs' home page, and the failures' index page, are made from
+    # the catalog (docs/hooks.py); a new failure appears in each with nothing else edited but its module.
+    hooks = _docs_hooks()
+    for linked in (False, True):
+        rows = [line for line in hooks.known_failures_table(linked).splitlines()[2:]]
+        assert [row.split(" | ")[0] for row in rows] == [
+            f"| [`{failure_id}`](failures/{failure_id}.md)" if linked else f"| `{failure_id}`" for failure_id in IDS]
+    index = hooks.failures_index()
+    assert all(f"| [{failure_id}]({failure_id}.md) |" in index for failure_id in IDS)
+    for name, linked in hooks.TABLE_HOMES.items():
+        text = (ROOT / name).read_text(encoding="utf-8")
+        assert hooks.with_known_failures_table(text, linked) == text, (
+            f"{name}'s known-failures table is not the catalog's: run `python docs/hooks.py`")
+
+
+def _docs_hooks():
+    spec = importlib.util.spec_from_file_location("llmload_docs_hooks", ROOT / "docs" / "hooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.mark.parametrize("failure_id", IDS)

@@ -8,7 +8,9 @@ import math
 import pytest
 
 from pytest_llmload.instruments import memory_probe
-from pytest_llmload.instruments.phases import Heartbeat, PhaseRecorder, phase, recording, timed_generate
+from pytest_llmload.instruments.heartbeat import Heartbeat
+from pytest_llmload.instruments.phases import phase, timed_generate
+from pytest_llmload.instruments.recorder import PhaseRecorder, recording
 
 pytestmark = pytest.mark.timeout(60)
 MiB = 2**20
@@ -114,3 +116,13 @@ def test_timed_generate_times_the_four_steps_of_write_up_001(llmload_load):
     assert record.phases[0].detail.startswith("prompts=1, tokens=")
     assert record.phases[2].detail == "max_new_tokens=4, do_sample=False"
     assert all(p.rss_before and p.rss_after and p.error is None for p in record.phases)
+
+
+def test_the_record_and_the_heartbeat_are_still_importable_from_phases():
+    # The path the docs and downstream scripts use, from before the record and the heartbeat had modules of their own.
+    from pytest_llmload.instruments import heartbeat, phases, recorder
+
+    for name in ("recording", "PhaseRecorder", "LoadedModel", "track_model", "note_deadline", "phase_table",
+                 "current_recorder"):
+        assert getattr(phases, name) is getattr(recorder, name), name
+    assert phases.Heartbeat is heartbeat.Heartbeat and phases.heartbeat is heartbeat.heartbeat

@@ -100,6 +100,53 @@ def test_list_names_every_check_and_its_failure():
         assert line in run.stdout
 
 
+# A loader whose module writes its process's pid each time it is imported, and each process that calls it.
+COUNTING_LOADER = '''
+import os
+
+with open(os.environ["LLMLOAD_TEST_IMPORTS"], "a") as imports:
+    imports.write(f"{os.getpid()}\\n")
+
+
+def load(request):
+    from pytest_llmload.fixes.reference_loader import load_model_and_tokenizer
+
+    with open(os.environ["LLMLOAD_TEST_CALLS"], "a") as calls:
+        calls.write(f"{os.getpid()}\\n")
+    return load_model_and_tokenizer(request)
+'''
+# The real command, its parent process watched: what it had imported when it ended, and its pid.
+WATCHED_PARENT = (
+    "import atexit, json, os, runpy, sys\n"
+    "atexit.register(lambda: open(os.environ['LLMLOAD_TEST_PARENT'], 'w').write(json.dumps("
+    "{'pid': os.getpid(), 'modules': sorted(sys.modules)})))\n"
+    "runpy.run_module('pytest_llmload', run_name='__main__', alter_sys=True)\n")
+CHECK_MODULES = tuple(f"pytest_llmload.{layer}" for layer in ("failures", "checks", "prediction", "plugin"))
+
+
+def test_the_parent_imports_no_check_and_the_loader_is_imported_once_before_the_lanes_fork(tmp_path):
+    """The parent learns every row, and what each guards against, from its pytest's progress file: it imports no
+    check (nor the plugin, nor torch). The loader is chosen and imported once, in the pytest process, before its
+    lanes fork: the processes that run the checks call it without importing it again."""
+    import json
+
+    (tmp_path / "counting_loader.py").write_text(COUNTING_LOADER)
+    env = {**new_tmpdir(tmp_path), "PYTHONPATH": str(tmp_path), "LLMLOAD_TEST_IMPORTS": str(tmp_path / "imports"),
+           "LLMLOAD_TEST_CALLS": str(tmp_path / "calls"), "LLMLOAD_TEST_PARENT": str(tmp_path / "parent.json")}
+    run = subprocess.run([sys.executable, "-c", WATCHED_PARENT, "--loader", "counting_loader:load", "--lanes", "2",
+                          "-k", "(pad_token or offload_inference) and not cuda"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=280)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert re.search(r"^check_offload_inference +offload-hang \(000\) +passed", run.stdout, re.M), run.stdout
+    parent = json.loads((tmp_path / "parent.json").read_text())
+    imported = parent["modules"]
+    assert [m for m in imported if m in CHECK_MODULES or m.startswith(tuple(f"{c}." for c in CHECK_MODULES))] == []
+    assert not {"torch", "transformers", "counting_loader"} & set(imported)
+    (importer,) = (tmp_path / "imports").read_text().split()  # once, in one process: not the parent
+    assert int(importer) != parent["pid"]
+    assert set((tmp_path / "calls").read_text().split()) - {importer}, "only the importer called it: no lane ran"
+
+
 LOADERS = '''
 from pytest_llmload.fixes.reference_loader import load_model_and_tokenizer
 
@@ -365,8 +412,11 @@ def test_pytest_dying_under_the_main_job_is_a_row_and_keeps_the_log(misbehaving)
         (("--log", "."), {}, "llmload: error: --log '.' is a directory; name a file, e.g. --log llmload.out."),
         ((), {"PYTEST_LLMLOAD_LOADER": " "}, "llmload: error: $PYTEST_LLMLOAD_LOADER is set but empty; set it to"),
         (("--lanes", "0"), {}, "llmload: error: --lanes '0' is not a positive whole number; give e.g. --lanes 2"),
+        # (read by the pytest child, at its configure: the parent imports no check; said as the parent's own error)
+        (("--checks", "no_such_module:CHECKS"), {},
+         "llmload: error: check spec 'no_such_module:CHECKS' from --checks does not import (ModuleNotFoundError"),
     ],
-    ids=["log-missing-directory", "log-a-directory", "empty-loader-variable", "lanes-zero"],
+    ids=["log-missing-directory", "log-a-directory", "empty-loader-variable", "lanes-zero", "checks-no-module"],
 )
 def test_a_bad_command_line_is_a_sentence_and_exit_2(tmp_path, args, env, message):
     run = warm_main_job(*args, cwd=tmp_path, env={**os.environ, **env})
@@ -398,7 +448,7 @@ def test_the_main_job_runs_under_its_own_options_not_the_repos_addopts(tmp_path)
 
 
 def test_the_main_job_turns_off_the_house_plugins_unless_asked_after_the_double_dash():
-    from pytest_llmload.main_job.job import pytest_command
+    from pytest_llmload.main_job import pytest_command
 
     plain = pytest_command(None, None, Path("progress"), [])
     assert {"no:randomly", "no:pytest_cov", "no:xdist", "no:anyio", "no:html", "no:metadata"} <= set(plain)
@@ -490,17 +540,17 @@ def test_an_output_path_that_would_fail_after_the_run_is_refused_before_it(optio
 
 
 def test_a_json_that_cannot_be_written_after_the_run_says_so_and_keeps_the_table(odd_loaders, monkeypatch):
-    from pytest_llmload.main_job import job as job_module
+    from pytest_llmload.main_job import table
 
     out = odd_loaders / "out.json"
-    real = job_module.Path.write_text
+    real = table.Path.write_text
 
     def full(self, *args, **kwargs):
         if self == out:
             raise OSError(28, "No space left on device")
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(job_module.Path, "write_text", full)
+    monkeypatch.setattr(table.Path, "write_text", full)
     run = warm_main_job("--loader", "odd_loaders:for_evaluation", "-k", "pad_token and not cuda", "--json", str(out),
                         cwd=odd_loaders)
     assert run.returncode == 1, run.stdout + run.stderr
@@ -527,17 +577,18 @@ def test_a_check_that_started_and_has_no_result_gets_a_row_saying_so(tmp_path):
     import io
     import time as clock
 
-    from pytest_llmload.main_job import job as job_module
+    from pytest_llmload.main_job import MainJob, table
 
-    job = job_module.MainJob.__new__(job_module.MainJob)
     log = tmp_path / "pytest.log"
     log.write_text("...")
-    job.args = argparse.Namespace(log=None, json_path=None, runner=None, pytest_args=[])
-    job.out, job.collect_errors, job.results, job.total, job.log_path = io.StringIO(), [], [], 1, log
-    job.order, job.checks, job.started = ["check_pad_token_set_offline"], (), clock.monotonic()
+    job = MainJob(argparse.Namespace(log=None, json_path=None, runner=None, pytest_args=[]), tmp_path, io.StringIO())
+    job.total, job.order = 1, ["check_pad_token_set_offline"]
+    job.guards = {"check_pad_token_set_offline": ["offload-hang", "000"]}  # (the child's "collected" event)
     job.running = {"x::test_loader_check[check_pad_token_set_offline]": ("check_pad_token_set_offline",
                                                                          clock.monotonic())}
-    code, kept = job_module._report(job, 1)
+    code, kept = table.report(job, 1)
     assert (code, kept) == (1, True)
     assert "ERROR check_pad_token_set_offline: pytest ended without this check's result (exit code 1) while this " \
            "check ran" in job.out.getvalue(), job.out.getvalue()
+    # What it guards against, as the child said when it collected it: the parent reads no check.
+    assert re.search(r"^check_pad_token_set_offline +offload-hang \(000\) +error ", job.out.getvalue(), re.M)

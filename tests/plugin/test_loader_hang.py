@@ -63,3 +63,40 @@ def test_an_isolated_child_and_a_rank_still_in_the_loader_at_their_deadline_are_
     with pytest.raises(IsolationFailed) as elsewhere:
         run_isolated(time.sleep, (30,), timeout=1, label="check_z")
     assert hang_in_loader(elsewhere.value, "check_z") is None
+
+
+def _rank(index: int, status: str, stacks: str = ""):
+    from pytest_llmload.runners.children import ChildOutcome
+
+    outcome = ChildOutcome(index, f"rank {index}")
+    outcome.status, outcome.stacks = status, stacks
+    return outcome
+
+
+IN_THE_LOADER = '  File "/src/pytest_llmload/loader/seam.py", line 10 in call_loader'
+
+
+def test_the_row_and_the_fail_fast_read_the_children_by_one_judgement():
+    """A rank still in the loader at its deadline beside a rank that died: the row says the loader hung (the verdict's
+    reading), but later tests still wait (the hung rank may only have been waiting on the dead one)."""
+    from types import SimpleNamespace
+
+    from pytest_llmload.reports.verdict import ChildrenEnd, children_end, of_exception
+    from pytest_llmload.runners.ranks import DistributedRunFailed
+
+    failure = SimpleNamespace(id="some-failure", hang_is_mechanism=False)
+    alone = DistributedRunFailed("1 of 1 ranks failed (gloo, deadline 5 s)", [_rank(0, "hung", IN_THE_LOADER)])
+    assert children_end(alone.outcomes) == ChildrenEnd("hung", in_loader=True, after_a_death=False)
+    assert hang_in_loader(alone, "check_x") == Hang("check_x", 5.0)
+    beside_a_death = DistributedRunFailed("2 of 2 ranks failed (gloo, deadline 5 s)",
+                                          [_rank(0, "hung", IN_THE_LOADER), _rank(1, "died")])
+    assert children_end(beside_a_death.outcomes) == ChildrenEnd("hung", in_loader=True, after_a_death=True)
+    assert hang_in_loader(beside_a_death, "check_x") is None
+    verdict = of_exception(beside_a_death, failure)
+    assert (verdict.kind, verdict.cause) == ("error", "hang")
+    assert verdict.sentence.startswith("the loader under test hung: ")
+    elsewhere = DistributedRunFailed("1 of 1 ranks failed (gloo, deadline 5 s)", [_rank(0, "hung", "in sleep")])
+    assert hang_in_loader(elsewhere, "check_x") is None and of_exception(elsewhere, failure).sentence.startswith(
+        "the check did not finish in time: ")
+    died = DistributedRunFailed("1 of 1 ranks failed", [_rank(0, "died")])
+    assert children_end(died.outcomes).how == "died" and of_exception(died, failure).cause == "died"

@@ -1,4 +1,5 @@
-"""A run that uses no llmload fixture must not import the heavy stack (checked in a fresh interpreter)."""
+"""A run that uses no llmload fixture must not import the heavy stack (checked in a fresh interpreter), nor any
+sub-plugin: each is registered as a light gate, and switched on by its flag where a run needs it."""
 
 import pytest
 
@@ -59,8 +60,9 @@ def test_a_run_that_never_uses_the_plugin_imports_only_its_vocabulary_and_fixtur
     # (keys: the stash keys the fixtures read, one floor below them; hookspecs: the hooks it declares, as
     # pytest_addhooks must at start-up; settings: the one reader of the settings, which every run asks whether the
     # plugin is configured; the header line is printed, and its module
-    # imported, only where a run configures or uses the plugin.) Nothing of the plugin's work is compiled or run in such a run: its sub-plugins are registered by
-    # plugin.switch_on once a run configures or uses it. The header (not shown under -q) imports what it reads.
+    # imported, only where a run configures or uses the plugin.) Nothing of the plugin's work is compiled or run in such a
+    # run: each sub-plugin is registered as a light gate (plugin.hooks._Gate, defined in the hooks module itself), which
+    # imports its module only once the run's flag for it is set. The header (not shown under -q) imports what it reads.
     monkeypatch.setenv(ONLY_THIS_PLUGIN, "1")
     pytester.makeconftest(PACKAGE_PROBE)
     pytester.makepyfile("def test_plain(): pass\n")
@@ -70,3 +72,31 @@ def test_a_run_that_never_uses_the_plugin_imports_only_its_vocabulary_and_fixtur
                        "pytest_llmload.plugin.hooks", "pytest_llmload.config.settings", "pytest_llmload.config.vocabulary",
                        *(f"pytest_llmload.{name}" for name in header)})
     result.stdout.fnmatch_lines([f"PACKAGE IMPORTED: {expected}".replace("[", "[[]")])
+
+
+REGISTERED_PROBE = """
+def pytest_unconfigure(config):
+    names = [name for name, _ in config.pluginmanager.list_name_plugin() if name.startswith("pytest_llmload.")]
+    print("SUB-PLUGINS:", sorted(name for name in names if not name.endswith(" (gate)")))
+    print("GATES:", len([name for name in names if name.endswith(" (gate)")]))
+"""
+
+
+@pytest.mark.parametrize(("test", "args", "outcome", "switched_on"), [
+    ("def test_plain(): pass\n", (), "passed", ()),
+    ("import pytest\n\n@pytest.mark.needs_gpus(99)\ndef test_gpu(): pass\n", (), "skipped", ("in use",)),
+    ("def test_plain(): pass\n", ("--llmload-lanes", "2"), "passed", ("in use", "lanes")),
+], ids=["unused", "used after collection", "configured with lanes"])
+def test_each_sub_plugin_has_one_gate_and_is_switched_on_by_its_flag(pytester, test, args, outcome, switched_on):
+    """Every sub-plugin's gate is registered once, in every run; a sub-plugin is registered (its module imported) only
+    where its flag is set: one flag for what every use of the plugin needs, one for lanes (xdist's and a launcher's
+    are the subject of tests/plugin/test_xdist_gpus.py and the launcher's tests)."""
+    from pytest_llmload.plugin.hooks import SUB_PLUGINS, in_use_key, lanes_key
+
+    flags = {{"in use": in_use_key, "lanes": lanes_key}[name] for name in switched_on}
+    pytester.makeconftest(REGISTERED_PROBE)
+    pytester.makepyfile(test)
+    result = pytester.runpytest("-p", "no:cacheprovider", *args)
+    result.assert_outcomes(**{outcome: 1})
+    expected = sorted(module for module, flag in SUB_PLUGINS.items() if flag in flags)
+    result.stdout.fnmatch_lines([f"SUB-PLUGINS: {expected}".replace("[", "[[]"), f"GATES: {len(SUB_PLUGINS)}"])

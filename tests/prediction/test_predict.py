@@ -248,6 +248,33 @@ def test_a_70b_on_eight_gpus_with_the_reference_loader(tmp_path):
     assert caught.value.failure == "OOM" and "estimate_zero3_model_states_mem_needs" in str(caught.value)
 
 
+# --- which failure each scenario predicts ---------------------------------------------------------------------------
+
+
+def test_each_scenario_predicts_the_failure_whose_module_names_it_in_the_order_predict_defines_them():
+    from pytest_llmload.failures import BY_ID, CATALOG
+
+    rows = [(scenario.name, scenario.failure.id, scenario.needs_gpus) for scenario in predict.scenarios()]
+    assert rows == [("predict_inference_load", "offload-hang", 0), ("predict_train_load", "meta-backward", 0),
+                    ("predict_trainer", "dp-dtype", 2), ("predict_launcher_ddp", "distributed-device-map", 2),
+                    ("predict_launcher_deepspeed", "distributed-device-map", 2), ("predict_zero3", "zero3-device-map", 1),
+                    ("predict_moved_after_loading", "move-offloaded", 0),
+                    ("predict_adapter_on_offloaded", "adapter-on-offloaded", 0),
+                    ("predict_quantized_cast", "quantized-cast", 0)]
+    assert all(scenario.failure is BY_ID[scenario.failure.id] for scenario in predict.scenarios())
+    assert {name for failure in CATALOG for name in failure.predicted_by} == {name for name, *_ in rows}
+
+
+def test_a_scenario_the_catalog_names_but_predict_lacks_is_an_error_naming_both(monkeypatch):
+    from pytest_llmload import failures
+
+    renamed = failures.BY_ID["quantized-cast"]._replace(predicted_by=("predict_quantised_cast",))
+    monkeypatch.setattr(failures, "CATALOG", tuple(renamed if f.id == renamed.id else f for f in failures.CATALOG))
+    with pytest.raises(LookupError, match=r"predicted_by names \['predict_quantised_cast'\] that is no scenario "
+                                          r"here; scenarios no failure's predicted_by names: \['predict_quantized_cast'\]"):
+        predict.scenarios()
+
+
 # --- the plugin surface -------------------------------------------------------------------------------------------
 
 
@@ -271,7 +298,7 @@ def test_a_runner_that_is_not_a_profile_is_a_usage_error(pytester):
 
 
 def test_the_main_job_lists_runners_and_models_and_refuses_a_bad_one(capsys):
-    from pytest_llmload.main_job import job as main_job
+    from pytest_llmload import main_job
 
     assert main_job.run(["--list-runners"]) == main_job.EXIT_OK
     assert "8xH100-80GB: 8 x NVIDIA H100 80GB HBM3 (79.6 GiB each)" in capsys.readouterr().out

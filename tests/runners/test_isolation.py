@@ -22,7 +22,7 @@ import pytest
 from fixtures import warm_runs
 from fixtures.processes import gone
 from pytest_llmload import failures as catalog
-from pytest_llmload.runners import isolation
+from pytest_llmload.runners import children, isolation
 from pytest_llmload.reports import known_failures as known_failure_report
 from pytest_llmload.failures import BY_ID
 from pytest_llmload.checks.base import Check
@@ -90,6 +90,24 @@ def test_an_exception_that_does_not_pickle_comes_back_as_child_error():
     with pytest.raises(ChildError, match="^HoldsALock: cannot travel$") as excinfo:
         run_isolated(raise_unpicklable, timeout=30)
     assert "in raise_unpicklable" in str(excinfo.value.__cause__)
+
+
+def raise_a_seam_error():
+    from pytest_llmload.loader.seam import LoaderModelError
+
+    error = LoaderModelError("the model cannot train here")
+    error.rank, error.lock = 1, threading.Lock()
+    raise error
+
+
+def test_the_seams_errors_come_back_as_themselves_less_what_does_not_pickle():
+    # (An __init__ that takes more than the message, and an attribute that does not pickle: runners.wire.Portable.)
+    from pytest_llmload.loader.seam import LoaderModelError
+
+    with pytest.raises(LoaderModelError, match="^the model cannot train here$") as excinfo:
+        run_isolated(raise_a_seam_error, timeout=30)
+    assert excinfo.value.rank == 1 and not hasattr(excinfo.value, "lock")
+    assert "in raise_a_seam_error" in str(excinfo.value.__cause__)
 
 
 def chatty() -> int:
@@ -216,11 +234,12 @@ def test_misuse_is_refused_with_the_value():
 
 
 def test_a_process_that_initialised_cuda_is_never_forked(monkeypatch):
-    assert isolation.start_method() == "fork"
-    monkeypatch.setattr(isolation, "cuda_initialised", lambda: True)
-    assert isolation.start_method() == "forkserver"
+    assert children.start_method() == "fork"
+    monkeypatch.setattr(children, "cuda_initialised", lambda: True)
+    assert children.start_method() == "forkserver"
+    assert children.start_for() == children.Start("forkserver", "cuda")  # (its children are a GPU process's)
     with pytest.raises(RuntimeError, match="this process has initialised CUDA"):
-        isolation.start_method("fork")
+        children.start_method("fork")
 
 
 _prepared_at = None
@@ -238,7 +257,7 @@ def prepared_at() -> float:
 def test_children_started_together_run_only_once_every_fork_is_done(monkeypatch, tmp_path):
     # (ranks: none may connect to a rendezvous while this process still forks; see ranks.run_rank_groups)
     forked = []
-    forking = isolation.forking_quietly
+    forking = children.forking_quietly
 
     @contextlib.contextmanager
     def recording():
@@ -247,9 +266,9 @@ def test_children_started_together_run_only_once_every_fork_is_done(monkeypatch,
         forked.append(time.monotonic())
         time.sleep(0.2)  # (a slow fork: without the barrier the first child prepares before the last fork)
 
-    monkeypatch.setattr(isolation, "forking_quietly", recording)
-    specs = [isolation.ChildSpec(f"child {i}", prepared_at, prepare=note_the_time) for i in range(3)]
-    outcomes = isolation.run_children(specs, 30, tmp_root=tmp_path, start_together=True)
+    monkeypatch.setattr(children, "forking_quietly", recording)
+    specs = [children.ChildSpec(f"child {i}", prepared_at, prepare=note_the_time) for i in range(3)]
+    outcomes = children.run_children(specs, 30, tmp_root=tmp_path, start_together=True)
     assert len(forked) == 3 and min(o.value for o in outcomes) > max(forked)
 
 
@@ -513,7 +532,7 @@ def test_a_bad_marker_is_an_error_of_that_test(pytester, written, why):
 
 
 def test_an_isolated_test_is_refused_where_cuda_is_initialised(pytester, monkeypatch):
-    monkeypatch.setattr(isolation, "cuda_initialised", lambda: True)
+    monkeypatch.setattr(children, "cuda_initialised", lambda: True)
     pytester.makepyfile("import pytest\n\n@pytest.mark.llmload_isolated\ndef test_x():\n    pass\n")
     result = pytester.runpytest()
     result.assert_outcomes(failed=1)
@@ -605,7 +624,7 @@ def test_a_forked_child_starts_with_this_heap_frozen_and_the_callers_freeze_is_k
     else:  # (a freeze this test process holds from elsewhere, a plugin's or the interpreter's, is not the subject)
         gc.unfreeze()
     try:
-        (outcome,) = isolation.run_children([isolation.ChildSpec("probe", _freeze_count_in_child)], timeout=60)
+        (outcome,) = children.run_children([children.ChildSpec("probe", _freeze_count_in_child)], timeout=60)
         assert outcome.value > 10_000, outcome.describe()  # this process's objects, frozen for the child
         assert (gc.get_freeze_count() > 0) == frozen_by_caller
     finally:

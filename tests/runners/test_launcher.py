@@ -1,4 +1,5 @@
-"""pytest under the cluster's launcher (:mod:`pytest_llmload.runners.launcher`): torchrun starting pytest on 2 ranks,
+"""pytest under the cluster's launcher (:mod:`pytest_llmload.plugin.launched_run`, its hooks;
+:mod:`pytest_llmload.runners.launcher`, detection and the ranks' meeting): torchrun starting pytest on 2 ranks,
 with tests that agree, fail on one rank, hang on one rank, skip on one rank; and how the launcher is detected.
 
 Each torchrun run starts 2 pytest processes that import torch: the scenarios share one run, read back from the
@@ -16,7 +17,8 @@ import pytest
 
 from fixtures import warm_runs
 from pytest_llmload.runners import launcher
-from pytest_llmload.runners.launcher import Launch, LauncherError, agree, check_same_tests, detect
+from pytest_llmload.plugin.launched_run import check_same_tests
+from pytest_llmload.runners.launcher import Launch, LauncherError, agree, detect
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -14,7 +14,7 @@ import pytest
 
 from fixtures.processes import gone
 from pytest_llmload.runners import ranks as distributed
-from pytest_llmload.runners import isolation
+from pytest_llmload.runners import children
 from pytest_llmload.runners.ranks import DistributedRunFailed, run_ranks
 
 pytestmark = pytest.mark.timeout(60)
@@ -206,6 +206,20 @@ def test_a_hanging_rank_is_killed_at_its_deadline_with_every_ranks_stack(tmp_pat
     assert list(runs.iterdir()) == []
 
 
+def test_a_ranks_result_says_what_it_is_by_its_kind():
+    """What a check's rank function returns (ok / skip with reason / refusal / error): read by kind, not dict keys."""
+    from pytest_llmload.runners.ranks import RankResult
+
+    assert RankResult.ok(loss=1.5) == RankResult("ok", data={"loss": 1.5})
+    assert RankResult.skip("a frozen base") == RankResult("skip", "a frozen base")
+    refused = RankResult.refusal("too large", device_map="auto")
+    assert (refused.kind, refused.reason, refused.data) == ("refusal", "too large", {"device_map": "auto"})
+    assert RankResult.error("prepare() raised").with_data(planned=None).data == {"planned": None}
+    with pytest.raises(ValueError, match=r"RankResult\(kind='maybe'\); expected one of \('ok', 'skip', 'refusal', "
+                                         r"'error'\)"):
+        RankResult("maybe")
+
+
 def unpicklable_result():
     return lambda: None
 
@@ -226,7 +240,7 @@ def test_misuse_is_refused_with_the_value():
 def test_gpu_ranks_and_a_cuda_parent_never_fork(monkeypatch):
     assert distributed.start_method("gloo") == "fork"
     assert distributed.start_method("nccl") == "forkserver"
-    monkeypatch.setattr(isolation, "cuda_initialised", lambda: True)
+    monkeypatch.setattr(children, "cuda_initialised", lambda: True)
     assert distributed.start_method("gloo") == "forkserver"
     with pytest.raises(RuntimeError, match="this process has initialised CUDA"):
         distributed.start_method("gloo", "fork")

@@ -1,5 +1,6 @@
-"""What crosses a socket between ranks (pytest_llmload.runners.wire): plain data only, and stores bound where only
-the run's ranks reach them (issue 36: a pickle posted to the launcher's store by another process ran in rank 0)."""
+"""What crosses a process boundary (pytest_llmload.runners.wire): from a socket between ranks plain data only, and
+stores bound where only the run's ranks reach them (issue 36: a pickle posted to the launcher's store by another
+process ran in rank 0); from a child of this process, its answer with its exception as itself."""
 
 import datetime
 import os
@@ -41,6 +42,42 @@ def test_a_pickle_that_runs_code_is_refused_before_any_of_it_runs(tmp_path):
     assert not marker.exists()
     with pytest.raises(wire.UnsafeValue, match="a value to send refers to posix.system"):
         wire.dumps(Payload("true"))
+
+
+def test_an_exception_crosses_from_a_child_as_itself_and_never_from_a_socket():
+    import threading
+
+    from pytest_llmload.loader.seam import LoaderModelError
+
+    # The seam's errors (an __init__ that takes more than the message): rebuilt from the message and what pickles.
+    error = LoaderModelError("the model misbehaves")
+    error.detail, error.lock = {"rank": 1}, threading.Lock()
+    error.add_note("a note")
+    back = wire.loads(wire.exception_bytes(error), trusted=True)
+    assert type(back) is LoaderModelError and str(back) == "the model misbehaves" and back.args == error.args
+    assert back.detail == {"rank": 1} and not hasattr(back, "lock") and back.__notes__ == ["a note"]
+    # pytest's outcomes claim the module builtins: found where they live.
+    skip = wire.loads(wire.exception_bytes(pytest.skip.Exception("not here", _use_item_location=True)), trusted=True)
+    assert type(skip) is pytest.skip.Exception and skip.msg == "not here" and skip._use_item_location is True
+    # An exception that does not pickle does not travel (the child's answer then carries its text only).
+    unpicklable = ValueError("x")
+    unpicklable.lock = threading.Lock()
+    assert wire.exception_bytes(unpicklable) is None
+    # A child's answer names classes: from a socket it is refused, before any of it runs.
+    with pytest.raises(wire.UnsafeValue, match="refers to pytest_llmload.runners.wire"):
+        wire.loads(wire.dumps(wire.Answer("raised", exception=wire.exception_bytes(error)), trusted=True))
+    with pytest.raises(wire.UnsafeValue, match=r"refers to pytest_llmload.runners.wire._rebuilt"):
+        wire.loads(wire.exception_bytes(error))
+
+
+def test_a_childs_records_are_read_up_to_one_cut_short(tmp_path):
+    path = tmp_path / "logs"
+    with open(path, "wb") as f:
+        wire.write_record(f, {"msg": "first"})
+        wire.write_record(f, {"msg": "second"})
+        f.write(wire.dumps({"msg": "cut short by a kill"}, trusted=True)[:-3])
+    with open(path, "rb") as f:
+        assert list(wire.read_records(f)) == [{"msg": "first"}, {"msg": "second"}]
 
 
 class FakeStore:

@@ -4,7 +4,7 @@ from importlib import metadata
 
 import pytest
 
-from pytest_llmload.plugin.header import STACK
+from pytest_llmload.reports.header import STACK
 
 pytestmark = pytest.mark.timeout(120)
 

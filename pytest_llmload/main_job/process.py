@@ -1,0 +1,293 @@
+"""The main job's pytest process: its command line, starting it, following its progress file, stopping it.
+
+pytest runs the shipped suite in a child process (its full output goes to a log file); this process reads the
+child's progress file (:mod:`pytest_llmload.reports.progress`) as it is written and prints each check's row as its
+result arrives, a heartbeat while one runs long. Everything it prints comes from those events: the loader the child
+chose, the checks collected and what each guards against, each row. Exit codes: 0 nothing failed, 1 a check failed,
+2 usage error (a loader that does not import, say), 128 + N when stopped by signal N (130 for Ctrl-C, 143 for
+SIGTERM).
+
+The parent owns everything below it: the pytest child runs in its own process group, ends when the parent ends
+however it ends (:mod:`pytest_llmload.runners.lifeline`), and gets SIGINT for Ctrl-C, SIGTERM for SIGTERM or
+SIGHUP, so that it stops as on Ctrl-C and its finalizers kill the checks' children and remove their temp dirs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+from pytest_llmload.config.vocabulary import (
+    CHECKS_OPTION,
+    LANES_OPTION,
+    LOADER_OPTION,
+    MODEL_OPTION,
+    RUNNER_OPTION,
+    WAIT_OPTION,
+)
+from pytest_llmload.system import json_lines as jsonl
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+INTERRUPTED = 2  # pytest's ExitCode.INTERRUPTED, passed on as it is
+HEARTBEAT_SECONDS = 10.0
+# After passing a signal on, how long pytest gets to stop and clean up before its process group is killed.
+STOP_GRACE_S = 10.0
+POLL_S = 0.2  # how often the progress file is read
+WAIT_AFTER_HANG = "--wait-after-hang"
+
+# The pytest options the main job passes on under its own names: how a message from pytest is shown here.
+_OWN_NAMES = {LOADER_OPTION: "--loader", WAIT_OPTION: WAIT_AFTER_HANG, CHECKS_OPTION: "--checks"}
+
+
+def in_main_job_terms(text: str) -> str:
+    """The pytest options a message names, as this command spells them."""
+    for option, own in _OWN_NAMES.items():
+        text = text.replace(option, own)
+    return text
+
+
+def usable_cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def pytest_command(loader: Optional[str], keyword: Optional[str], progress: Path, extra: list[str],
+                   strict: bool = False, wait_after_hang: bool = False, runner: Optional[str] = None,
+                   model: Optional[str] = None, checks: tuple = (), lanes: Optional[int] = None) -> list[str]:
+    # (no:hypothesispytest: its plugin imports all of hypothesis at the end of a run, a second for nothing here)
+    # (pytest_llmload.suite's __main__: pytest, without the interpreter's 2 s teardown of the stack)
+    # (no:unraisableexception: at its end it runs gc.collect() twice over the stack's millions of objects, 0.5 s for a
+    # warning about an exception in a __del__; such an exception still reaches the log, through Python's own hook)
+    argv = [sys.executable, "-m", "pytest_llmload.suite", "--pyargs", "pytest_llmload.suite", "-p", "no:cacheprovider",
+            "-p", "no:hypothesispytest", "-p", "no:unraisableexception", "-o", "python_files=test_*.py", "--tb=short",
+            "-q", "--llmload-progress", str(progress)]
+    # The main job decides what it runs under, not the repo's addopts: its rows in a stable order (no
+    # pytest-randomly), no coverage, no xdist, no plugin its checks never use (anyio's, pytest-html and its
+    # pytest-metadata: 0.3 s of pytest's start), unless asked for after '--' (then the plugin is left on).
+    argv += ["-o", "addopts="]
+    asked = " ".join(extra)
+    for plugin, flags in HOUSE_PLUGINS.items():
+        if not any(flag in asked for flag in flags):
+            argv += ["-p", f"no:{plugin}"]
+    # Two lanes where two CPUs are usable (plugin.lanes: the pytest process forks once collected; issue 28)
+    lanes = min(2, usable_cpus()) if lanes is None else lanes
+    if lanes > 1:
+        argv += [LANES_OPTION, str(lanes)]
+    if strict:
+        argv.append("--llmload-strict")
+    if wait_after_hang:
+        argv.append(WAIT_OPTION)
+    if loader:
+        argv += [LOADER_OPTION, loader]
+    if runner:
+        argv += [RUNNER_OPTION, runner]
+    if model:
+        argv += [MODEL_OPTION, model]
+    for spec in checks:
+        argv += [CHECKS_OPTION, spec]
+    if keyword:
+        argv += ["-k", keyword]
+    return argv + extra
+
+
+# Plugins the main job turns off unless the arguments after '--' use them: name -> the flags that ask for it.
+HOUSE_PLUGINS = {"randomly": ("-p randomly", "--randomly"), "pytest_cov": ("--cov",),
+                 "xdist": ("-n", "--dist", "--tx"), "anyio": ("-p anyio",), "html": ("--html",),
+                 "metadata": ("--html", "--metadata")}
+
+
+def shown(outcome: str) -> str:
+    """The result column: passed, FAILED (the check saw its failure), PREDICTED (a runner profile would hit one),
+    error (the loader's own error), skipped."""
+    return outcome.upper() if outcome in ("failed", "predicted", "xpassed") else outcome
+
+
+def progress_row(done: int, total: int, record: dict) -> str:
+    """A row as its result arrives: ``[1/3] check_x   passed   5.35s``."""
+    width = len(str(total)) if total else 2
+    outcome = shown(record["outcome"])
+    return f"[{done:>{width}}/{total or '?'}] {record['check']:<48} {outcome:<8} {record['seconds']:7.2f}s"
+
+
+class Interrupted(BaseException):
+    """SIGINT, SIGTERM or SIGHUP reached the main job."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _raise_interrupted(signum, frame) -> None:
+    for stop in STOP_SIGNALS:  # one stop at a time: a second signal must not break off the clean-up
+        signal.signal(stop, signal.SIG_IGN)
+    raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def signals_interrupt():
+    """SIGINT, SIGTERM and SIGHUP raise :class:`Interrupted` in the block (from the main thread only)."""
+    if threading.current_thread() is not threading.main_thread():  # run() called from a thread: leave them be
+        yield
+        return
+    saved = {signum: signal.signal(signum, _raise_interrupted) for signum in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
+
+
+class MainJob:
+    """One run: the pytest child, and what its progress file said so far.
+
+    ``popen`` starts the child: :class:`subprocess.Popen` (a new interpreter), or what takes its arguments and
+    returns a handle like it; this repo's tests pass :func:`fixtures.warm_popen.popen_forked`, which forks
+    the child from the test process, where the stack is imported already."""
+
+    def __init__(self, args: argparse.Namespace, workdir: Path, out, popen=None) -> None:
+        self.args, self.workdir, self.out = args, workdir, out
+        self.popen = popen or subprocess.Popen
+        self.progress = workdir / "progress.jsonl"
+        self.tmp = workdir / "tmp"
+        self.log_path = Path(args.log) if args.log else workdir / "pytest.log"
+        self.child: Optional[subprocess.Popen] = None
+        self.results: list[dict] = []
+        self.collect_errors: list[dict] = []
+        self.usage_error: Optional[str] = None  # the child's, read at its configure (a check spec that gives none)
+        self.total = 0
+        self.order: list[str] = []  # the checks in collection order, the table's and JSON's (lanes finish out of it)
+        self.guards: dict[str, list[str]] = {}  # check -> [failure it guards against, where that comes from]
+        self.running: dict[str, tuple[str, float]] = {}  # nodeid -> (check, started): no result yet (one a lane)
+        self.started = time.monotonic()
+        self.started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        self.loader: Optional[dict] = None  # the child's own choice (its "loader" event)
+        self._offset = 0
+
+    def start(self) -> None:
+        args = self.args
+        command = pytest_command(args.loader, args.keyword, self.progress, args.pytest_args, strict=args.strict,
+                                 wait_after_hang=args.wait_after_hang, runner=args.runner, model=args.model,
+                                 checks=tuple(args.checks), lanes=args.lanes)
+        from pytest_llmload.runners.lifeline import PARENT_ENV, PARENT_WORKDIR_ENV
+
+        # The child ends with this process (lifeline), and removes this temp dir if this process dies first. Its
+        # own temp dirs (pytest's, the isolated checks') are made in here: one removal takes them all, on every path.
+        self.tmp.mkdir()
+        env = {**{k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"},  # (the main job decides; see above)
+               "TMPDIR": str(self.tmp), PARENT_ENV: str(os.getpid()),
+               PARENT_WORKDIR_ENV: str(self.workdir)}
+        with self.log_path.open("w", encoding="utf-8") as log:
+            # Its own process group: a Ctrl-C in the terminal reaches this process only, which passes it on once.
+            self.child = self.popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                    process_group=0)
+
+    def follow(self) -> int:
+        """Print a row per result as the child writes them, a heartbeat while one check runs long; the exit code."""
+        last_beat = time.monotonic()
+        while True:
+            code = self.child.poll()
+            for record in self._new_records():
+                if record["event"] == "start":
+                    last_beat = time.monotonic()
+                self._take(record)
+            if code is not None:
+                return code
+            if self.running and time.monotonic() - last_beat > HEARTBEAT_SECONDS:
+                last_beat = time.monotonic()
+                for check, started in self.running.values():
+                    print(f"    ... {check} still running ({time.monotonic() - started:.0f}s)", file=self.out,
+                          flush=True)
+            # (a wait, not a sleep: the run's end is seen within 50 ms, not after up to 0.2 s)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.child.wait(POLL_S)
+
+    def _new_records(self) -> list[dict]:
+        records, self._offset = jsonl.read_from(self.progress, self._offset)
+        return records
+
+    def _take(self, record: dict) -> None:
+        event, out = record["event"], self.out
+        if event == "usage_error":  # said by table.report, as this command's own usage error
+            self.usage_error = record["message"]
+        elif event == "loader":  # the child's own choice: what this line says is the loader it runs
+            self.loader = {"spec": record["spec"], "source": in_main_job_terms(record["source"]),
+                           "inifile": record.get("inifile")}
+            source = in_main_job_terms(record["source"])
+            if record.get("inifile"):
+                source += f" in {record['inifile']}"
+            print(f"llmload: checking loader {record['spec']} (from {source})", file=out, flush=True)
+        elif event == "collected":
+            self.total = record["count"]
+            self.order = record.get("order", [])
+            self.guards = record.get("guards", {})
+            print(f"llmload: {self.total} checks collected", file=out, flush=True)
+        elif event == "collect_error":
+            self.collect_errors.append(record)
+        elif event == "start":
+            self.running[record["nodeid"]] = (record["check"], time.monotonic())
+        elif event == "result":
+            self.results.append(record)
+            self.running.pop(record.get("nodeid"), None)
+            print(progress_row(len(self.results), self.total, record), file=out, flush=True)
+
+    def stop(self, signum: int) -> bool:
+        """Pass the signal on (SIGINT as SIGINT, else SIGTERM) to the child's process group and wait for it to
+        clean up; kill the group if it has not ended within :data:`STOP_GRACE_S`. False if it had to be killed."""
+        child = self.child
+        if child is None or child.poll() is not None:
+            return True
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
+        try:
+            child.wait(STOP_GRACE_S)
+            return True
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+            return False
+
+    def interrupted_rows(self) -> list[dict]:
+        """The rows of the checks that were running when the run was interrupted (pytest's exit 2)."""
+        return self._running_rows(f"interrupted while this check ran (a KeyboardInterrupt: raised in the loader or "
+                                  f"the check, or Ctrl-C); its output: {self.log_path}", cause="interrupted")
+
+    def crash_rows(self, code: int, what: str = "pytest itself ended") -> list[dict]:
+        """The rows of the checks that were running when pytest itself ended abnormally (a signal, an internal
+        error), or ended with no result for a check it had started: one, or one a lane."""
+        from pytest_llmload.runners.isolation import describe_exitcode
+
+        how = describe_exitcode(code) if code < 0 else f"exit code {code}"
+        return self._running_rows(f"{what} ({how}) while this check ran; its output: {self.log_path}")
+
+    def _running_rows(self, reason: str, cause: Optional[str] = None) -> list[dict]:
+        """An ``error`` row with ``reason`` for each check that was running (one, or one a lane), with what it guards
+        against as the child said when it collected it."""
+        rows = []
+        for check, started in self.running.values():
+            guards, origin = self.guards.get(check, (None, None))
+            rows.append({"event": "result", "check": check, "outcome": "error", "reason": reason, "summary": reason,
+                         "seconds": round(time.monotonic() - started, 3), "guards": guards, "guards_origin": origin,
+                         **({"cause": cause} if cause else {})})
+        return rows
+
+
+def report_interrupted(job: MainJob, signum: int) -> int:
+    """The one line an interrupted main job prints, after stopping its pytest; the exit code, 128 + ``signum``."""
+    stopped = job.stop(signum)
+    name = "SIGINT (Ctrl-C)" if signum == signal.SIGINT else signal.Signals(signum).name
+    how = "stopped and cleaned up" if stopped else f"killed: it had not stopped {STOP_GRACE_S:g} s after the signal"
+    log = f"pytest output: {job.log_path}" if job.args.log else "pytest output removed (--log PATH keeps it)"
+    print(f"llmload: interrupted by {name} after {time.monotonic() - job.started:.1f}s with {len(job.results)} of "
+          f"{job.total or '?'} checks done; pytest {how}; {log}", file=sys.stderr, flush=True)
+    return 128 + signum

@@ -1,0 +1,146 @@
+"""The package's house rules (issue 37), read from its own files: folders by layer, no import from a lower layer up to
+a higher one (at module level or inside a function), no circle of imports, a docstring on every folder, every module
+named on docs/layout.md, and every import path the package had before its folders still working."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+import pytest_llmload
+from pytest_llmload import _old_paths
+
+PACKAGE = Path(pytest_llmload.__file__).parent
+REPO = PACKAGE.parent
+LAYOUT_PAGE = REPO / "docs" / "layout.md"
+
+# Lowest first: a module imports from its own layer or a lower one. The package's top (its __init__, __main__,
+# the old paths' aliases) and the shipped suite stand above every layer.
+LAYERS = ("config", "system", "instruments", "runners", "loader", "fixes", "placement", "checks", "failures",
+          "prediction", "reports", "plugin", "main_job")
+TOP = len(LAYERS)
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the package, by dotted name."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")
+    return LAYERS.index(parts[1]) if len(parts) > 1 and parts[1] in LAYERS else TOP
+
+
+def _imports(module: str) -> set[str]:
+    """The package's modules ``module`` imports anywhere in its code (``from a import b`` where ``a.b`` is a module
+    counts as an import of ``a.b``)."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.split(".")[0] == "pytest_llmload")
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolved against the importing package
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            if base.split(".")[0] != "pytest_llmload":
+                continue
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.add(sub if sub in MODULES else base)
+    return {name for name in found if name in MODULES and name != module}
+
+
+GRAPH = {module: _imports(module) for module in MODULES}
+
+
+def test_no_module_imports_a_higher_layer():
+    upward = [f"{module} ({LAYERS[_layer(module)] if _layer(module) < TOP else 'top'}) imports {imported} "
+              f"({LAYERS[_layer(imported)] if _layer(imported) < TOP else 'top'})"
+              for module, imported_set in sorted(GRAPH.items()) for imported in sorted(imported_set)
+              if _layer(imported) > _layer(module)]
+    assert not upward, "\n".join(upward)
+
+
+def test_no_circle_of_imports():
+    # Tarjan's strongly connected components: a component of more than one module is a circle.
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for imported in GRAPH[module]:
+            if imported not in index:
+                visit(imported)
+                low[module] = min(low[module], low[imported])
+            elif imported in stack:
+                low[module] = min(low[module], index[imported])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == module:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for module in GRAPH:
+        if module not in index:
+            visit(module)
+    assert not circles, circles
+
+
+def test_every_layer_is_a_folder_whose_init_says_what_it_holds():
+    for layer in LAYERS:
+        init = PACKAGE / layer / "__init__.py"
+        assert init.is_file(), f"no folder {layer}/"
+        doc = ast.get_docstring(ast.parse(init.read_text()))
+        assert doc and len(doc.split()) >= 8, f"{layer}/__init__.py has no docstring saying what the layer holds"
+    loose = sorted(path.name for path in PACKAGE.glob("*.py")
+                   if path.name not in {"__init__.py", "__main__.py", "_old_paths.py"})
+    assert not loose, f"modules outside the layers' folders: {loose}"
+
+
+def test_the_layout_page_names_every_module_and_the_layers_in_order():
+    page = LAYOUT_PAGE.read_text()
+    unnamed = [str(path.relative_to(PACKAGE)) for module, path in MODULES.items()
+               if path.name != "__init__.py" and str(path.relative_to(PACKAGE)) not in page]
+    assert not unnamed, f"docs/layout.md does not name: {unnamed}"
+    order = re.search(r"^Layers, lowest first: (.*)$", page, re.M)
+    assert order, "docs/layout.md has no 'Layers, lowest first:' line"
+    assert re.findall(r"`(\w+)/`", order.group(1)) == list(LAYERS)
+
+
+@pytest.mark.parametrize("old", sorted(_old_paths.OLD_TO_NEW))
+def test_an_old_import_path_gives_the_module_at_its_new_home(old):
+    new = importlib.import_module(f"pytest_llmload.{_old_paths.OLD_TO_NEW[old]}")
+    assert importlib.import_module(f"pytest_llmload.{old}") is new
+    parent, _, leaf = f"pytest_llmload.{old}".rpartition(".")
+    assert getattr(importlib.import_module(parent), leaf) is new  # `from pytest_llmload import loading` too
+
+
+@pytest.mark.parametrize("name", sorted(pytest_llmload.__all__))
+def test_a_public_name_of_the_package_resolves(name):
+    assert getattr(pytest_llmload, name) is not None
+
+
+def test_the_entry_point_module_carries_the_hooks_and_fixtures():
+    plugin = importlib.import_module("pytest_llmload.plugin")
+    assert callable(plugin.pytest_configure) and callable(plugin.llmload_loader)
