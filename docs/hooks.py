@@ -293,10 +293,10 @@ def _fixtures() -> list[tuple[str, str, str]]:
 
 
 def _markers() -> list[tuple[str, str]]:
-    """``(name, help)`` of each marker the plugin registers: the ``*_HELP`` texts of surface that start with a name."""
-    from pytest_llmload.config import vocabulary as surface
+    """``(name, help)`` of each marker the plugin registers: the ``*_HELP`` texts of the vocabulary that start with a name."""
+    from pytest_llmload.config import vocabulary
 
-    helps = [value for name, value in vars(surface).items()
+    helps = [value for name, value in vars(vocabulary).items()
              if name.endswith("_HELP") and name != "GPU_FIXTURES_HELP" and isinstance(value, str)]
     return [(text.split(":", 1)[0], text.split(":", 1)[1].strip()) for text in helps]
 

@@ -39,7 +39,7 @@ pytestmark = [pytest.mark.llmload_deepspeed, pytest.mark.timeout(240), pytest.ma
 
 
 def _verdict(check, loader, checkpoint, workdir) -> tuple[str, str]:
-    """The cell as the plugin reports it: the one verdict of failures.verdict (a check's own crash is an error
+    """The cell as the plugin reports it: the one verdict of reports.verdict (a check's own crash is an error
     whose cause is "check", which no cell expects)."""
     try:
         check(loader, checkpoint, workdir)

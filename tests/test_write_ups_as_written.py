@@ -18,7 +18,7 @@ from packaging.version import Version
 from fixtures.loaders import as_written_000, as_written_002, as_written_003, as_written_004
 from fixtures.warm_runs import warm_forks  # noqa: F401  (a fixture: the checks' children start warm)
 from pytest_llmload.instruments import probes
-from pytest_llmload.checks import ground_truth as scenarios
+from pytest_llmload.checks import ground_truth
 from pytest_llmload.plugin.parametrize import all_checks
 from pytest_llmload.reports import verdict
 
@@ -147,7 +147,7 @@ def test_000_loaded_directly_round_trips_its_weights_through_the_system_temp_dir
 
     system_tmp = tmp_path / "system-tmp"
     system_tmp.mkdir()
-    request = LoadRequest(llmload_checkpoint, max_memory=scenarios.offload_budget(llmload_checkpoint, dtype=sized_for),
+    request = LoadRequest(llmload_checkpoint, max_memory=ground_truth.offload_budget(llmload_checkpoint, dtype=sized_for),
                           offload_folder=tmp_path / "offload")
     with probes.system_tempdir(system_tmp), probes.record_writes() as writes:
         model = call_loader(as_written_000.load, request).model
@@ -165,11 +165,11 @@ def test_002_loaded_directly_fails_backward_with_the_writeups_error(llmload_chec
     from pytest_llmload import LoadRequest, call_loader
 
     request = LoadRequest(llmload_checkpoint, purpose="train", offload_folder=tmp_path / "offload",
-                          max_memory=scenarios.offload_budget(llmload_checkpoint, dtype="float16"))
+                          max_memory=ground_truth.offload_budget(llmload_checkpoint, dtype="float16"))
     model = call_loader(as_written_002.load, request).model
     assert set(model.hf_device_map.values()) == {"cpu", "disk"}
     model.train()
-    ids = scenarios.input_ids(model, "cpu")
+    ids = ground_truth.input_ids(model, "cpu")
     loss = model(input_ids=ids, labels=ids).loss
     with pytest.raises(RuntimeError) as excinfo:
         loss.backward()

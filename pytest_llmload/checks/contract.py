@@ -87,7 +87,7 @@ class Facts(NamedTuple):
     compute_dtypes: tuple[str, ...]  # of the 4-bit layers (bnb_4bit_compute_dtype)
     adapter_weights: int  # adapter parameters (peft) present
     adapter_on_meta: int
-    offloaded: tuple[str, ...]  # scenarios.offloaded_parts
+    offloaded: tuple[str, ...]  # ground_truth.offloaded_parts
     devices: tuple[str, ...]
     vocab: Optional[int]  # rows of the input embeddings
     checkpoint_vocab: Optional[int]

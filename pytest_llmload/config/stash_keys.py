@@ -15,7 +15,7 @@ loader_choice_key = pytest.StashKey["LoaderChoice"]()
 hook_choice_key = pytest.StashKey["LoaderChoice | None"]()  # the training-args hook configured, if any
 prediction_key = pytest.StashKey[tuple]()  # (runner profiles, (model name, config)) the predictions run for
 checks_key = pytest.StashKey[tuple]()  # every check of the run: built-in, installed extensions, the `checks` setting
-declared_key = pytest.StashKey[dict]()  # the training declarations the run set (surface.TRAINING_DECLARATIONS): True
+declared_key = pytest.StashKey[dict]()  # the training declarations the run set (vocabulary.TRAINING_DECLARATIONS): True
 
 # The options the configuration gives the check a test runs (set by the plugin around the call of a test with a
 # ``check`` parameter): a user's own ``parametrize_with_loader_checks`` test gets them without asking for them.
@@ -46,5 +46,5 @@ def add_note(text: str) -> None:
         notes.append(text)
 
 
-# On a report another lane ran and sent to lane 0 (runners.lanes): its row was written there already.
+# On a report another lane ran and sent to lane 0 (plugin.lanes): its row was written there already.
 LANE_ATTRIBUTE = "llmload_lane"

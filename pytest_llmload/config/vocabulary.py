@@ -202,7 +202,7 @@ CHECKS_OPTION = SETTING["checks"].option
 # What a bare install lacks: the checks need the Hugging Face stack, an extra of this package.
 STACK_EXTRA_HINT = "pip install 'pytest-llmload[all]' (or [hf] without bitsandbytes and DeepSpeed)"
 
-# --- markers (pytest_llmload.plugin.markers, runners.isolated_marker, diagnostics.memory_limit) -------------------
+# --- markers (pytest_llmload.plugin.markers, plugin.isolated_marker, plugin.memory_limit) -------------------
 NEEDS_GPUS_HELP = (
     "needs_gpus(n): skip unless at least n CUDA devices are visible (n a positive int); also marks the test 'gpu'."
 )

@@ -86,7 +86,7 @@ FAILURE = KnownFailure(
     ),
 )
 
-# How a repo says it trains with transformers.Trainer (the write-up's script does): surface.TRAINING_DECLARATIONS'
+# How a repo says it trains with transformers.Trainer (the write-up's script does): vocabulary.TRAINING_DECLARATIONS'
 # attribute, ini key and option (Check passes it as `trains_with_trainer`); the attribute is read here too, for a
 # caller of the check function itself.
 TRAINS_WITH_TRAINER_ATTRIBUTE = SETTING["trains_with_trainer"].ini

@@ -131,7 +131,7 @@ def check_zero3_load(
     # CPU ranks get LOCAL_SIZE, as DeepSpeed's own launcher sets it: ZeRO-3 asks the CPU accelerator for its device
     # count, which DeepSpeed < 0.16 otherwise reads from `numactl --hardware` (FileNotFoundError where it is absent).
     env = {"DS_ACCELERATOR": "cuda"} if backend == "nccl" else {"LOCAL_SIZE": str(world_size)}
-    # A rank that raised, hung or died: failures.verdict judges what it raised (the refusal is a result, not a raise).
+    # A rank that raised, hung or died: reports.verdict judges what it raised (the refusal is a result, not a raise).
     results = ranks.run_ranks(
         _load_under_zero3, world_size, args=(loader, os.fspath(checkpoint), os.fspath(workdir), device, backend),
         backend=backend, timeout=timeout, env=env, gpus_hidden=backend == "gloo",  # (a runner without GPUs)
@@ -248,7 +248,7 @@ def _load_under_zero3(loader: Loader, checkpoint: str, workdir: str, device: str
         if refusal is not None:
             return RankResult.refusal(str(refusal), device_map=device_map_in_traceback(refusal))
         if not isinstance(exc, LoaderError):
-            raise  # a contract gap, or the check's own crash: failures.verdict judges what the rank raised
+            raise  # a contract gap, or the check's own crash: reports.verdict judges what the rank raised
         return RankResult.error(traceback.format_exc())
 
     params = list(model.parameters())

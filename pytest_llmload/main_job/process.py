@@ -33,7 +33,7 @@ from pytest_llmload.config.vocabulary import (
     RUNNER_OPTION,
     WAIT_OPTION,
 )
-from pytest_llmload.system import json_lines as jsonl
+from pytest_llmload.system import json_lines
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 INTERRUPTED = 2  # pytest's ExitCode.INTERRUPTED, passed on as it is
@@ -212,7 +212,7 @@ class MainJob:
                 self.child.wait(POLL_S)
 
     def _new_records(self) -> list[dict]:
-        records, self._offset = jsonl.read_from(self.progress, self._offset)
+        records, self._offset = json_lines.read_from(self.progress, self._offset)
         return records
 
     def _take(self, record: dict) -> None:

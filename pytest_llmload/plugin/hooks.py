@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from pytest_llmload.config import vocabulary as surface
+from pytest_llmload.config import vocabulary
 from pytest_llmload.plugin.fixtures import (  # noqa: F401  (pytest discovers fixtures on the plugin module)
     distributed_env,
     gpu_model,
@@ -58,8 +58,8 @@ LAUNCHER = "pytest_llmload.plugin.launched_run"  # under torchrun/srun/mpirun: d
 
 # What marks a test as an llmload test: every llmload fixture requests llmload_offline, except these two.
 _FIXTURE_ROOTS = ("llmload_offline", "llmload_device", "llmload_check_options")
-_MARKERS = frozenset({"needs_gpus", "gpu", surface.DEEPSPEED_MARKER, surface.ISOLATED_MARKER,
-                      surface.MEMORY_LIMIT_MARKER})
+_MARKERS = frozenset({"needs_gpus", "gpu", vocabulary.DEEPSPEED_MARKER, vocabulary.ISOLATED_MARKER,
+                      vocabulary.MEMORY_LIMIT_MARKER})
 
 # The sub-plugins, by module name (their hooks only: every option, ini key and marker is declared in
 # config.vocabulary), and the one flag that switches each on.
@@ -146,12 +146,12 @@ def pytest_cmdline_main(config: pytest.Config):
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if surface.PARENT_ENV in os.environ:  # started by the main job: end with it, stop cleanly on SIGTERM
+    if vocabulary.PARENT_ENV in os.environ:  # started by the main job: end with it, stop cleanly on SIGTERM
         from pytest_llmload.runners import lifeline
 
         lifeline.tie_to_main_job()
-    for line in (surface.NEEDS_GPUS_HELP, surface.GPU_HELP, surface.DEEPSPEED_HELP, surface.ISOLATED_HELP,
-                 surface.MEMORY_LIMIT_HELP):
+    for line in (vocabulary.NEEDS_GPUS_HELP, vocabulary.GPU_HELP, vocabulary.DEEPSPEED_HELP, vocabulary.ISOLATED_HELP,
+                 vocabulary.MEMORY_LIMIT_HELP):
         config.addinivalue_line("markers", line)
     if _configured(config):  # else the reference loader, no hook, defaults: nothing to check, nothing to import
         config.stash[in_use_key] = True
@@ -161,20 +161,20 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def _read_configuration(config: pytest.Config) -> None:
     """Every setting read once at configure: a bad value is one usage error before any test runs."""
-    from pytest_llmload.loader import seam as loading
+    from pytest_llmload.loader import seam
     from pytest_llmload.config import settings
 
     writer = _progress_writer(config)  # first: a check spec that gives no checks, below, is told through it
     try:
-        config.stash[loader_choice_key] = loading.choose_loader(
-            config.getoption("llmload_loader"), os.environ, config.getini(surface.LOADER_INI))
-        config.stash[hook_choice_key] = loading.choose_training_args_hook(
-            config.getoption("llmload_training_args_hook"), config.getini(surface.HOOK_INI))
-        for key, _, parse in loading.declaration_parsers():
+        config.stash[loader_choice_key] = seam.choose_loader(
+            config.getoption("llmload_loader"), os.environ, config.getini(vocabulary.LOADER_INI))
+        config.stash[hook_choice_key] = seam.choose_training_args_hook(
+            config.getoption("llmload_training_args_hook"), config.getini(vocabulary.HOOK_INI))
+        for key, _, parse in seam.declaration_parsers():
             declared = settings.given(config, key)
             if declared:
                 parse(*declared)
-    except loading.LoaderSpecError as exc:
+    except seam.LoaderSpecError as exc:
         raise pytest.UsageError(str(exc)) from None
     extra = settings.given(config, "checks")
     # The repo's own checks, this run: a spec that gives none is a usage error now. A run that writes progress (the
@@ -204,7 +204,7 @@ def _read_configuration(config: pytest.Config) -> None:
         settings.value(config, key)  # parsed now, read where used
     config.stash[lanes_key] = settings.value(config, "lanes") > 1
     _read_prediction(config)
-    config.stash[declared_key] = {keyword: settings.value(config, keyword) for keyword in surface.TRAINING_DECLARATIONS}
+    config.stash[declared_key] = {keyword: settings.value(config, keyword) for keyword in vocabulary.TRAINING_DECLARATIONS}
     config.stash[strict_key] = settings.value(config, "strict")
 
 
@@ -315,7 +315,7 @@ def _require_the_stack(config: pytest.Config, items: list[pytest.Item]) -> None:
              or getattr(getattr(item, "callspec", None), "params", {}).get("check") is not None]
     if users:
         raise pytest.UsageError(f"{len(users)} collected test(s) load models through pytest-llmload (e.g. "
-                                f"{users[0].nodeid}), but torch is not installed: {surface.STACK_EXTRA_HINT}.")
+                                f"{users[0].nodeid}), but torch is not installed: {vocabulary.STACK_EXTRA_HINT}.")
 
 
 def _uses_llmload(config: pytest.Config, items: list[pytest.Item]) -> bool:
@@ -361,13 +361,13 @@ def _check_imports(config: pytest.Config, used_fixtures) -> None:
     for fixture, key in _IMPORTED_FOR.items():
         choice = config.stash.get(key, None)
         if fixture in used_fixtures and choice is not None and not choice.is_reference:
-            from pytest_llmload.loader import seam as loading
+            from pytest_llmload.loader import seam
             from pytest_llmload.system.offline import offline
 
             try:
                 with offline(), _importing_within_limits(config, choice):  # (offline, as the checks run it)
-                    loading.import_loader(choice)
-            except loading.LoaderSpecError as exc:
+                    seam.import_loader(choice)
+            except seam.LoaderSpecError as exc:
                 raise pytest.UsageError(str(exc)) from None
 
 

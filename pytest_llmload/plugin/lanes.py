@@ -41,7 +41,7 @@ from typing import Optional
 
 import pytest
 
-from pytest_llmload.system import json_lines as jsonl
+from pytest_llmload.system import json_lines
 from pytest_llmload.config import settings
 from pytest_llmload.config.stash_keys import LANE_ATTRIBUTE
 
@@ -233,7 +233,7 @@ class Lanes:
         capturing = capman is not None and capman.is_globally_capturing()
         if capturing:
             capman.stop_global_capturing()
-        fd = jsonl.open_for_appending(path)
+        fd = json_lines.open_for_appending(path)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
@@ -245,7 +245,7 @@ class Lanes:
     def _replay(self) -> None:
         """Each report a lane sent, through this process's hooks (its rows it wrote itself: progress skips them)."""
         for lane in self.forked:
-            messages, self.read[lane] = jsonl.read_from(self.dir / f"lane{lane}.jsonl", self.read.get(lane, 0))
+            messages, self.read[lane] = json_lines.read_from(self.dir / f"lane{lane}.jsonl", self.read.get(lane, 0))
             for message in messages:
                 if "start" in message:
                     self.running[lane] = message["start"]
@@ -341,15 +341,15 @@ class _Sender:
     """In a forked lane: each test's start, report and end, one JSON line each, for lane 0 to replay."""
 
     def __init__(self, path: Path, config: pytest.Config) -> None:
-        self._fd = jsonl.open_for_appending(path)
+        self._fd = json_lines.open_for_appending(path)
         self._config = config
 
     def pytest_runtest_logstart(self, nodeid: str, location) -> None:
-        jsonl.append(self._fd, {"start": nodeid})
+        json_lines.append(self._fd, {"start": nodeid})
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         data = self._config.hook.pytest_report_to_serializable(config=self._config, report=report)
-        jsonl.append(self._fd, {"report": data}, default=str)
+        json_lines.append(self._fd, {"report": data}, default=str)
 
     def pytest_runtest_logfinish(self, nodeid: str, location) -> None:
-        jsonl.append(self._fd, {"finish": nodeid})
+        json_lines.append(self._fd, {"finish": nodeid})

@@ -21,7 +21,7 @@ import contextlib
 
 import pytest
 
-from pytest_llmload.plugin import loader_hang as hung_loader, markers
+from pytest_llmload.plugin import loader_hang, markers
 
 # Why DeepSpeed cannot start in this run (set after collection, when importing it failed):
 # the tests that need it error with this sentence, the others run.
@@ -49,7 +49,7 @@ def pytest_runtest_setup_checks(item: pytest.Item) -> None:  # (pytest reads onl
     markers.enforce_needs_gpus(item)
     if deepspeed_error_key in item.config.stash and markers.will_start_deepspeed(item):
         pytest.fail(item.config.stash[deepspeed_error_key], pytrace=False)
-    hung_loader.fail_if_hung_before(item)
+    loader_hang.fail_if_hung_before(item)
 
 
 def _state_for(item: pytest.Item) -> contextlib.ExitStack:

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from pytest_llmload.system import json_lines as jsonl
+from pytest_llmload.system import json_lines
 from pytest_llmload.config.stash_keys import LANE_ATTRIBUTE
 from pytest_llmload.checks.row import Row, outcome_of
 
@@ -83,12 +83,12 @@ def summary_line(report) -> str:
 
 class ProgressWriter:
     def __init__(self, path: str) -> None:
-        self._fd = jsonl.open_for_appending(path)  # (the lanes of a run share it: runners.lanes)
+        self._fd = json_lines.open_for_appending(path)  # (the lanes of a run share it: plugin.lanes)
         self._started: dict[str, float] = {}
         self._collected = False
 
     def write(self, **record) -> None:
-        jsonl.append(self._fd, record)
+        json_lines.append(self._fd, record)
 
     # Registered as a plugin object: these are its hooks.
     def pytest_sessionstart(self, session: pytest.Session) -> None:
@@ -150,7 +150,7 @@ class ProgressWriter:
         summary = summary_line(report) if report.failed else reason
         if judged is not None and report.when == "call" and report.failed and \
                 judged["kind"] in ("failed", "predicted", "error"):
-            # a check's failing row: its verdict was decided from the exception (failures.verdict)
+            # a check's failing row: its verdict was decided from the exception (reports.verdict)
             outcome, failure, cause = judged["kind"], judged["failure"], judged["cause"]
             summary = judged["sentence"] or summary  # the exception's own words, also from a child or a rank
         self.write(event="result", nodeid=report.nodeid, check=check_name(report.nodeid), outcome=outcome,

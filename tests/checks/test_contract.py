@@ -1,4 +1,4 @@
-"""The contract layer (pytest_llmload.checks.contract) and the verdicts (failures.verdict): every registered check
+"""The contract layer (pytest_llmload.checks.contract) and the verdicts (reports.verdict): every registered check
 loads through the contract, a loader that did not honour the request is an error row with the contract sentence,
 and a crash in a check's own code is an error that says so, never a known failure."""
 

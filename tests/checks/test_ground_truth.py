@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from pytest_llmload import LoadRequest, call_loader
-from pytest_llmload.checks import ground_truth as scenarios
+from pytest_llmload.checks import ground_truth
 from pytest_llmload.fixes.training_memory import TrainingBudgetError, budget_for_device, checkpoint_tensors, estimate_training_memory
 from pytest_llmload.loader.seam import LoaderError
 from pytest_llmload.fixes.reference_loader import load_model_and_tokenizer as reference_loader
@@ -28,8 +28,8 @@ FEW = settings(max_examples=10, deadline=None, suppress_health_check=[HealthChec
 def whole_logits(llmload_checkpoint):
     import torch
 
-    model = scenarios.plain_model(llmload_checkpoint, "cpu")
-    ids = scenarios.input_ids(model, "cpu")
+    model = ground_truth.plain_model(llmload_checkpoint, "cpu")
+    ids = ground_truth.input_ids(model, "cpu")
     with torch.no_grad():
         return ids, model(input_ids=ids).logits
 
@@ -104,5 +104,5 @@ def test_any_train_request_through_the_reference_loader_has_nothing_on_meta(data
         return
     event("loaded whole")
     assert fits
-    assert scenarios.placement_problems(model, "cpu") == []
-    assert scenarios.train_step_problems(model, "cpu") == []
+    assert ground_truth.placement_problems(model, "cpu") == []
+    assert ground_truth.train_step_problems(model, "cpu") == []

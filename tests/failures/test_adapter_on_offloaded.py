@@ -20,7 +20,7 @@ import pytest
 from fixtures import tiny_llama
 from fixtures.loaders import before_adapter_on_offloaded
 from pytest_llmload import LoadRequest, call_loader
-from pytest_llmload.checks import ground_truth as scenarios
+from pytest_llmload.checks import ground_truth
 from pytest_llmload.failures import adapter_on_offloaded as aoo
 from pytest_llmload.fixes.reference_loader import load_model_and_tokenizer as reference_loader
 from pytest_llmload.loader.transformers_compat import dtype_kwarg
@@ -74,7 +74,7 @@ def adapter(llmload_checkpoint, tmp_path_factory):
 
 
 def offloading_request(checkpoint, tmp_path, adapter, **fields) -> LoadRequest:
-    return LoadRequest(checkpoint, max_memory=scenarios.offload_budget(checkpoint), offload_folder=tmp_path / "offload",
+    return LoadRequest(checkpoint, max_memory=ground_truth.offload_budget(checkpoint), offload_folder=tmp_path / "offload",
                        adapter_path=adapter, **fields)
 
 
@@ -98,14 +98,14 @@ def greedy(model, new_tokens=6):
 def merged_whole(checkpoint, adapter):
     from peft import PeftModel
 
-    return PeftModel.from_pretrained(scenarios.plain_model(checkpoint, "cpu"), adapter).merge_and_unload()
+    return PeftModel.from_pretrained(ground_truth.plain_model(checkpoint, "cpu"), adapter).merge_and_unload()
 
 
 # --- (a) the failure, reproduced ----------------------------------------------------------------------------
 
 
 def test_the_adapter_changes_what_the_model_generates(llmload_checkpoint, adapter):
-    assert greedy(merged_whole(llmload_checkpoint, adapter)) != greedy(scenarios.plain_model(llmload_checkpoint, "cpu"))
+    assert greedy(merged_whole(llmload_checkpoint, adapter)) != greedy(ground_truth.plain_model(llmload_checkpoint, "cpu"))
 
 
 def test_peft_from_pretrained_on_the_offloaded_base_raises_the_meta_copy_error(
@@ -279,7 +279,7 @@ def test_the_fix_refuses_an_offloading_budget_before_loading(llmload_checkpoint,
     message = str(excinfo.value)
     assert "base + adapter need 766.2 KiB but max_memory={'cpu': 377984} gives cpu 369.1 KiB" in message
     assert "adapter-on-offloaded" in message
-    assert scenarios.refusal_problem(excinfo.value) is None
+    assert ground_truth.refusal_problem(excinfo.value) is None
     assert not (tmp_path / "offload").exists()
 
 
@@ -289,7 +289,7 @@ def test_the_fix_serves_the_adapter_whole_when_it_fits(llmload_checkpoint, adapt
 
     request = offloading_request(llmload_checkpoint, tmp_path, adapter).replace(max_memory=max_memory)
     model = fixed_loader(request)
-    assert isinstance(model, PeftModel) and scenarios.offloaded_parts(model) == []
+    assert isinstance(model, PeftModel) and ground_truth.offloaded_parts(model) == []
     assert greedy(model) == greedy(merged_whole(llmload_checkpoint, adapter))
 
 
@@ -335,7 +335,7 @@ def test_check_passes_on_other_correct_loaders(loader, llmload_checkpoint, tmp_p
 def test_the_merged_model_really_is_offloaded(llmload_checkpoint, adapter, tmp_path):
     model = merged_then_offloaded(offloading_request(llmload_checkpoint, tmp_path, adapter))
     assert "disk" in set(map(str, model.hf_device_map.values()))
-    assert scenarios.offloaded_parts(model)
+    assert ground_truth.offloaded_parts(model)
     assert greedy(model) == greedy(merged_whole(llmload_checkpoint, adapter))
 
 

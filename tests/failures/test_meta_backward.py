@@ -13,7 +13,7 @@ from fixtures import tiny_llama
 from fixtures.loaders import before_meta_backward
 from pytest_llmload import LoadRequest, call_loader
 from pytest_llmload.loader.seam import LoaderError, LoaderModelError
-from pytest_llmload.checks import ground_truth as scenarios
+from pytest_llmload.checks import ground_truth
 from pytest_llmload.failures import meta_backward
 from pytest_llmload.fixes.training_memory import TrainingBudgetError
 from pytest_llmload.fixes.reference_loader import load_model_and_tokenizer as reference_loader
@@ -24,7 +24,7 @@ META_BACKWARD = "Function MmBackward0 returned an invalid gradient at index 1 - 
 def offloading_train_request(checkpoint, tmp_path, device="cpu", **fields) -> LoadRequest:
     """The write-up's request: train under a budget that holds half the weights (embeddings + layer 0)."""
     return LoadRequest(checkpoint, purpose="train", device=device, offload_folder=tmp_path / "offload",
-                       max_memory=scenarios.offload_budget(checkpoint, device, dtype=fields.get("dtype")), **fields)
+                       max_memory=ground_truth.offload_budget(checkpoint, device, dtype=fields.get("dtype")), **fields)
 
 
 def input_ids(model, device="cpu"):
@@ -175,8 +175,8 @@ def test_reference_loader_trains_whole_within_a_budget_that_holds_it(llmload_che
     request = offloading_train_request(llmload_checkpoint, tmp_path, lora=True).replace(max_memory={"cpu": "1GB"})
     model = call_loader(reference_loader, request).model
     assert set(getattr(model, "hf_device_map", {}).values()) <= {"cpu"}  # single-device maps are not recorded
-    assert scenarios.placement_problems(model, "cpu") == []
-    assert scenarios.train_step_problems(model, "cpu") == []
+    assert ground_truth.placement_problems(model, "cpu") == []
+    assert ground_truth.train_step_problems(model, "cpu") == []
 
 
 # --- the write-up's own setup, on a GPU runner -------------------------------------------------------------
@@ -210,8 +210,8 @@ def test_gpu_train_check_on_cuda(llmload_checkpoint, tmp_path):
 def test_the_budget_holds_half_the_weights_in_the_dtype_they_load_in(llmload_checkpoint, tmp_path):
     """Found on an H100: a float32 budget for a float16 load held the whole model, so only the head was
     offloaded and the write-up's backward error did not happen. On CPU: the same request offloads layers."""
-    full = scenarios.offload_budget(llmload_checkpoint, "cuda:0")[0]
-    half = scenarios.offload_budget(llmload_checkpoint, "cuda:0", dtype="float16")[0]
+    full = ground_truth.offload_budget(llmload_checkpoint, "cuda:0")[0]
+    half = ground_truth.offload_budget(llmload_checkpoint, "cuda:0", dtype="float16")[0]
     assert abs(full - 2 * half) <= 1
     request = offloading_train_request(llmload_checkpoint, tmp_path, dtype="float16", lora=True)
     model = call_loader(before_meta_backward.load, request).model

@@ -21,7 +21,7 @@ import pytest
 
 from fixtures.loaders import before_offload_hang
 from pytest_llmload.instruments import probes
-from pytest_llmload.checks import ground_truth as scenarios
+from pytest_llmload.checks import ground_truth
 from pytest_llmload.failures import offload_hang
 from pytest_llmload.fixes.reference_loader import load_model_and_tokenizer as reference_loader
 
@@ -55,7 +55,7 @@ def test_offload_state_dict_round_trips_through_the_system_temp_dir_or_is_droppe
 
     system_tmp = tmp_path / "system-tmp"
     system_tmp.mkdir()
-    max_memory = scenarios.offload_budget(llmload_checkpoint)
+    max_memory = ground_truth.offload_budget(llmload_checkpoint)
     with probes.system_tempdir(system_tmp), probes.record_writes() as writes, \
             warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
