@@ -34,6 +34,11 @@ FAILURES_INDEX = "failures/index.md"
 TABLE_START = "<!-- llmload:known-failures (generated from the catalog: python docs/hooks.py) -->"
 TABLE_END = "<!-- /llmload:known-failures -->"
 TABLE_HOMES = {"README.md": False, "docs/index.md": True}  # file -> whether its ids link to the failures' pages
+# Which extra serves which check (pytest_llmload.config.distribution.extras_table, from each Check's `extras`) sits
+# between these lines in these files.
+EXTRAS_START = "<!-- llmload:extras (generated from the checks' extras: python docs/hooks.py) -->"
+EXTRAS_END = "<!-- /llmload:extras -->"
+EXTRAS_HOMES = ("README.md", "docs/getting-started.md")
 SETTINGS_PAGE = "reference/settings.md"
 
 # What each LoadRequest field asks, and what a loader that honours it returns (the contract the checks verify
@@ -99,6 +104,8 @@ RECORD_DOCS = {
         "isolated": "run in a child forked from the test process: for checks that can hang, crash or change "
                     "process-wide state",
         "uses_adapters": "works with peft adapters whatever its purpose (peft is preloaded for it)",
+        "extras": "the extras of pytest-llmload it needs besides `hf` (`\"quant\"`, `\"deepspeed\"`): where one is not "
+                  "installed it skips, naming the pip command; the extras' table is made from these",
     },
 }
 
@@ -464,17 +471,32 @@ def on_page_markdown(markdown, page, config, files, **kwargs):
     return markdown
 
 
+def with_extras_table(text: str) -> str:
+    """``text`` with the extras' table between :data:`EXTRAS_START` and :data:`EXTRAS_END` made anew."""
+    from pytest_llmload.config.distribution import extras_table
+    from pytest_llmload.failures import REGISTRY
+
+    before, start, rest = text.partition(EXTRAS_START)
+    _, end, after = rest.partition(EXTRAS_END)
+    if not start or not end:
+        raise ValueError(f"docs/hooks.py: no {EXTRAS_START!r} ... {EXTRAS_END!r} lines to put the extras' table between")
+    return f"{before}{start}\n\n{extras_table(REGISTRY)}\n\n{end}{after}"
+
+
 def write_tables() -> list[str]:
-    """Rewrite the known-failures table in README.md and docs/index.md from the catalog; the files it changed."""
+    """Rewrite the known-failures table in README.md and docs/index.md from the catalog, and the extras' table in
+    :data:`EXTRAS_HOMES`; the files it changed."""
     changed = []
-    for name, linked in TABLE_HOMES.items():
+    homes = [(name, lambda text, linked=linked: with_known_failures_table(text, linked))
+             for name, linked in TABLE_HOMES.items()] + [(name, with_extras_table) for name in EXTRAS_HOMES]
+    for name, rewrite in homes:
         path = ROOT / name
         text = path.read_text(encoding="utf-8")
-        new = with_known_failures_table(text, linked)
+        new = rewrite(text)
         if new != text:
             path.write_text(new, encoding="utf-8")
             changed.append(name)
-    return changed
+    return sorted(set(changed))
 
 
 if __name__ == "__main__":  # python docs/hooks.py: the tables after a change to the catalog
@@ -482,4 +504,4 @@ if __name__ == "__main__":  # python docs/hooks.py: the tables after a change to
 
     sys.path.insert(0, str(ROOT))  # this checkout's catalog, whatever copy of the package is installed
     changed = write_tables()
-    print(f"rewrote the known failures' table in {', '.join(changed)}" if changed else "the tables are current")
+    print(f"rewrote the generated tables in {', '.join(changed)}" if changed else "the tables are current")

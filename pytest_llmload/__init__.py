@@ -11,8 +11,6 @@ import importlib
 
 from pytest_llmload import _old_paths
 
-__version__ = "0.1.0"
-
 _PUBLIC = {
     "LoadRequest": "pytest_llmload.loader.request",
     "LoadResult": "pytest_llmload.loader.seam",
@@ -32,6 +30,10 @@ _old_paths.install()
 
 
 def __getattr__(name: str):
+    if name == "__version__":  # the installed distribution's (set from the git tag), read on first use
+        from pytest_llmload.config.distribution import version
+
+        return version()
     if name in _PUBLIC:
         home = importlib.import_module(_PUBLIC[name])
         # a module of the package (``contract``) or a name in one

@@ -38,7 +38,7 @@ OLD_TO_NEW = {
     "failures.base": "checks.base",
     "failures.contract": "checks.contract",
     "scenarios": "checks.ground_truth",
-    "row": "checks.row",
+    "row": "reports.row",
     "failures.verdict": "reports.verdict",
     "diagnostics.report": "reports.sections",
     "diagnostics.html_report": "reports.html_report",

@@ -3,17 +3,20 @@ markers and fixture arguments.
 
 Each case is a run of its own (a fresh pytest process, a one-test file) that must end with a sentence naming the
 value and where it came from, and with the exit code pytest gives that kind of mistake: ``ExitCode.USAGE_ERROR``
-(4; the main job turns it into its own 2) for the run's configuration (an option, an ini key, an environment
+(4; the main job exits with it too) for the run's configuration (an option, an ini key, an environment
 variable), a test error or failure (1) for a marker or a fixture argument, which belong to one test. Never an
 INTERNALERROR, never a raw traceback.
 """
 
+import json
 import re
 import textwrap
+from pathlib import Path
 from typing import NamedTuple, Optional
 
 import pytest
 
+import pytest_llmload
 from fixtures import warm_runs
 
 pytestmark = pytest.mark.timeout(240)
@@ -41,6 +44,19 @@ BROKEN_MODULES = {
     "not_callable": "load = 42\n",
 }
 XDIST = ("-p", "xdist", "-n", "2")
+# A runner profile and a model config a user wrote, each with one thing wrong.
+PROFILE = {"devices": 2, "device_memory": "80GiB", "host_memory": "256GiB", "disk": "1TB"}
+LLAMA_8B = {key: value for key, value in json.loads(
+    (Path(pytest_llmload.__file__).parent / "placement" / "architectures" / "llama-3-8b.json").read_text()).items()
+    if not key.startswith("_")}
+
+
+def profile_without(field: str, **change) -> str:
+    return json.dumps({key: value for key, value in {**PROFILE, **change}.items() if key != field})
+
+
+def config_with(**change) -> str:
+    return json.dumps({**LLAMA_8B, **change})
 
 
 def marked(marker: str) -> str:
@@ -61,6 +77,7 @@ class Case(NamedTuple):
     ini: str = ""  # lines under [pytest]
     env: Optional[dict] = None
     summary: Optional[str] = None  # a regex for pytest's last line, where the outcome matters
+    files: tuple = ()  # (path, text) written in the run's directory: a profile, a config.json
 
     @property
     def own_process(self) -> bool:
@@ -166,6 +183,40 @@ CASES = [
     Case("gpus-per-worker-option-word", "option", USAGE,
          r"--llmload-gpus-per-worker='two' is neither a positive number of GPUs nor 'off'", test=PLAIN,
          args=(*XDIST, "--llmload-gpus-per-worker=two"), env={"PYTEST_LLMLOAD_FAKE_GPUS": "GPU-a,GPU-b"}),
+    # --- the predictions' runner profile and model: --llmload-runner/--llmload-model, ini llmload_runner/_model ---
+    # (issue 38: a profile without device_memory planned 0-byte GPUs, without disk 0 B then an OOM, a 100,000-GPU
+    # one ran until killed; a config transformers refuses was 'a bug in pytest-llmload' on every row)
+    Case("runner-option-no-device-memory", "option", USAGE,
+         r"runner profile \S*node\.json \(--llmload-runner 'node\.json'\) cannot be read: device_memory \(the memory "
+         r"of each GPU\) is missing", test=PLAIN, args=("--llmload-runner", "node.json"),
+         files=(("node.json", profile_without("device_memory")),)),
+    Case("runner-ini-no-disk", "ini", USAGE,
+         r"runner profile \S*node\.json \(ini 'llmload_runner' 'node\.json'\) cannot be read: disk \(what offload to "
+         r"disk may use\) is missing", test=PLAIN, ini="llmload_runner = node.json",
+         files=(("node.json", profile_without("disk")),)),
+    Case("runner-option-100000-gpus", "option", USAGE,
+         r"devices=100000 is more GPUs than one runner holds \(at most 64", test=PLAIN,
+         args=("--llmload-runner", "node.json"), files=(("node.json", profile_without("", devices=100_000)),)),
+    Case("runner-option-size-without-unit", "option", USAGE,
+         r"node\.json.*device_memory 80 \(80 B\) is less than 1\.0 GiB", test=PLAIN,
+         args=("--llmload-runner", "node.json"), files=(("node.json", profile_without("", device_memory=80)),)),
+    Case("runner-option-misspelt-field", "option", USAGE, r"node\.json.*'disk_size' is not a field of a profile",
+         test=PLAIN, args=("--llmload-runner", "node.json"),
+         files=(("node.json", profile_without("disk", disk_size="1TB")),)),
+    Case("model-option-unknown-activation", "option", USAGE,
+         r"--llmload-model 'mine': \S*mine/config\.json: transformers \S+ cannot build a model from this config "
+         r"\(the field hidden_act='gelu_fast9'\): KeyError", test=PLAIN,
+         args=("--llmload-runner", "1xH100-80GB", "--llmload-model", "mine"),
+         files=(("mine/config.json", config_with(hidden_act="gelu_fast9")),)),
+    Case("model-ini-no-layers", "ini", USAGE,
+         r"ini 'llmload_model' 'mine\.json': mine\.json is not a transformers config \(num_hidden_layers=0 is not a "
+         r"size a model has \(a whole number from 1", test=PLAIN,
+         ini="llmload_runner = 1xH100-80GB\nllmload_model = mine.json",
+         files=(("mine.json", config_with(num_hidden_layers=0)),)),
+    Case("model-option-unknown-model-type", "option", USAGE,
+         r"mine\.json: model_type='llama9' is not an architecture transformers \S+ knows", test=PLAIN,
+         args=("--llmload-runner", "1xH100-80GB", "--llmload-model", "mine.json"),
+         files=(("mine.json", config_with(model_type="llama9")),)),
     # --- the shipped suite's known gaps: ini llmload_expected_failed_checks ------------------------------------------
     Case("expected-failures-ini-unknown-check", "ini", USAGE,
          r"ini 'llmload_expected_failed_checks': expected failed checks \['check_that_does_not_exist'\] are not checks",
@@ -267,6 +318,9 @@ def test_a_bad_input_ends_in_a_sentence(pytester, monkeypatch, case):
     for name, source in BROKEN_MODULES.items():
         pytester.makepyfile(**{name: source})
     pytester.makepyfile(test_case=textwrap.dedent(case.test))
+    for path, text in case.files:
+        (pytester.path / path).parent.mkdir(parents=True, exist_ok=True)
+        (pytester.path / path).write_text(text)
     if case.ini:
         pytester.makeini("[pytest]\n" + case.ini + "\n")
     monkeypatch.delenv("PYTEST_LLMLOAD_LOADER", raising=False)

@@ -1,1 +1,2 @@
-"""The check framework, knowing no specific failure: records, the contract, ground truth, the row."""
+"""The check framework, knowing no specific failure: the records a failure is made of, the contract every check loads
+through, and the ground truth the checks share."""

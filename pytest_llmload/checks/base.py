@@ -14,7 +14,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 
 # A check that cannot judge (the loader did not put the model in the state its scenario needs) skips with a
-# reason that starts so; `--llmload-strict` (ini `llmload_strict`, the main job's --strict) counts it as a failure.
+# reason that starts so; `--llmload-strict` (ini `llmload_strict`, the main job's --fail-not-exercised) counts it as a failure.
 NOT_EXERCISED = "not exercised: "
 
 
@@ -109,6 +109,9 @@ class Check(NamedTuple):
     # or change process-wide state (environment, patched upstream code, audit hooks, sockets).
     isolated: bool = False
     uses_adapters: bool = False  # works with peft adapters whatever its purpose (a train check's loader uses LoRA)
+    # The extras of pytest-llmload it needs besides `hf`, which every check needs ("quant", "deepspeed"): where one
+    # is not installed it skips with the pip command; the extras' table (README, --help) is made from these.
+    extras: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -174,9 +177,13 @@ class Check(NamedTuple):
 
     def inapplicable_reason(self, loader: Any) -> Optional[str]:
         """Why this check does not apply to ``loader`` (a :class:`~pytest_llmload.loader.seam.LoaderUnderTest`), decided
-        in this one place before anything loads: the installed transformers has no such failure, the loader is
-        declared for another purpose, or the repo declared the check not applicable to it. ``None``: it applies.
-        (What the loader then does, a scenario that did not happen, is the check's ``not exercised``.)"""
+        in this one place before anything loads: an extra it needs is not installed, the installed transformers has
+        no such failure, the loader is declared for another purpose, or the repo declared the check not applicable
+        to it. ``None``: it applies. (What the loader then does, a scenario that did not happen, is the check's
+        ``not exercised``.)"""
+        missing = self.missing_extra_reason()
+        if missing is not None:
+            return missing
         version = self.version_skip_reason()
         if version is not None:
             return version
@@ -189,6 +196,13 @@ class Check(NamedTuple):
         if reason is not None:
             return f"{DECLARED_NOT_APPLICABLE}{self.name}: {reason} (declared for loader {loader.name})"
         return None
+
+    def missing_extra_reason(self) -> Optional[str]:
+        """Why this check cannot run here: an extra it needs is not installed (the reason names the pip command)."""
+        from pytest_llmload.config.distribution import missing_extra_reason
+
+        reasons = (missing_extra_reason(extra) for extra in self.extras)
+        return next((f"{self.name}: {reason}" for reason in reasons if reason is not None), None)
 
     def version_skip_reason(self) -> Optional[str]:
         """Why this check does not apply to the installed transformers, or ``None`` when it does."""

@@ -14,6 +14,7 @@ import pytest
 loader_choice_key = pytest.StashKey["LoaderChoice"]()
 hook_choice_key = pytest.StashKey["LoaderChoice | None"]()  # the training-args hook configured, if any
 prediction_key = pytest.StashKey[tuple]()  # (runner profiles, (model name, config)) the predictions run for
+prediction_record_key = pytest.StashKey[dict]()  # a prediction test's Prediction.record(): its row carries it
 checks_key = pytest.StashKey[tuple]()  # every check of the run: built-in, installed extensions, the `checks` setting
 declared_key = pytest.StashKey[dict]()  # the training declarations the run set (vocabulary.TRAINING_DECLARATIONS): True
 

@@ -412,5 +412,6 @@ def check_trainer_does_not_wrap_placed_model(
 # tests and forked ranks inherit) and reseeds the global RNGs; the 4-bit load runs bitsandbytes' native code.
 # Trainer as transformers ships it; a training script's own fix comes in as `prepare_args` (the
 # llmload_training_args_hook option, ini key or loader attribute), as it does in the script.
-CHECK = Check(check_trainer_does_not_wrap_placed_model, failure=FAILURE, timeout=180, purpose="train", isolated=True)
+CHECK = Check(check_trainer_does_not_wrap_placed_model, failure=FAILURE, timeout=180, purpose="train", isolated=True,
+              extras=("quant",))  # (its model is 4-bit)
 CHECKS = (CHECK,)

@@ -247,14 +247,13 @@ def check_quantized_request_keeps_dtype(loader: Loader, checkpoint, workdir, *, 
     requested dtype (nor, for 4-bit, its compute dtype), or that cannot run a forward. A request the loader
     answers with no bitsandbytes layer is not exercised; the check skips when no request was. Needs bitsandbytes
     (its CPU backend will do) and a transformers that accepts it on the device."""
-    import importlib.util
-
     import pytest
 
     from pytest_llmload.failures.dp_dtype import four_bit_refusal
 
-    if importlib.util.find_spec("bitsandbytes") is None:
-        pytest.skip(f"{CHECK.name}: bitsandbytes is not installed; no quantized load exercised")
+    missing = CHECK.missing_extra_reason()  # (the record's skip, for a caller of this function itself)
+    if missing is not None:
+        pytest.skip(f"{missing}; no quantized load exercised")
     refusal = four_bit_refusal()
     if refusal is not None:
         pytest.skip(f"{CHECK.name}: {refusal}; no quantized load exercised")
@@ -332,5 +331,5 @@ def check_quantized_request_keeps_dtype(loader: Loader, checkpoint, workdir, *, 
 
 # Isolated: bitsandbytes is imported and run; where a GPU is visible its import initialises CUDA, and a test
 # process that has initialised CUDA can no longer fork the other isolated checks (see preload_for_isolated_checks).
-CHECK = Check(check_quantized_request_keeps_dtype, failure=FAILURE, isolated=True)
+CHECK = Check(check_quantized_request_keeps_dtype, failure=FAILURE, isolated=True, extras=("quant",))
 CHECKS = (CHECK,)

@@ -122,9 +122,11 @@ def check_zero3_load(
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if world_size is None:
         world_size = 2 if backend == "gloo" else max(1, min(2, gpus.visible_gpu_count()))
-    if _missing("deepspeed"):
-        raise RuntimeError(f"{CHECK.name} needs the deepspeed package (pip install deepspeed; DS_ACCELERATOR=cpu "
-                           "on a CPU-only machine).")
+    missing = CHECK.missing_extra_reason()  # (the record's skip, for a caller of this function itself)
+    if missing is not None:
+        import pytest
+
+        pytest.skip(missing)
     ranks.preload(ranks.DEEPSPEED_PRELOAD + ranks.model_module(checkpoint))
     # GPU ranks start from a clean forkserver and import DeepSpeed themselves: they must pick its CUDA
     # accelerator even when the test process was told DS_ACCELERATOR=cpu.
@@ -173,12 +175,6 @@ def check_zero3_load(
             f"{CHECK.name}: the model loaded under ZeRO-3 without a device_map but did not train (not "
             "zero3-device-map):\n  " + "\n  ".join(problems)
         )
-
-
-def _missing(module: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(module) is None
 
 
 def zero3_refusal(exc: BaseException) -> BaseException | None:
@@ -272,5 +268,5 @@ def _load_under_zero3(loader: Loader, checkpoint: str, workdir: str, device: str
 
 # Not isolated: the ZeRO-3 config lives only in the ranks it forks (deadline, stacks, exit codes included), and
 # the DeepSpeed stack it preloads here is what makes those ranks cheap.
-CHECK = Check(check_zero3_load, failure=FAILURE, world_size=2, timeout=180, purpose="train")
+CHECK = Check(check_zero3_load, failure=FAILURE, world_size=2, timeout=180, purpose="train", extras=("deepspeed",))
 CHECKS = (CHECK,)

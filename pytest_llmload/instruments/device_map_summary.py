@@ -18,6 +18,7 @@ offloading load, and what the adapter fix (:mod:`pytest_llmload.fixes.adapters`)
 
 from __future__ import annotations
 
+import re
 from collections import Counter, defaultdict
 from typing import Any, Optional
 
@@ -58,6 +59,28 @@ def _offload_hooks(model: Any) -> tuple[int, Optional[str]]:
                 dataset = getattr(weights, "dataset", weights)
                 folder = folder or getattr(dataset, "save_folder", None)
     return count, folder
+
+
+_NUMBERED = re.compile(r"^(.*\.)(\d+)$")
+
+
+def compress_modules(names: list[str], dash: str = "\u2013") -> str:
+    """``model.layers.1–3, model.norm, lm_head``: runs of numbered siblings written as a range (``dash`` between
+    its ends); the whole model (the map's ``""`` entry) as ``<whole model>``."""
+    parts: list[list] = []  # [prefix, first, last] or [name]
+    for name in names:
+        match = _NUMBERED.match(name)
+        if match:
+            prefix, number = match.group(1), int(match.group(2))
+            last = parts[-1] if parts else None
+            if last is not None and len(last) == 3 and last[0] == prefix and last[2] == number - 1:
+                last[2] = number
+                continue
+            parts.append([prefix, number, number])
+        else:
+            parts.append([name or "<whole model>"])
+    return ", ".join(p[0] if len(p) == 1 else (f"{p[0]}{p[1]}" if p[1] == p[2] else f"{p[0]}{p[1]}{dash}{p[2]}")
+                     for p in parts)
 
 
 def _names(names: list[str]) -> str:

@@ -32,25 +32,40 @@ def enable_gradient_checkpointing(model: Any, *, use_reentrant: Optional[bool] =
 # --- planning a placement (pytest_llmload.placement.planner) ----------------------------------------------
 # transformers decides where each module goes in a private helper, `_get_device_map`: in
 # transformers.integrations.accelerate from 5.x (model, device_map, max_memory, hf_quantizer), in
-# transformers.modeling_utils before (also dtype and keep_in_fp32_regex). The planner calls it, so a prediction
-# is what from_pretrained itself would decide.
+# transformers.modeling_utils before (also dtype and keep_in_fp32_regex, which from_pretrained builds inline just
+# before the call). The planner calls it with what from_pretrained would pass, so a prediction is what
+# from_pretrained itself would decide; tests/prediction/test_planner_exact.py compares the two on every stack.
 
 
 def get_device_map(model: Any, device_map: Any, max_memory: Optional[dict], hf_quantizer: Any, dtype: Any) -> dict:
     """``from_pretrained``'s own placement of ``model`` (built empty, in ``dtype``) for ``device_map`` and
-    ``max_memory``, through the installed transformers' helper."""
+    ``max_memory``, through the installed transformers' helper. ``max_memory`` is handed over as it is (accelerate
+    converts its sizes in place, as in from_pretrained): pass a copy."""
     try:
         from transformers.integrations.accelerate import _get_device_map
-
-        return _get_device_map(model, device_map, max_memory, hf_quantizer)
     except ImportError:
-        import re
-
         from transformers.modeling_utils import _get_device_map
 
-        keep = getattr(model, "_keep_in_fp32_modules", None) or []
-        regex = re.compile("|".join(re.escape(m) for m in keep)) if keep else None
-        return _get_device_map(model, device_map, max_memory, hf_quantizer, dtype, regex)
+        return _get_device_map(model, device_map, max_memory, hf_quantizer, dtype,
+                               _keep_in_fp32_regex(model, hf_quantizer, dtype))
+    return _get_device_map(model, device_map, max_memory, hf_quantizer)
+
+
+def _keep_in_fp32_regex(model: Any, hf_quantizer: Any, dtype: Any) -> Any:
+    """The modules transformers 4.x keeps in float32, as from_pretrained builds the pattern it hands
+    ``_get_device_map`` (inline there, so followed here: its conditions and its pattern)."""
+    import re
+
+    import torch
+
+    modules = []
+    if model._keep_in_fp32_modules is not None and (
+            dtype == torch.float16 or getattr(hf_quantizer, "use_keep_in_fp32_modules", False)):
+        modules.extend(model._keep_in_fp32_modules)
+    strict = getattr(model, "_keep_in_fp32_modules_strict", None)
+    if strict is not None and dtype in (torch.float16, torch.bfloat16):
+        modules.extend(strict)
+    return re.compile("|".join(rf"((^|\.){module}($|\.))" for module in modules)) if modules else None
 
 
 def module_sizes(model: Any, hf_quantizer: Any, dtype: Any) -> dict:
@@ -95,3 +110,16 @@ def zero3_device_map_refusal(device_map: Any) -> Optional[str]:
     except ValueError as refusal:
         return str(refusal)
     return None
+
+
+def leaves_hf_device_map(device_map: dict) -> bool:
+    """Whether ``from_pretrained`` leaves ``hf_device_map`` on a model it placed by ``device_map`` (the map it
+    planned): from 5.x only where it dispatches the model (more than one device, or disk); before, for any
+    ``device_map`` (its ``dispatch_model`` ran for every one, and set it)."""
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__).release < (5,):
+        return True
+    devices = {str(where) for where in device_map.values()}
+    return len(devices) > 1 or "disk" in devices

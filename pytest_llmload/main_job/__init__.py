@@ -7,8 +7,10 @@ keeps working."""
 from pytest_llmload.main_job.cli import UsageError, build_parser, run  # noqa: F401  (the public path)
 from pytest_llmload.main_job.process import (  # noqa: F401
     EXIT_FAILED,
+    EXIT_NO_TESTS,
     EXIT_OK,
     EXIT_USAGE,
+    INTERRUPTED,
     Interrupted,
     MainJob,
     pytest_command,

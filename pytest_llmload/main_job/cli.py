@@ -15,6 +15,7 @@ import os
 import shutil
 import sys
 import tempfile
+import textwrap
 from pathlib import Path
 from typing import Optional
 
@@ -39,9 +40,39 @@ class UsageError(Exception):
     """A command line the main job cannot run; the message is one sentence saying what to change."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with pytest's exit code for a command line it cannot read (argparse's own is 2, which pytest uses
+    for an interrupted run)."""
+
+    def error(self, message: str):
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+    def format_help(self) -> str:
+        """The help ends with the extras' table, read from the checks' records: built for --help only, so that a
+        run's parent imports no check. The texts are wrapped here (the table keeps its columns)."""
+        from pytest_llmload.config.distribution import extras_table
+        from pytest_llmload.failures import REGISTRY
+
+        width = max(shutil.get_terminal_size().columns - 2, 40)  # (argparse's own width)
+        plain = self.description, self.epilog
+        self.description = textwrap.fill(self.description, width)
+        self.epilog = f"{textwrap.fill(self.epilog, width)}\n\n{extras_table(REGISTRY, width=width)}"
+        try:
+            return super().format_help()
+        finally:
+            self.description, self.epilog = plain
+
+
+# The main job's --strict before issue 39: it read like pytest's old --strict (now --strict-markers). One release.
+DEPRECATED_STRICT = "--strict"
+FAIL_NOT_EXERCISED = "--fail-not-exercised"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="llmload",
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # (wrapped by _Parser.format_help)
         description="Run pytest-llmload's regression checks against a model loader and print one row per check.",
         epilog="Extra arguments after '--' go to pytest (e.g. -- -x --tb=long). "
         f"The loader defaults to ${ENV_VAR}, then the ini key llmload_loader, then the built-in reference loader.",
@@ -51,15 +82,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-k", dest="keyword", metavar="EXPR", help="only checks matching this pytest -k expression")
     parser.add_argument("--log", metavar="PATH", help="where pytest's full output goes (default: a temp file)")
     parser.add_argument("--list", action="store_true", help="list the checks and the failures they guard, then exit")
-    parser.add_argument("--strict", action="store_true",
-                        help="count a check that could not judge the loader (skipped 'not exercised') as failed")
+    parser.add_argument(FAIL_NOT_EXERCISED, action="store_true",
+                        help="count a check that could not judge the loader (skipped 'not exercised') as failed "
+                        "(pytest: --llmload-strict)")
+    parser.add_argument(DEPRECATED_STRICT, action="store_true", dest="deprecated_strict", help=argparse.SUPPRESS)
     parser.add_argument(WAIT_AFTER_HANG, action="store_true",
                         help="after the loader hangs in one check, run every other check to its deadline too "
                         "(default: they fail at once, naming the hang)")
     parser.add_argument("--json", metavar="PATH", dest="json_path",
                         help="also write the results to PATH: one document with the run (loader and its source, "
                         "stack versions, devices, order, start, duration) and its results, one object per check "
-                        "(check, outcome, failure, cause, note, reason, seconds, detail)")
+                        "(check, outcome, failure, cause, note, reason, seconds, detail; a prediction's map and "
+                        "bytes per device)")
     parser.add_argument("--runner", metavar="PROFILE[,PROFILE]",
                         help="also predict each scenario on these runner profiles (shipped names, or profile .json "
                         "files): rows marked PREDICTED say what the loader would do there")
@@ -73,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "CPUs are usable, else 1; one where a GPU is visible)")
     parser.add_argument("--list-runners", action="store_true", help="list the shipped runner profiles, then exit")
     parser.add_argument("--list-models", action="store_true", help="list the shipped architectures, then exit")
+    parser.add_argument("--print-constraints", action="store_true",
+                        help="print the versions this release was tested with, as a pip constraints file for your "
+                        "repo (python -m pytest_llmload --print-constraints > constraints.txt), then exit")
     parser.add_argument("pytest_args", nargs="*", help=argparse.SUPPRESS)
     return parser
 
@@ -174,6 +211,15 @@ def run(argv: Optional[list[str]] = None, out=None, popen=None) -> int:
     """The main job: its exit code. ``popen`` starts its pytest child (:class:`~.process.MainJob`)."""
     out = out or sys.stdout
     args = build_parser().parse_args(argv)
+    if args.deprecated_strict:
+        print(f"llmload: warning: {DEPRECATED_STRICT} is deprecated and will be removed in the next release: it is "
+              f"{FAIL_NOT_EXERCISED} now (a name that cannot be taken for pytest's old --strict).", file=sys.stderr)
+        args.fail_not_exercised = True
+    if args.print_constraints:
+        from pytest_llmload.config.distribution import tested_constraints
+
+        out.write(tested_constraints())
+        return EXIT_OK
     if args.list_runners or args.list_models:
         from pytest_llmload.placement import architectures, profiles
 

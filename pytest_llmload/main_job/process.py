@@ -2,10 +2,11 @@
 
 pytest runs the shipped suite in a child process (its full output goes to a log file); this process reads the
 child's progress file (:mod:`pytest_llmload.reports.progress`) as it is written and prints each check's row as its
-result arrives, a heartbeat while one runs long. Everything it prints comes from those events: the loader the child
-chose, the checks collected and what each guards against, each row. Exit codes: 0 nothing failed, 1 a check failed,
-2 usage error (a loader that does not import, say), 128 + N when stopped by signal N (130 for Ctrl-C, 143 for
-SIGTERM).
+result arrives, a heartbeat while one runs long, each line fitted to the terminal (:mod:`.terminal`). Everything it
+prints comes from those events: the loader the child chose, the checks collected and what each guards against, each
+row. Exit codes, pytest's own: 0 nothing failed, 1 a check failed, 2 interrupted (a KeyboardInterrupt in a check, or
+collection errors), 4 usage error (a loader that does not import, say), 5 no check selected (``-k`` matched none),
+128 + N when the main job itself was stopped by signal N (130 for Ctrl-C, 143 for SIGTERM).
 
 The parent owns everything below it: the pytest child runs in its own process group, ends when the parent ends
 however it ends (:mod:`pytest_llmload.runners.lifeline`), and gets SIGINT for Ctrl-C, SIGTERM for SIGTERM or
@@ -33,10 +34,11 @@ from pytest_llmload.config.vocabulary import (
     RUNNER_OPTION,
     WAIT_OPTION,
 )
+from pytest_llmload.main_job.terminal import columns, cut, wrapped
 from pytest_llmload.system import json_lines
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-INTERRUPTED = 2  # pytest's ExitCode.INTERRUPTED, passed on as it is
+# pytest's exit codes (pytest.ExitCode: this process does not import pytest), passed on as pytest means them.
+EXIT_OK, EXIT_FAILED, INTERRUPTED, EXIT_USAGE, EXIT_NO_TESTS = 0, 1, 2, 4, 5
 HEARTBEAT_SECONDS = 10.0
 # After passing a signal on, how long pytest gets to stop and clean up before its process group is killed.
 STOP_GRACE_S = 10.0
@@ -44,7 +46,8 @@ POLL_S = 0.2  # how often the progress file is read
 WAIT_AFTER_HANG = "--wait-after-hang"
 
 # The pytest options the main job passes on under its own names: how a message from pytest is shown here.
-_OWN_NAMES = {LOADER_OPTION: "--loader", WAIT_OPTION: WAIT_AFTER_HANG, CHECKS_OPTION: "--checks"}
+_OWN_NAMES = {LOADER_OPTION: "--loader", WAIT_OPTION: WAIT_AFTER_HANG, CHECKS_OPTION: "--checks",
+              RUNNER_OPTION: "--runner", MODEL_OPTION: "--model"}
 
 
 def in_main_job_terms(text: str) -> str:
@@ -109,11 +112,18 @@ def shown(outcome: str) -> str:
     return outcome.upper() if outcome in ("failed", "predicted", "xpassed") else outcome
 
 
-def progress_row(done: int, total: int, record: dict) -> str:
-    """A row as its result arrives: ``[1/3] check_x   passed   5.35s``."""
-    width = len(str(total)) if total else 2
-    outcome = shown(record["outcome"])
-    return f"[{done:>{width}}/{total or '?'}] {record['check']:<48} {outcome:<8} {record['seconds']:7.2f}s"
+OUTCOME_WIDTH = len("PREDICTED")  # the longest word of the result column
+
+
+def progress_row(done: int, total: int, record: dict, name_width: int = 48, width: Optional[int] = None) -> str:
+    """A row as its result arrives: ``[1/3] check_x   passed   5.35s``, the name padded to ``name_width`` (the
+    longest collected), and cut where the line would be wider than ``width``."""
+    digits = len(str(total)) if total else 2
+    counter = f"[{done:>{digits}}/{total or '?'}] "
+    seconds = f"{record['seconds']:7.2f}s"
+    room = name_width if width is None else min(name_width, width - len(counter) - OUTCOME_WIDTH - len(seconds) - 2)
+    room = max(room, 8)
+    return f"{counter}{cut(record['check'], room):<{room}} {shown(record['outcome']):<{OUTCOME_WIDTH}} {seconds}"
 
 
 class Interrupted(BaseException):
@@ -171,13 +181,15 @@ class MainJob:
         self.started = time.monotonic()
         self.started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         self.loader: Optional[dict] = None  # the child's own choice (its "loader" event)
+        self.width = columns(out)  # every line printed fits it
+        self.name_width = 48  # the progress rows' name column: the longest collected name, once collected
         self._offset = 0
 
     def start(self) -> None:
         args = self.args
-        command = pytest_command(args.loader, args.keyword, self.progress, args.pytest_args, strict=args.strict,
-                                 wait_after_hang=args.wait_after_hang, runner=args.runner, model=args.model,
-                                 checks=tuple(args.checks), lanes=args.lanes)
+        command = pytest_command(args.loader, args.keyword, self.progress, args.pytest_args,
+                                 strict=args.fail_not_exercised, wait_after_hang=args.wait_after_hang,
+                                 runner=args.runner, model=args.model, checks=tuple(args.checks), lanes=args.lanes)
         from pytest_llmload.runners.lifeline import PARENT_ENV, PARENT_WORKDIR_ENV
 
         # The child ends with this process (lifeline), and removes this temp dir if this process dies first. Its
@@ -205,8 +217,8 @@ class MainJob:
             if self.running and time.monotonic() - last_beat > HEARTBEAT_SECONDS:
                 last_beat = time.monotonic()
                 for check, started in self.running.values():
-                    print(f"    ... {check} still running ({time.monotonic() - started:.0f}s)", file=self.out,
-                          flush=True)
+                    print(cut(f"    ... {check} still running ({time.monotonic() - started:.0f}s)", self.width),
+                          file=self.out, flush=True)
             # (a wait, not a sleep: the run's end is seen within 50 ms, not after up to 0.2 s)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.child.wait(POLL_S)
@@ -225,10 +237,11 @@ class MainJob:
             source = in_main_job_terms(record["source"])
             if record.get("inifile"):
                 source += f" in {record['inifile']}"
-            print(f"llmload: checking loader {record['spec']} (from {source})", file=out, flush=True)
+            self.say(f"llmload: checking loader {record['spec']} (from {source})")
         elif event == "collected":
             self.total = record["count"]
             self.order = record.get("order", [])
+            self.name_width = max(map(len, self.order), default=self.name_width)
             self.guards = record.get("guards", {})
             print(f"llmload: {self.total} checks collected", file=out, flush=True)
         elif event == "collect_error":
@@ -238,7 +251,16 @@ class MainJob:
         elif event == "result":
             self.results.append(record)
             self.running.pop(record.get("nodeid"), None)
-            print(progress_row(len(self.results), self.total, record), file=out, flush=True)
+            self.print_row(record)
+
+    def print_row(self, record: dict) -> None:
+        """A result's progress row, numbered after the results so far (``record`` the last of them)."""
+        print(progress_row(len(self.results), self.total, record, self.name_width, self.width), file=self.out,
+              flush=True)
+
+    def say(self, text: str, file=None) -> None:
+        """``text`` wrapped to the terminal's width, each line continued four columns further in."""
+        print(wrapped(text, self.width), file=file or self.out, flush=True)
 
     def stop(self, signum: int) -> bool:
         """Pass the signal on (SIGINT as SIGINT, else SIGTERM) to the child's process group and wait for it to

@@ -2,7 +2,7 @@
 closing line, and the ``--json`` document; the exit code the rows give.
 
 Every field comes from the child's progress records (:mod:`pytest_llmload.reports.progress`: a check's record is
-its row, :class:`pytest_llmload.checks.row.Row`, what it guards against included): this process imports no check.
+its row, :class:`pytest_llmload.reports.row.Row`, what it guards against included): this process imports no check.
 """
 
 from __future__ import annotations
@@ -12,23 +12,28 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from pytest_llmload.main_job.process import (
     EXIT_FAILED,
+    EXIT_NO_TESTS,
     EXIT_OK,
     EXIT_USAGE,
     HOUSE_PLUGINS,
     INTERRUPTED,
     in_main_job_terms,
-    progress_row,
     shown,
 )
+from pytest_llmload.main_job.terminal import NAME_PARTS, at_most, wrap
+from pytest_llmload.placement.picture import where_the_model_goes
 
 if TYPE_CHECKING:
     from pytest_llmload.main_job.process import MainJob
 
 FAILED_OUTCOMES = ("failed", "predicted", "error", "xpassed")
+GAP = "  "  # between the table's columns
+GUARDS_MIN = 18  # "guards against" narrows to this before the check names are wrapped ("offload-hang (000)")
+REASON_LINES, REASON_INDENT = 3, "    "  # a reason below its row: at most 3 lines there (whole in --json, the log)
 LOG_TAIL_BYTES = 64 << 10
 
 
@@ -66,27 +71,39 @@ def report(job: "MainJob", code: int) -> tuple[int, bool]:
             else job.crash_rows(code, "pytest ended without this check's result") if job.running else [])
     for row in rows:
         job.results.append(row)
-        print(progress_row(len(job.results), job.total, row), file=out, flush=True)
+        job.print_row(row)
     if crashed and not rows and job.results:
         print(f"llmload: pytest itself ended (exit code {code}) between checks; its output: {job.log_path}",
               file=sys.stderr)
+    if not job.results and code == EXIT_NO_TESTS and not job.collect_errors:  # -k (or -m, ...) selected nothing
+        said = next((line.strip(" =") for line in reversed(_tail(job.log_path).splitlines()) if line.strip()), "")
+        which = f": -k {args.keyword!r} matched none of the checks (--list lists them)" if args.keyword else ""
+        job.say(f"llmload: no tests ran (pytest: {said}){which}")
+        return EXIT_NO_TESTS, False
     if not job.results:  # a usage or collection error, or pytest died before any check ran
         log_text = _tail(job.log_path)
         if not job.collect_errors:
             lines = [line for line in log_text.splitlines() if line.startswith("ERROR")] or log_text.splitlines()[-15:]
             for line in lines:
                 print(f"llmload: {in_main_job_terms(line)}", file=sys.stderr)
-        keep = crashed or not (job.collect_errors or code == 4)  # else the errors above are the whole story
+        keep = crashed or not (job.collect_errors or code == EXIT_USAGE)  # else the errors above are the whole story
         where = f"full output: {job.log_path}" if keep or args.log else "pytest output removed (--log PATH keeps it)"
         print(f"llmload: pytest exited {code} before any check ran; {where}", file=sys.stderr)
-        return (EXIT_FAILED if crashed else EXIT_USAGE), keep
+        # pytest's own code where it has one for this (2: collection errors or an interruption; 4: a usage error)
+        return (EXIT_FAILED if crashed else code if code in (INTERRUPTED, EXIT_USAGE) else EXIT_USAGE), keep
 
     rank = {check: n for n, check in enumerate(job.order)}
     job.results.sort(key=lambda record: rank.get(record["check"], len(rank)))  # (stable; a name not collected last)
     print("", file=out)
-    for line in summary_table(job.results):
+    lines, cut_any = _laid_out(_cells(job.results), job.width)
+    for line in lines:
         print(line, file=out)
     failed = [r for r in job.results if r["outcome"] in FAILED_OUTCOMES]
+    _append_to_log(job.log_path, ["", "llmload: the table, every reason whole:", *summary_table(job.results)])
+    if cut_any:
+        log = "pytest's log" + ("" if failed or args.log else " (--log PATH keeps it)")
+        json_option = "--json" if args.json_path else "--json PATH"
+        job.say(f"(reasons cut to fit {job.width} columns: whole in {log} and in {json_option})")
     counts: dict[str, int] = {}
     for record in job.results:
         counts[record["outcome"]] = counts.get(record["outcome"], 0) + 1
@@ -96,14 +113,17 @@ def report(job: "MainJob", code: int) -> tuple[int, bool]:
         if record not in fast:
             label = {"error": "ERROR", "predicted": "PREDICTED"}.get(record["outcome"], "FAILED")
             text = in_main_job_terms(_summary(record)).replace("\n", "\n    ")
-            print(f"{label} {record['check']}: {text}", file=out)
+            job.say(f"{label} {record['check']}: {text}")
             # What to do, where the mechanism shows: the row names its fix only where it observed (or predicted) the
             # very failure the check guards against.
             if record["outcome"] in ("failed", "predicted") and record.get("fix") is not None:
-                print(f"    fix ({record['failure']}): {in_main_job_terms(record['fix'])}", file=out)
+                job.say(f"    fix ({record['failure']}): {in_main_job_terms(record['fix'])}")
     if fast:
         names = ", ".join(r["check"] for r in fast)
-        print(f"NOT RUN {names}: {in_main_job_terms(_summary(fast[0]))}", file=out)
+        job.say(f"NOT RUN {names}: {in_main_job_terms(_summary(fast[0]))}")
+    predictions = [(record["check"], record["prediction"]) for record in job.results if record.get("prediction")]
+    for line in where_the_model_goes(predictions, "--json" if args.json_path else "--json PATH"):
+        job.say(line)
     if args.json_path:
         try:
             Path(args.json_path).write_text(json.dumps(json_document(job), indent=1) + "\n", encoding="utf-8")
@@ -114,7 +134,7 @@ def report(job: "MainJob", code: int) -> tuple[int, bool]:
     summary = ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items()))
     keep = bool(failed) or crashed or bool(args.log)
     where = f"pytest output: {job.log_path}" if keep else "nothing failed: pytest output removed (--log PATH keeps it)"
-    print(f"llmload: {summary} in {time.monotonic() - job.started:.1f}s; {where}", file=out)
+    job.say(f"llmload: {summary} in {time.monotonic() - job.started:.1f}s; {where}")
     if interrupted:
         stopped = ", ".join(row["check"] for row in rows)
         print(f"llmload: interrupted while {stopped} ran (pytest's exit {code}: a KeyboardInterrupt, raised in the "
@@ -123,14 +143,29 @@ def report(job: "MainJob", code: int) -> tuple[int, bool]:
     return (EXIT_FAILED if failed or code not in (0, 5) else EXIT_OK), keep
 
 
+def _append_to_log(path: Path, lines: list[str]) -> None:
+    """The table whole at the end of pytest's log (the terminal's copy cuts long reasons to its width)."""
+    try:
+        with path.open("a", encoding="utf-8") as log:
+            log.write("\n".join(lines) + "\n")
+    except OSError:  # (the table above is the run's; a log that cannot take it loses nothing else)
+        pass
+
+
 def _failed_fast(record: dict) -> bool:
     """A check that did not wait: the loader under test hung in an earlier one (the row says so)."""
     return bool(record.get("not_run"))
 
 
-def summary_table(results: list[dict]) -> list[str]:
+def summary_table(results: list[dict], width: Optional[int] = None) -> list[str]:
     """The table: each check, the failure it guards against and where that comes from (``002``: its write-up in
-    shared/seeds; ``field``: upstream issue trackers; ``extension``: a repo's own), its result and its time."""
+    shared/seeds; ``field``: upstream issue trackers; ``extension``: a repo's own), its result and its time; in lines
+    no wider than ``width`` (:func:`_laid_out`; ``None``: every cell whole, as the log keeps it)."""
+    return _laid_out(_cells(results), width)[0]
+
+
+def _cells(results: list[dict]) -> list[tuple[str, str, str, str]]:
+    """The table's cells, whole: a header, then a row per check."""
     rows = [("check", "guards against", "result", "time")]
     for record in results:
         guards = f"{record['guards']} ({record.get('guards_origin')})" if record.get("guards") else ""
@@ -144,10 +179,47 @@ def summary_table(results: list[dict]) -> list[str]:
         elif record.get("note"):
             outcome += f" ({record['note']})"
         rows.append((record["check"], guards, outcome, f"{record['seconds']:.2f}s"))
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
-    lines = [f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]:>7}" for r in rows]
-    lines.insert(1, "-" * len(lines[0]))
-    return lines
+    return rows
+
+
+def _laid_out(rows: list[tuple[str, str, str, str]], width: Optional[int]) -> tuple[list[str], bool]:
+    """The table's lines, no wider than ``width``; and whether a reason was cut. Each row on one line where every
+    row fits so (``width`` ``None``: always, every cell whole). Else a result too wide for its column keeps its word
+    there (``skipped``) and its reason goes below the row, wrapped and cut at :data:`REASON_LINES` lines; where the
+    names alone are too wide, the "guards against" column narrows first, then the check's, their cells wrapped."""
+    rows = [(check, guards, " ".join(result.split()), seconds) for check, guards, result, seconds in rows]
+    check_w, guards_w, result_w, time_w = (max(len(row[i]) for row in rows) for i in range(4))
+    time_w = max(time_w, 7)
+    if width is None or check_w + guards_w + result_w + time_w + 3 * len(GAP) <= width:
+        lines = [GAP.join((check.ljust(check_w), guards.ljust(guards_w), result.ljust(result_w), seconds.rjust(time_w)))
+                 for check, guards, result, seconds in rows]
+        return lines[:1] + ["-" * len(lines[0])] + lines[1:], False
+    word_w = max(len(result.partition(" ")[0]) for _, _, result, _ in rows)
+    room = width - word_w - time_w - 3 * len(GAP)  # for the check's name and what it guards against
+    if check_w + guards_w > room:
+        guards_w = max(min(guards_w, GUARDS_MIN), room - check_w)
+        check_w = room - guards_w
+        if check_w < GUARDS_MIN // 2:  # (a terminal of 40 to 60 columns: both narrow)
+            guards_w = room // 3
+            check_w = room - guards_w
+    fits = width - check_w - guards_w - time_w - 3 * len(GAP)
+    result_w = max(len(result) if len(result) <= fits else len(result.partition(" ")[0]) for _, _, result, _ in rows)
+    lines, cut_any = [], False
+    for check, guards, result, seconds in rows:
+        below: list[str] = []
+        if len(result) > result_w:  # its word stays in the column, the rest goes below the row
+            result, _, reason = result.partition(" ")
+            reason = reason[1:-1] if reason.startswith("(") and reason.endswith(")") else reason
+            below, was_cut = at_most(wrap(reason, width - len(REASON_INDENT)), REASON_LINES, width - len(REASON_INDENT))
+            below, cut_any = [REASON_INDENT + line for line in below], cut_any or was_cut
+        cells = (wrap(check, check_w, breaks=NAME_PARTS), wrap(guards, guards_w, breaks=NAME_PARTS), [result],
+                 [seconds])
+        for i in range(max(map(len, cells))):
+            check_part, guards_part, result_part, seconds_part = (cell[i] if i < len(cell) else "" for cell in cells)
+            lines.append(GAP.join((check_part.ljust(check_w), guards_part.ljust(guards_w), result_part.ljust(result_w),
+                                   seconds_part.rjust(time_w))).rstrip())
+        lines += below
+    return lines[:1] + ["-" * (check_w + guards_w + result_w + time_w + 3 * len(GAP))] + lines[1:], cut_any
 
 
 def json_document(job: "MainJob") -> dict:
@@ -172,7 +244,9 @@ def json_records(results: list[dict]) -> list[dict]:
     """``--json``: one object per check. ``failure`` is the catalog id the row is attributed to, only where the
     check observed that failure's mechanism (the verdict decided from the exception,
     :mod:`pytest_llmload.reports.verdict`); ``cause`` says what an error row is (loader, contract, model, hang, died,
-    check)."""
+    check); ``prediction``, a prediction row's, where the model would go (``devices``: each one's modules, weights,
+    peak and capacity in bytes; ``tiers``: gpu, cpu and disk; ``placement``: the modules per device, layers as
+    ranges; ``device_map``: every entry), else ``null``."""
     records = []
     for record in results:
         outcome = record["outcome"]
@@ -182,5 +256,5 @@ def json_records(results: list[dict]) -> list[dict]:
                         "failure": failure, "cause": record.get("cause"), "note": record.get("note"),
                         "notes": record.get("notes") or ([record["note"]] if record.get("note") else []),
                         "fix": record.get("fix"), "loader": record.get("loader"), "reason": record["reason"],
-                        "seconds": record["seconds"], "detail": detail})
+                        "seconds": record["seconds"], "detail": detail, "prediction": record.get("prediction")})
     return records

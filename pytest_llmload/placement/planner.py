@@ -2,14 +2,19 @@
 model, for a machine this process need not be. The project's one planner: the distributed check plans a 2-GPU
 runner with it, the runner predictions any profile.
 
-What is simulated: the capacity of each device is the profile's (accelerate would read the free memory of the
-real devices); nothing else is. The decision (``get_balanced_memory``, ``infer_auto_device_map``, the quantizer's
-adjustments) is the installed transformers' and accelerate's code.
+What is simulated is the machine, and only that (:mod:`.simulated_devices`): how many CUDA devices there are, their
+free memory and the host's, as the planner's own code asks torch and psutil for them. The decision
+(``get_max_memory``, ``get_balanced_memory``, ``infer_auto_device_map``, the quantizer's adjustments, and the
+headroom they keep when no ``max_memory`` is given) is the installed transformers' and accelerate's code, run
+unchanged on every supported stack. tests/prediction/test_planner_exact.py holds the planner to from_pretrained's
+own map, taken from from_pretrained itself.
 """
 
 from __future__ import annotations
 
 from typing import Any, NamedTuple, Optional
+
+from pytest_llmload.placement.simulated_devices import Machine, simulated
 
 STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 # The oldest transformers the predictions run on: its placement helper (_get_device_map) and from_config(dtype=)
@@ -37,12 +42,15 @@ class Share(NamedTuple):
     bytes: int
 
 
-def plan(model: Any, device_map: Any, max_memory: Optional[dict], *, dtype: Any,
-         hf_quantizer: Any = None) -> dict[str, str]:
-    """``{module: device}`` as from_pretrained decides it (``"0"``, ``"cpu"``, ``"disk"``), for ``model`` built empty.
+def plan(model: Any, device_map: Any, max_memory: Optional[dict], *, dtype: Any, hf_quantizer: Any = None,
+         machine: Optional[Machine] = None) -> dict[str, str]:
+    """``{module: device}`` as from_pretrained decides it (``"0"``, ``"cpu"``, ``"disk"``), for ``model`` built empty,
+    on ``machine`` (by default the one ``max_memory`` describes: a GPU per integer key).
 
     ``device_map`` as a loader passes it: a strategy (:data:`STRATEGIES`), an explicit map, one device, or ``None``
-    (no map: from_pretrained loads the model whole on the cpu, where a script moves it)."""
+    (no map: from_pretrained loads the model whole on the cpu, where a script moves it). ``max_memory`` as the
+    loader passes it too: ``None`` leaves the budget to accelerate, which reads ``machine``'s free memory and keeps
+    its own headroom, as from_pretrained does on the runner."""
     from pytest_llmload.loader.transformers_compat import get_device_map
 
     if device_map is None:
@@ -51,36 +59,21 @@ def plan(model: Any, device_map: Any, max_memory: Optional[dict], *, dtype: Any,
         return {name: str(where) for name, where in device_map.items()}
     if not isinstance(device_map, str) or device_map not in STRATEGIES:
         return {"": str(device_map)}
-    try:
-        planned = get_device_map(model, device_map, max_memory, hf_quantizer, dtype)
-    except RuntimeError:  # accelerate < 1.15 resolves torch.device(0) to balance, which fails without accelerators
-        balanced = (balanced_by_hand(model, max_memory, dtype, hf_quantizer=hf_quantizer)
-                    if device_map != "sequential" else max_memory)
-        planned = get_device_map(model, "sequential", balanced, hf_quantizer, dtype)
+    if machine is None:
+        machine = machine_for(max_memory)
+    budget = None if max_memory is None else dict(max_memory)  # accelerate converts its sizes in place
+    with simulated(machine):
+        planned = get_device_map(model, device_map, budget, hf_quantizer, dtype)
     return {name: str(where) for name, where in planned.items()}
 
 
-def balanced_by_hand(model: Any, max_memory: dict, dtype: Any, *, hf_quantizer: Any = None) -> dict:
-    """What accelerate's ``get_balanced_memory`` gives (the weights shared out over the GPUs, plus the largest
-    unsplittable block as headroom), for accelerate versions whose own cannot run without accelerators.
-
-    With ``hf_quantizer`` (a quantized load), the weights are counted as from_pretrained hands them to
-    ``get_balanced_memory``: at the quantizer's target dtype (:func:`shares`' count). Counted in ``dtype`` instead,
-    a 4-bit model's share was its bf16 size, which then held the whole 4-bit model on GPU 0."""
-    from accelerate.utils import compute_module_sizes
-
-    no_split = getattr(model, "_no_split_modules", None) or []
-    if hf_quantizer is None:
-        sizes = compute_module_sizes(model, dtype=dtype)
-    else:
-        from pytest_llmload.loader.transformers_compat import module_sizes
-
-        sizes = module_sizes(model, hf_quantizer, dtype)
-    blocks = [sizes[name] for name, module in model.named_modules() if type(module).__name__ in no_split]
-    gpus = [key for key in max_memory if isinstance(key, int)]
-    share = sizes[""] // max(len(gpus), 1) + max(blocks, default=0)
-    return {key: (min(share, value) if isinstance(key, int) and key != gpus[-1] else value)
-            for key, value in max_memory.items()}
+def machine_for(max_memory: Optional[dict]) -> Machine:
+    """The machine a ``max_memory`` budget is written for: a GPU for each integer key up to the highest. Given a
+    budget, accelerate plans within it and reads no device's free memory, so the machine's sizes stay 0."""
+    if max_memory is None:
+        raise TypeError("a plan without max_memory needs the machine whose free memory accelerate would read")
+    gpus = [key for key in max_memory if isinstance(key, int) and not isinstance(key, bool)]
+    return Machine(gpus=max(gpus, default=-1) + 1, gpu_memory=0, host_memory=0)
 
 
 def shares(model: Any, device_map: dict[str, str], *, dtype: Any, hf_quantizer: Any = None) -> dict[str, Share]:

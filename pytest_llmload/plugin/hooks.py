@@ -44,7 +44,7 @@ from pytest_llmload.plugin.fixtures import (  # noqa: F401  (pytest discovers fi
 from pytest_llmload.config.stash_keys import checks_key, declared_key, hook_choice_key, loader_choice_key, prediction_key
 
 if TYPE_CHECKING:
-    from pytest_llmload.checks.row import Row
+    from pytest_llmload.reports.row import Row
 
 # The flags that switch the sub-plugins on: what this run needs, each set where that becomes known.
 in_use_key = pytest.StashKey[bool]()  # the run uses the plugin (configures it, xdist's controller, a launcher, a test)
@@ -156,6 +156,12 @@ def pytest_configure(config: pytest.Config) -> None:
     if _configured(config):  # else the reference loader, no hook, defaults: nothing to check, nothing to import
         config.stash[in_use_key] = True
         _read_configuration(config)
+    # A row in pytest's own report files (JUnit XML, pytest-reportlog's), written where they are: not by a worker.
+    if not hasattr(config, "workerinput") and (getattr(config.option, "xmlpath", None)
+                                               or getattr(config.option, "report_log", None)):
+        from pytest_llmload.reports.pytest_report_files import RowsInReportFiles
+
+        config.pluginmanager.register(RowsInReportFiles(config), "llmload-report-files")
     _register_gates(config, (module for module in SUB_PLUGINS if module not in _BEFORE_CONFIGURE))
 
 
@@ -261,13 +267,33 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     # After -m/-k deselection: what the run will really run.
     markers.require_gpus(config, session.items, settings.value(config, "require_gpus"))
     if not config.stash.get(header_shown_key, False):
-        reporter = config.pluginmanager.get_plugin("terminalreporter")
-        if reporter is not None and config.get_verbosity() >= 0:
-            from pytest_llmload.reports.header import header_lines
+        from pytest_llmload.plugin.parametrize import loaders_of
 
-            config.stash[header_shown_key] = True
-            for line in header_lines(config):
-                reporter.write_line(line)
+        # (no loader configured: the checks' own loaders where parametrize_with_loader_checks gives them)
+        _write_header(config, loaders_of(session.items))
+
+
+def _write_header(config: pytest.Config, loaders) -> None:
+    """The header line, after collection: for a run that uses the plugin without configuring it."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and config.get_verbosity() >= 0:
+        from pytest_llmload.reports.header import header_lines
+
+        config.stash[header_shown_key] = True
+        for line in header_lines(config, loaders):
+            reporter.write_line(line)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids) -> None:
+    """Under ``pytest -n`` the controller collects nothing: the header line comes with the first worker's
+    collection where its test ids name checks (all the controller can see), unless it came first."""
+    if not node.config.stash.get(header_shown_key, False):
+        from pytest_llmload.plugin.parametrize import loaders_in_ids
+
+        loaders = loaders_in_ids(ids)
+        if loaders is not None:
+            _write_header(node.config, loaders)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -469,7 +495,9 @@ def _read_prediction(config: pytest.Config) -> None:
 
     try:
         loaded = tuple(profiles.load_profile(name.strip(), source=source) for name in runners.split(",") if name.strip())
-        config.stash[prediction_key] = (loaded, (model, architectures.load_config(model, source=model_source)))
+        # (built empty once here: a config transformers refuses is this usage error, not an error on every row)
+        model_config = architectures.load_config(model, source=model_source, build=True)
+        config.stash[prediction_key] = (loaded, (model, model_config))
     except (profiles.ProfileError, architectures.ArchitectureError) as exc:
         raise pytest.UsageError(str(exc)) from None
 
@@ -489,15 +517,15 @@ def _check_of(item: pytest.Item):
 
 
 def _row(item: pytest.Item, check, report: pytest.TestReport, found) -> Row:
-    """The check's row (:class:`pytest_llmload.checks.row.Row`), decided here once: the verdict judged from its exception
+    """The check's row (:class:`pytest_llmload.reports.row.Row`), decided here once: the verdict judged from its exception
     (``found``), else the report's outcome and skip reason; the notes it made wherever it ran; the loader that ran
     (a ``parametrize_with_loader_checks`` test's own, else the configured one)."""
     from pytest_llmload.checks.base import DECLARED_NOT_APPLICABLE, NOT_EXERCISED
-    from pytest_llmload.config.stash_keys import notes_key
+    from pytest_llmload.config.stash_keys import notes_key, prediction_record_key
     from pytest_llmload.loader.seam import chosen_loader
     from pytest_llmload.plugin.loader_hang import FAILED_FAST
     from pytest_llmload.reports.progress import check_name, failure_origin, summary_line
-    from pytest_llmload.checks.row import Row
+    from pytest_llmload.reports.row import Row
 
     ran = getattr(item, "callspec", None) and item.callspec.params.get("loader")
     loader = getattr(ran, "name", None) or chosen_loader(item.config).spec
@@ -523,7 +551,8 @@ def _row(item: pytest.Item, check, report: pytest.TestReport, found) -> Row:
                cause=found.cause if found is not None else report.when if verdict == "error" else None,
                sentence=sentence,
                notes=tuple(item.stash.get(notes_key, None) or ()), fix=getattr(known, "fix", None), loader=loader,
-               guards_origin=failure_origin(check.failure), not_run=not_run)
+               guards_origin=failure_origin(check.failure), not_run=not_run,
+               prediction=item.stash.get(prediction_record_key, None))
 
 
 def _record(item: pytest.Item, report: pytest.TestReport, pairs: list) -> None:

@@ -7,7 +7,7 @@ import pytest
 @pytest.hookspec
 def pytest_llmload_check_result(item: pytest.Item, check, result: dict) -> None:
     """Called once for each check or prediction row, in the process that ran it (an xdist worker included), with
-    its ``result``, the row's fields (:class:`pytest_llmload.checks.row.Row`): ``check`` (the row's name), ``verdict``
+    its ``result``, the row's fields (:class:`pytest_llmload.reports.row.Row`): ``check`` (the row's name), ``verdict``
     (passed, failed, predicted, error, not exercised, not applicable, skipped, xfailed, xpassed), ``failure`` (the
     known failure observed or predicted, else ``None``), ``guards`` (the failure the check guards against),
     ``cause`` (for an error: loader, contract, model, hang, died, check), ``loader`` (the loader that ran),

@@ -211,6 +211,10 @@ class Lanes:
             self._output_to(self.dir / f"lane{lane}.log")
             self.config.pluginmanager.register(_Sender(self.dir / f"lane{lane}.jsonl", self.config),
                                                "llmload-lane-sender")
+            # pytest-reportlog writes what lane 0 replays (as JUnit XML does): here, each report would be there twice
+            report_log = getattr(self.config, "_report_log_plugin", None)
+            if report_log is not None:
+                self.config.pluginmanager.unregister(report_log)
             self._run_lane(lane, self._take(lane))
             code = 0
         except KeyboardInterrupt:

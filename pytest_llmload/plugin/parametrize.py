@@ -17,6 +17,7 @@ failure that only exists on some transformers versions skip elsewhere, saying so
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Callable, Optional, Union
 
@@ -24,6 +25,8 @@ import pytest
 
 from pytest_llmload.checks.base import Check
 from pytest_llmload.loader.seam import LoaderChoice, LoaderUnderTest, as_loader_under_test, import_loader
+
+SOURCE = "parametrize_with_loader_checks"  # where its loaders come from, as rows and the header say
 
 
 def all_checks() -> Iterator[Check]:
@@ -42,9 +45,8 @@ def _loader_id(loader: LoaderUnderTest) -> str:
 
 def _resolve(loader: Union[str, Callable, LoaderUnderTest]) -> LoaderUnderTest:
     if isinstance(loader, str):
-        return as_loader_under_test(import_loader(LoaderChoice(loader, "parametrize_with_loader_checks")),
-                                    name=loader, source="parametrize_with_loader_checks")
-    return as_loader_under_test(loader, source="parametrize_with_loader_checks")
+        return as_loader_under_test(import_loader(LoaderChoice(loader, SOURCE)), name=loader, source=SOURCE)
+    return as_loader_under_test(loader, source=SOURCE)
 
 
 def check_marks(check: Check, reason_if_expected_to_fail: Optional[str] = None) -> list:
@@ -114,6 +116,32 @@ def parse_expected_failures(lines: Iterable[str], source: str) -> dict[str, str]
             )
         expected[name.strip()] = reason.strip()
     return expected
+
+
+# A parametrize_with_loader_checks test's id ends [<loader id>-<check>] (_loader_id); the shipped suite's, [<check>].
+_CHECK_ID = re.compile(r"\[(?:([^\]-]+)-)?(?:check|predict)_[^\]]+\]$")
+
+
+def loaders_of(items) -> list[tuple[str, str]]:
+    """``(name, source)`` of each loader the collected ``parametrize_with_loader_checks`` tests run, in collection
+    order: the loaders the report header names, where the checks run their own."""
+    found: dict[str, str] = {}
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        loader = params.get("loader")
+        if isinstance(loader, LoaderUnderTest) and params.get("check") is not None:
+            found.setdefault(loader.name, loader.source)
+    return list(found.items())
+
+
+def loaders_in_ids(nodeids) -> Optional[list[tuple[str, str]]]:
+    """:func:`loaders_of` from test ids alone (an xdist controller collects nothing), each loader by its id
+    (``module.function``); ``[]`` where the checks' tests name no loader (they run the configured one), ``None``
+    where no test runs a check."""
+    found = [_CHECK_ID.search(nodeid) for nodeid in nodeids]
+    if not any(found):
+        return None
+    return [(name, SOURCE) for name in dict.fromkeys(match.group(1) for match in found if match and match.group(1))]
 
 
 def describe_checks(checks: Optional[Iterable[Check]] = None) -> list[dict[str, Any]]:

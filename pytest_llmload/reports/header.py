@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from importlib import metadata
 
 from pytest_llmload.system import gpus
@@ -42,15 +43,22 @@ def installed_versions(names=STACK) -> dict[str, str]:
     return versions
 
 
-def header_lines(config) -> list[str]:
-    """One line, printed on every pytest run of a repo with the plugin installed (the header comes before
-    collection, so before anyone knows whether an llmload test will run):
-    ``llmload: loader <spec> (from <source>); torch 2.13.0, ...; GPUs 0 visible (CUDA_VISIBLE_DEVICES unset)``."""
-    choice = chosen_loader(config)
+def header_lines(config, loaders: Sequence[tuple[str, str]] = ()) -> list[str]:
+    """One line: ``llmload: loader <spec> (from <source>); torch 2.13.0, ...; GPUs 0 visible (CUDA_VISIBLE_DEVICES
+    unset)``. The loader is the one the run chose (option, ini key, environment, else the reference loader), or
+    ``loaders``, ``(name, source)`` pairs, where the collected checks run their own
+    (``parametrize_with_loader_checks``)."""
+    if loaders:
+        names = list(dict.fromkeys(name for name, _ in loaders))
+        sources = " and ".join(dict.fromkeys(source for _, source in loaders))
+        loader = f"loader{'s' if len(names) > 1 else ''} {', '.join(names)} (from {sources})"
+    else:
+        choice = chosen_loader(config)
+        loader = f"loader {choice.spec} (from {choice.source})"
     versions = installed_versions()
     stack = ", ".join(f"{name} {version}" for name, version in versions.items()) or "none of the HF stack installed"
     names = gpus.gpu_names()
     gpu_part = f"{len(names)} visible ({gpus.visible_devices_label()})"
     if names:
         gpu_part += ": " + ", ".join(f"cuda:{i} {name}" for i, name in enumerate(names))
-    return [f"llmload: loader {choice.spec} (from {choice.source}); {stack}; GPUs {gpu_part}"]
+    return [f"llmload: {loader}; {stack}; GPUs {gpu_part}"]

@@ -4,7 +4,11 @@
 the stack's versions, when and how long, counts by verdict), one row per test (its verdict, the known failure it
 names, seconds) and, for each test that loaded a model, two figures drawn with matplotlib (Agg): the model's device
 map (one bar per device, cpu/disk/meta included, its bytes and the modules on it) and the memory of each phase.
-CSS and images are inline (PNG data URIs): the file can be mailed or kept as a CI artifact alone.
+For each prediction (``--llmload-runner``), where the model would go on the runner instead: a bar per device
+filled against its capacity, the modules it holds on it, the predicted failure beside it (:func:`prediction_html`,
+plain HTML and CSS from the row's :attr:`~pytest_llmload.reports.row.Row.prediction`; the stand-in loads of a
+prediction are this process's, and are not drawn). CSS and images are inline (PNG data URIs): the file can be
+mailed or kept as a CI artifact alone.
 
 With pytest-html in the run (``--html``), the same PNGs go into its report as extras (``report.extras``, the API
 pytest-html documents), whether or not ``--llmload-html`` is given.
@@ -42,7 +46,9 @@ from typing import Any, Optional
 
 import pytest
 
-from pytest_llmload.checks.row import GUARDS_PROPERTY, LOADER_PROPERTY
+from pytest_llmload.reports.row import GUARDS_PROPERTY, LOADER_PROPERTY, Row
+from pytest_llmload.placement.picture import device_order, placement_tiers
+from pytest_llmload.instruments.device_map_summary import compress_modules
 from pytest_llmload.system.sizes import format_bytes
 
 RECORD_ATTRIBUTE = "llmload_html"  # the report attribute a worker's record travels in
@@ -100,7 +106,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     if call.when == "call" and not state.extras:
         return report
     record = record_of(item)
-    if record is None:
+    if record is None or _is_prediction(Row.of_report(report)):  # (its loads are stand-ins: this process's memory)
         return report
     if call.when == "teardown":
         setattr(report, RECORD_ATTRIBUTE, record)
@@ -173,7 +179,7 @@ def _model_record(loaded: dict, loads: list[dict]) -> dict:
                 unmatched += nbytes
             else:
                 sizes[device] = sizes.get(device, 0) + nbytes
-    devices = sorted(modules.keys() | (sizes or {}).keys(), key=_device_order)
+    devices = sorted(modules.keys() | (sizes or {}).keys(), key=device_order)
     return {"kind": loaded["kind"], "source": loaded["source"], "seconds": seconds,
             "load": timed["detail"] if timed is not None else "", "map_source": map_source,
             "devices": [{"device": d, "modules": modules.get(d, []), "bytes": None if sizes is None else sizes.get(d, 0)}
@@ -299,12 +305,6 @@ def _checkpoint_tensors(source: str) -> Optional[list[tuple[str, int]]]:
     return _TENSORS[source]
 
 
-def _device_order(device: str) -> tuple:
-    kind, _, index = device.partition(":")
-    rank = {"cpu": 2, "disk": 3, "meta": 4}.get(kind, 1 if kind not in ("cuda",) else 0)
-    return (rank, int(index) if index.isdigit() else 0, device)
-
-
 # --- the figures -----------------------------------------------------------------------------------------
 
 DPI = 100
@@ -327,27 +327,6 @@ def _unit(largest: float) -> tuple[str, float]:
         if largest >= size:
             return name, float(size)
     return "B", 1.0
-
-
-_NUMBERED = re.compile(r"^(.*\.)(\d+)$")
-
-
-def compress_modules(names: list[str]) -> str:
-    """``model.layers.1-3, model.norm, lm_head``: runs of numbered siblings written as a range."""
-    parts: list[list] = []  # [prefix, first, last] or [name]
-    for name in names:
-        match = _NUMBERED.match(name)
-        if match:
-            prefix, number = match.group(1), int(match.group(2))
-            last = parts[-1] if parts else None
-            if last is not None and len(last) == 3 and last[0] == prefix and last[2] == number - 1:
-                last[2] = number
-                continue
-            parts.append([prefix, number, number])
-        else:
-            parts.append([name])
-    return ", ".join(p[0] if len(p) == 1 else (f"{p[0]}{p[1]}" if p[1] == p[2] else f"{p[0]}{p[1]}\u2013{p[2]}")
-                     for p in parts)
 
 
 def _short(text: str, limit: int = LABEL_CHARS) -> str:
@@ -654,6 +633,21 @@ figure { margin: 8px 0 18px; }
 figure img { max-width: 100%; height: auto; border: 1px solid #d0d7de; }
 figcaption { color: #57606a; font-size: 13px; }
 a { color: #0969da; }
+.prediction { display: flex; gap: 16px; align-items: flex-start; margin: 6px 0 18px; }
+.pred-bars { flex: 3; min-width: 0; }
+.pred-verdict { flex: 1; min-width: 0; border-left: 3px solid #8250df; padding: 2px 0 2px 10px; font-size: 14px; }
+.prediction[data-failure=""] .pred-verdict { border-left-color: #1a7f37; }
+.device { display: flex; align-items: center; gap: 8px; margin: 4px 0; font-size: 13px; }
+.device .dev { width: 56px; font-weight: 600; text-align: right; flex: none; }
+.device .bar { position: relative; flex: 1; height: 22px; background: #f6f8fa; border: 1px solid #8c959f;
+               border-radius: 3px; overflow: hidden; min-width: 0; }
+.device.over .bar { border: 2px solid #cf222e; }
+.device .bar .peak, .device .bar .weights { position: absolute; left: 0; top: 0; bottom: 0; }
+.device .bar .peak { background: #d0d7de; }
+.device .bar .holds { position: absolute; left: 6px; right: 6px; top: 2px; white-space: nowrap; overflow: hidden;
+                      text-overflow: ellipsis; color: #1f2328; text-shadow: 0 0 3px #fff, 0 0 3px #fff; }
+.device .figures { width: 250px; flex: none; font-variant-numeric: tabular-nums; color: #424a53; }
+.device.over .figures b { color: #cf222e; }
 """
 
 
@@ -716,12 +710,13 @@ def render_html(config: pytest.Config, rows: list[dict], started: float, ended: 
         '<table><colgroup><col class="c-test"><col class="c-verdict"><col class="c-failure"><col class="c-seconds"></colgroup>'
         "<thead><tr><th>test / check</th><th>verdict</th><th>known failure</th><th>seconds</th></tr></thead><tbody>",
     ]
-    pictured = [row for row in rows if row["record"] and row["record"].get("models")]
+    predictions = [row for row in rows if _is_prediction(_row_of(row))]
+    pictured = [row for row in rows if row["record"] and row["record"].get("models") and row not in predictions]
     for row in rows:
         kind, failure, sentence = _verdict_of(row)
         nodeid = row["nodeid"]
         name = check_name(nodeid)
-        link = f' &middot; <a href="#{_anchor(nodeid)}">pictures</a>' if row in pictured else ""
+        link = f' &middot; <a href="#{_anchor(nodeid)}">pictures</a>' if row in pictured + predictions else ""
         parts.append(
             f'<tr><td class="test"><b>{esc(name)}</b>{link}<br><code>{esc(nodeid)}</code></td>'
             f"<td>{_badge(kind)}" + (f'<div class="sentence">{esc(sentence)}</div>' if sentence else "") + "</td>"
@@ -742,5 +737,73 @@ def render_html(config: pytest.Config, rows: list[dict], started: float, ended: 
             parts.append(f'<figure><img alt="{esc(name)}: {esc(nodeid)}" src="data:image/png;base64,{data}">'
                          f'<figcaption><b>{esc(name)}</b>:<br>{esc(captions.get(name, "")).replace(chr(10), "<br>")}'
                          "</figcaption></figure>")
+    if predictions:
+        parts.append("<h2>Where the model would go: the predictions</h2>")
+        parts.append('<p class="meta">Per prediction, a bar per device of the runner profile, filled by what the '
+                     "planned map puts there against the device's capacity (solid: the weights; lighter: the "
+                     "predicted peak of a training step or of DeepSpeed's model states), with the modules it holds; "
+                     "beside it, the failure the runner would hit. Planned, not measured: nothing was loaded.</p>")
+    for row in predictions:
+        parts.append(prediction_html(row, _row_of(row)))
     parts += ["</body>", "</html>", ""]
     return "\n".join(parts)
+
+
+def _row_of(row: dict) -> Optional[Row]:
+    """The check's row a report row carries (its ``llmload_row`` property), ``None`` for a test that runs no check."""
+    from types import SimpleNamespace
+
+    return Row.of_report(SimpleNamespace(user_properties=list(row["props"].items())))
+
+
+def _is_prediction(row: Optional[Row]) -> bool:
+    """A prediction's row: it carries where the model would go, or predicts a failure (a placement refused)."""
+    return row is not None and (row.prediction is not None or row.verdict == "predicted")
+
+
+def _percent(part: Optional[int], whole: Optional[int]) -> float:
+    return 0.0 if not part or not whole else min(100.0, 100.0 * part / whole)
+
+
+def prediction_html(row: dict, check_row: Row) -> str:
+    """One prediction's bar group: a bar per device filled against its capacity, the modules it holds written on it,
+    and the verdict beside the bars (the failure the runner would hit, or what was found). Plain HTML and CSS: the
+    figures need no drawing library."""
+    esc = html.escape
+    prediction = check_row.prediction or {}
+    kind = _verdict_of(row)[0]
+    failure = check_row.failure if check_row.verdict == "predicted" else None
+    head = (f'<h3 id="{_anchor(row["nodeid"])}">{esc(check_row.check)} {_badge(kind)}</h3>'
+            f'<div class="prediction" data-check="{esc(check_row.check)}" '
+            f'data-runner="{esc(prediction.get("runner", ""))}" data-failure="{esc(failure or "")}">')
+    bars = []
+    for d in prediction.get("devices", []):
+        capacity, weights, peak = d["capacity"], d["weights"], d["peak"]
+        over = capacity is not None and peak is not None and peak > capacity
+        holds = prediction["placement"].get(d["device"], "")
+        if weights is None:
+            figures = f"{d['modules']} module{'s' if d['modules'] != 1 else ''}; sizes not planned"
+        else:
+            figures = format_bytes(weights) + (f" (peak {format_bytes(peak)})" if peak not in (None, weights) else "")
+            if capacity is not None:
+                figures += f" of {format_bytes(capacity)} ({100 * (peak or weights) / capacity:.0f}%)"
+        data = " ".join(f'data-{key}="{"" if value is None else value}"' for key, value in (
+            ("capacity", capacity), ("weights", weights), ("peak", peak), ("modules", d["modules"])))
+        bars.append(
+            f'<div class="device{" over" if over else ""}" data-device="{esc(d["device"])}" {data}>'
+            f'<span class="dev">{esc(d["device"])}</span>'
+            f'<span class="bar" title="{esc(holds)}">'
+            f'<span class="peak" style="width:{_percent(peak, capacity):.1f}%"></span>'
+            f'<span class="weights" style="width:{_percent(weights, capacity):.1f}%;'
+            f'background:{device_colour(d["device"])}"></span>'
+            f'<span class="holds">{esc(holds)}</span></span>'
+            f'<span class="figures">{esc(figures)}{" <b>OVER</b>" if over else ""}</span></div>')
+    if prediction:
+        what = f"{prediction['model']} on {prediction['runner']}: {placement_tiers(prediction)}"
+        body = f'<p class="meta">{esc(what)}</p>' + "".join(bars)
+    else:
+        body = '<p class="meta">no map: the placement was not planned (the sentence says why)</p>'
+    said = prediction.get("reason") or check_row.sentence
+    verdict = (f'<div class="pred-verdict"><b>{esc("would hit " + failure if failure else "no failure predicted")}'
+               f'</b><div class="sentence">{esc(said)}</div></div>')
+    return head + f'<div class="pred-bars">{body}</div>' + verdict + "</div>"

@@ -5,7 +5,7 @@ pytest writes it, so a long check shows progress instead of silence. Events: ``u
 installed extension that gives no checks, read at configure: the main job's usage error), ``loader`` (the loader
 this run tests, and where that choice came from), ``collected`` (the count, the checks in collection order, and
 what each guards against), ``collect_error``, ``start`` and ``result`` (one per test: a check's is its row,
-:class:`~pytest_llmload.checks.row.Row`, with ``summary``: its failure's cause in one line). The main job's parent
+:class:`~pytest_llmload.reports.row.Row`, with ``summary``: its failure's cause in one line). The main job's parent
 learns everything it prints from these events: it imports no check. They hang off hooks that run in the
 controlling process under xdist too; under lanes (:mod:`pytest_llmload.plugin.lanes`) each lane writes its own
 tests' events.
@@ -21,7 +21,7 @@ import pytest
 
 from pytest_llmload.system import json_lines
 from pytest_llmload.config.stash_keys import LANE_ATTRIBUTE
-from pytest_llmload.checks.row import Row, outcome_of
+from pytest_llmload.reports.row import Row, outcome_of
 
 progress_key = pytest.StashKey["ProgressWriter"]()
 _PARAM_ID = re.compile(r"\[(?:[^\]-]*-)?((?:check|predict)_[^\]]+)\]$")
@@ -132,7 +132,7 @@ class ProgressWriter:
                        else "", summary=row.sentence, seconds=round(time.perf_counter() - started, 3),
                        failure=row.failure, cause=row.cause, note=row.note or None, notes=list(row.notes),
                        fix=row.fix, loader=row.loader, guards=row.guards, guards_origin=row.guards_origin,
-                       not_run=row.not_run)
+                       not_run=row.not_run, prediction=row.prediction)
             return
         outcome, reason = report.outcome, ""  # a test that runs no check (a repo's own, a prediction's)
         if hasattr(report, "wasxfail"):

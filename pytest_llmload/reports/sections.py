@@ -12,8 +12,9 @@ Switched on by its gate in ``plugin.hooks`` when a run uses the plugin. For ever
 - under pytest-timeout's ``thread`` method, which ends the process without a report, the phase table is
   printed shortly before the deadline instead (5% of it or 0.5 s before, whichever is earlier).
 
-The session ends with a summary: models loaded and their load times, the peak memory seen in a phase, and
-the tests and checks that took more than ``llmload_near_deadline`` (default 0.8) of their deadline.
+The session ends with a summary: models loaded and their load times, the peak memory seen in a phase, the tests
+and checks that took more than ``llmload_near_deadline`` (default 0.8) of their deadline, and, for a run with
+predictions, where the model would go on each runner (:func:`pytest_llmload.placement.picture.where_the_model_goes`).
 Nothing here imports torch.
 """
 
@@ -27,6 +28,8 @@ from typing import NamedTuple, Optional
 
 import pytest
 
+from pytest_llmload.reports.row import Row
+from pytest_llmload.placement.picture import where_the_model_goes
 from pytest_llmload.instruments.device_map_summary import placement_lines
 from pytest_llmload.system.sizes import format_bytes
 from pytest_llmload.config.vocabulary import SETTING
@@ -240,6 +243,7 @@ class SessionDiagnostics:
         self.cuda_peak: dict[str, tuple[int, str, str]] = {}
         self.near: list[tuple[float, float, str, str]] = []  # (seconds, deadline, nodeid, what)
         self.torch_peak: Optional[tuple[int, str, str]] = None  # (bytes, device, nodeid)
+        self.predictions: dict[str, tuple[str, dict]] = {}  # nodeid: (check, its row's prediction)
 
     def add(self, nodeid: str, record: dict) -> None:
         near_fraction = self.near_fraction
@@ -261,6 +265,9 @@ class SessionDiagnostics:
         record = getattr(report, "llmload_diagnostics", None)
         if record is not None:
             self.add(report.nodeid, record)
+        row = Row.of_report(report)  # (a teardown report carries the call's row again: one per test)
+        if row is not None and row.prediction:
+            self.predictions[report.nodeid] = (row.check, row.prediction)
         for device, peak in (getattr(report, "llmload_torch_peak", None) or {}).items():
             if self.torch_peak is None or peak > self.torch_peak[0]:
                 self.torch_peak = (peak, device, report.nodeid)
@@ -292,6 +299,7 @@ class SessionDiagnostics:
             lines.append(f"near or past their deadline (over {near_fraction:.0%} of it):")
             for took, deadline, nodeid, what in sorted(self.near, key=lambda n: -n[0] / n[1]):
                 lines.append(f"  {took:.2f} s of {deadline:g} s ({took / deadline:.0%})  {nodeid}  ({what})")
+        lines += where_the_model_goes(list(self.predictions.values()), "each row's llmload_row property")[1:]
         return lines
 
 

@@ -16,10 +16,9 @@ import traceback
 from typing import Any, NamedTuple, Optional
 
 # Report properties (report.user_properties; JUnit XML writes them as <property>), named once with the row's record.
-from pytest_llmload.checks.row import CAUSE_PROPERTY, FAILURE_PROPERTY, SENTENCE_PROPERTY, VERDICT_PROPERTY
+from pytest_llmload.reports.row import CAUSE_PROPERTY, FAILURE_PROPERTY, SENTENCE_PROPERTY, VERDICT_PROPERTY
+from pytest_llmload.config.distribution import bug_report_address
 from pytest_llmload.system import tracebacks
-
-BUG_REPORT = "https://github.com/pytest-llmload/pytest-llmload/issues"
 
 
 class Verdict(NamedTuple):
@@ -133,7 +132,7 @@ def _of_children(exc: BaseException, outcomes: list, failure: Any) -> Verdict:
         found = next((v for v in verdicts if v.cause == cause), None)
         if found is not None:
             return found
-    return Verdict("error", None, "check", f"{_first_line(exc)} (report it: {BUG_REPORT})")  # (did not come back)
+    return Verdict("error", None, "check", f"{_first_line(exc)} (report it: {bug_report_address()})")  # (did not come back)
 
 
 def _hang(failure: Any, in_loader: bool, line: str) -> Verdict:
@@ -148,7 +147,7 @@ def _check_broke(exc: BaseException, traceback_text: str = "") -> Verdict:
     return Verdict("error", None, "check",
                    f"the check itself broke (a bug in pytest-llmload, not a verdict on the loader): "
                    f"{type(exc).__name__}: {_first_line(exc)}{' at ' + frame if frame else ''}; please report it "
-                   f"with this traceback: {BUG_REPORT}")
+                   f"with this traceback: {bug_report_address()}")
 
 
 def _own_frame(exc: BaseException, text: str = "") -> str:

@@ -56,7 +56,11 @@ _LAUNCHER_VARS = frozenset(
 _LAUNCHER_PREFIXES = ("ACCELERATE_", "FSDP_", "TORCHELASTIC_", "OMPI_COMM_WORLD_", "PMI_", "MV2_")
 
 # What a rank would otherwise import itself: preloaded here before forking, or by the warm forkserver (one floor down).
-from pytest_llmload.runners.warm_server import DEEPSPEED_PRELOAD, HF_PRELOAD  # noqa: E402,F401  (part of this API)
+from pytest_llmload.runners.warm_server import (  # noqa: E402,F401  (part of this API)
+    DEEPSPEED_PRELOAD,
+    HF_PRELOAD,
+    quiet_deepspeed_import,
+)
 
 _GRACE_AFTER_FAILURE_S = 5.0
 # Errors a rank reports when a peer went away first: a consequence, listed after the cause.
@@ -65,11 +69,13 @@ _PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "remote w
 
 
 def preload(modules: Sequence[str]) -> None:
-    """Import ``modules`` here, before forking, so that no rank pays for them; a missing one is skipped."""
+    """Import ``modules`` here, before forking, so that no rank pays for them; a missing one is skipped. DeepSpeed's
+    import is quiet (:func:`quiet_deepspeed_import`: at collection its log lines would read as the run's)."""
     for name in modules:
         if name in sys.modules:
             continue
-        with contextlib.suppress(ImportError):
+        quiet = quiet_deepspeed_import() if name.partition(".")[0] == "deepspeed" else contextlib.nullcontext()
+        with contextlib.suppress(ImportError), quiet:
             importlib.import_module(name)
 
 

@@ -53,6 +53,31 @@ DEEPSPEED_PRELOAD = HF_PRELOAD + (
     "transformers.integrations.deepspeed",
     "deepspeed.comm.torch",
 )
+
+
+@contextlib.contextmanager
+def quiet_deepspeed_import():
+    """DeepSpeed's import logs through its own logger, to stdout (``[WARNING] ... Setting accelerator to CPU. If
+    you have GPU or other accelerator, we were unable to detect it.``), and its modules warn about torch APIs they
+    use (``torch.jit.script`` is deprecated): imported by the plugin at collection, none of it is the run's to read.
+    Dropped while the block imports; what DeepSpeed logs or warns later goes out as usual."""
+    import logging
+    import warnings
+
+    deepspeed_logger = logging.getLogger("DeepSpeed")  # (deepspeed.utils.logging's; the same object once imported)
+
+    def drop(record) -> bool:
+        return False
+
+    deepspeed_logger.addFilter(drop)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        deepspeed_logger.removeFilter(drop)
+
+
 # The runners' own modules: the children's entry point (children._child_main) and the callers that start them (a
 # module that is not installed is skipped by the server).
 RUNNERS = ("pytest_llmload.runners.children", "pytest_llmload.runners.isolation", "pytest_llmload.runners.ranks")

@@ -135,7 +135,7 @@ def read_records(file) -> Iterator[Any]:
 
 class Answer(NamedTuple):
     """The one message a child sends its parent, when its function has ended: what the parent makes the child's
-    :class:`~.children.ChildOutcome` of, and a check's row (:class:`pytest_llmload.checks.row.Row`) with it: the
+    :class:`~.children.ChildOutcome` of, and a check's row (:class:`pytest_llmload.reports.row.Row`) with it: the
     exception and the notes (the row is judged and written in the parent). A child that sends none died."""
 
     status: str  # "ok" or "raised"

@@ -3,7 +3,7 @@ each scenario, as the loader under test would meet it there. Collected only when
 
 import pytest
 
-from pytest_llmload.config.stash_keys import prediction_key
+from pytest_llmload.config.stash_keys import prediction_key, prediction_record_key
 
 
 def pytest_generate_tests(metafunc):
@@ -22,5 +22,16 @@ def test_prediction(check, runner, llmload_loader, llmload_checkpoint, tmp_path,
     if runner.devices < check.needs_gpus:
         pytest.skip(f"not applicable: {runner.name} has {runner.devices} GPU(s); {check.name} needs "
                     f"{check.needs_gpus}")
-    prediction = check.function(llmload_loader, runner, config, model_name, tmp_path, llmload_checkpoint)
+    declared = check.inapplicable_reason(llmload_loader)  # what the repo declares, as a check honours it
+    if declared is not None:
+        pytest.skip(declared)
+    from pytest_llmload.prediction.predict import PredictedFailure
+
+    try:
+        prediction = check.function(llmload_loader, runner, config, model_name, tmp_path, llmload_checkpoint)
+    except PredictedFailure as predicted:  # where the model would go travels with the row, failing or not
+        if predicted.prediction is not None:
+            request.node.stash[prediction_record_key] = predicted.prediction
+        raise
+    request.node.stash[prediction_record_key] = prediction.record()
     contract.note(f"PREDICTED: {prediction.summary()}")

@@ -1,4 +1,5 @@
-"""``python -m pytest_llmload``: one row per check, exit 0 / 1 / 2, progress while it runs."""
+"""``python -m pytest_llmload``: one row per check, pytest's exit codes (0 / 1 / 2 / 4 / 5), progress while it runs,
+lines that fit the terminal."""
 
 import os
 import re
@@ -22,6 +23,8 @@ def _temp_dirs_in_tmp_path(tmp_path, monkeypatch):
     # A main job keeps its temp dir when a check failed (by design); these tests fail checks on purpose.
     (tmp_path / "tmpdir").mkdir()
     monkeypatch.setenv("TMPDIR", str(tmp_path / "tmpdir"))
+    # What the main job says, each sentence on one line: the tests of lines that fit a terminal set their own width.
+    monkeypatch.setenv("COLUMNS", "1000")
 
 
 def main_job(*args, cwd=REPO, env=None):
@@ -49,17 +52,20 @@ def left_in(env: dict) -> list[Path]:
 # (Each real main job imports the stack, ~8 s: a run serves every assertion about it.)
 def test_reference_loader_passes_with_a_row_per_check_and_leaves_nothing_behind(tmp_path):
     """The real command end to end: exit 0, the default loader as a new interpreter finds it, no temp dir left."""
-    env = new_tmpdir(tmp_path)
+    env = {**new_tmpdir(tmp_path), "COLUMNS": "120"}  # (a CI log's width)
     run = main_job("-k", "pad_token or offload_inference", env=env)
     assert run.returncode == 0, run.stdout + run.stderr
     out = run.stdout
     assert "llmload: checking loader pytest_llmload.fixes.reference_loader:load_model_and_tokenizer (from built-in default)" in out
     assert "llmload: 3 checks collected" in out
     assert re.search(r"^\[1/3\] check_", out, re.M)  # progress rows as results arrive (two lanes: in any order)
+    assert max(map(len, out.splitlines())) <= 120, out
     table = out[out.index("check  "):]
     rows = (r"check_offload_inference +offload-hang \(000\) +passed +\d+\.\d\ds",
             r"check_pad_token_set_offline +offload-hang \(000\) +passed",
-            r"check_offload_inference_cuda +offload-hang \(000\) +skipped \(needs 1 GPU, 0 visible")
+            # (its reason in its cell, or below its row where the cell would make the line too wide)
+            r"check_offload_inference_cuda +offload-hang \(000\) +skipped"
+            r"(?: \(| +\d+\.\d\ds\n    )needs 1 GPU, 0 visible")
     # the table in collection order, whichever lane finished first
     assert re.search("".join(f"^{row}.*\n" for row in rows), table, re.M), table
     assert "llmload: 2 passed, 1 skipped in" in out
@@ -86,9 +92,10 @@ def test_a_before_loader_fails_with_exit_1_naming_the_check():
         ("not a spec", "llmload: error: loader spec 'not a spec' from --loader is not of the form 'module:function'"),
     ],
 )
-def test_a_bad_loader_is_a_usage_error_exit_2(spec, message):
-    run = main_job("--loader", spec)  # the real command: exit 2 end to end (no pytest starts: no stack imported)
-    assert run.returncode == 2, run.stdout + run.stderr
+def test_a_bad_loader_is_a_usage_error_exit_4(spec, message):
+    """pytest's exit code for a usage error (its 2 means interrupted)."""
+    run = main_job("--loader", spec)  # the real command: exit 4 end to end (no pytest starts: no stack imported)
+    assert run.returncode == 4, run.stdout + run.stderr
     assert message in run.stderr, run.stderr
 
 
@@ -170,6 +177,14 @@ def for_evaluation(request):
 for_evaluation.llmload_purposes = ("inference",)
 
 
+def long_winded(request):
+    return load_model_and_tokenizer(request)
+
+
+long_winded.llmload_not_applicable = {
+    "check_offload_inference": "we never offload: " + ", ".join(["our serving stack keeps every layer on its GPU"] * 12)}
+
+
 def interrupts(request):
     """A loader that raises KeyboardInterrupt (a script's own Ctrl-C handling, a blocking read interrupted)."""
     if request.max_memory is None:
@@ -202,18 +217,85 @@ def test_a_loaders_own_error_is_an_error_row_not_a_known_failure_and_its_log_is_
     (record,) = document["results"]
     assert (record["check"], record["outcome"], record["failure"]) == ("check_train_request_trains", "error", None)
     assert set(record) == {"check", "outcome", "verdict", "failure", "reason", "seconds", "detail", "cause", "note",
-                           "notes", "fix", "loader"}
+                           "notes", "fix", "loader", "prediction"}
+    assert record["prediction"] is None  # (a check's row: only a prediction's carries a map)
 
 
-def test_a_check_that_exercised_nothing_skips_and_strict_fails_it(odd_loaders):
+def test_each_prediction_row_in_json_carries_its_map_and_the_table_says_where_the_model_goes(tmp_path):
+    """Before (issue 38): --json had no map and no per-device figures, and '84 entries over 3 devices' never said
+    that 33 went to disk; the per-device table came only with a failure."""
+    import json
+
+    # (the move-offloaded before-loader: device_map="auto" under the budget, and under ZeRO-3 too, where its
+    # refusal is predicted)
+    run = warm_main_job("--loader", "fixtures.loaders.before_move_offloaded:load", "--runner", "1x24GB-RTX4090",
+                        "--model", "llama-3-70b", "-k", "predict_inference_load or predict_zero3", "--json",
+                        str(tmp_path / "out.json"), env={**os.environ, "COLUMNS": "200"})
+    assert run.returncode == 1, run.stdout + run.stderr
+    records = {r["check"]: r for r in json.loads((tmp_path / "out.json").read_text())["results"]}
+    inference = records["predict_inference_load@1x24GB-RTX4090"]["prediction"]
+    assert [d["device"] for d in inference["devices"]] == ["cuda:0", "cpu", "disk"]
+    assert all(d["weights"] and d["capacity"] and d["peak"] >= d["weights"] for d in inference["devices"])
+    assert sorted(inference["device_map"]) == sorted(
+        ["model.embed_tokens", *(f"model.layers.{n}" for n in range(80)), "model.norm", "model.rotary_emb", "lm_head"])
+    assert inference["placement"]["disk"].endswith("-79, model.norm, model.rotary_emb, lm_head")
+    assert {tier: held["modules"] for tier, held in inference["tiers"].items()} == {
+        tier: sum(d["modules"] for d in inference["devices"] if d["tier"] == tier) for tier in ("gpu", "cpu", "disk")}
+    zero3 = records["predict_zero3@1x24GB-RTX4090"]
+    assert zero3["outcome"] == "predicted" and zero3["prediction"]["failure"] == zero3["failure"]
+    out = run.stdout
+    where = out[out.index("where the model would go (every map entry: --json):"):]
+    disk = inference["tiers"]["disk"]
+    assert f"predict_inference_load@1x24GB-RTX4090: gpu {inference['tiers']['gpu']['modules']} modules" in where
+    assert f"disk {disk['modules']} modules" in where  # what goes to disk, said
+    assert re.search(r"^ +disk: +\d+ modules +[\d.]+ GiB of 1024\.0 GiB  model\.layers\.\d+-79, ", where, re.M), where
+    assert "predict_zero3@1x24GB-RTX4090: " in where  # a failure's devices too
+
+
+def test_a_check_that_exercised_nothing_skips_and_fail_not_exercised_fails_it(odd_loaders):
     run = warm_main_job("--loader", "odd_loaders:never_offloads", "-k", "check_offload_inference and not cuda",
                         cwd=odd_loaders)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "skipped (not exercised: check_offload_inference: the loader loaded the model whole on cpu" in run.stdout
     strict = warm_main_job("--loader", "odd_loaders:never_offloads", "-k", "check_offload_inference and not cuda",
-                           "--strict", cwd=odd_loaders)
+                           "--fail-not-exercised", cwd=odd_loaders)
     assert strict.returncode == 1, strict.stdout + strict.stderr
     assert "FAILED check_offload_inference: llmload strict: a check that exercised nothing is a failure" in strict.stdout
+    assert strict.stderr == "", strict.stderr
+
+
+class _EndedAtOnce:
+    """A pytest child that has ended with ``code`` before writing anything (for what the parent decides alone)."""
+
+    def __init__(self, command, code):
+        self.command, self.code, self.pid = command, code, 0
+
+    def poll(self):
+        return self.code
+
+    def wait(self, timeout=None):
+        return self.code
+
+
+def test_the_old_strict_spelling_still_works_for_a_release_and_says_so(capsys):
+    """``--strict`` read like pytest's own old ``--strict`` (issue 39): it is ``--fail-not-exercised`` now, the old
+    spelling kept one release with a sentence saying so."""
+    from pytest_llmload.main_job import run
+
+    started = []
+
+    def popen(command, **kwargs):
+        started.append(_EndedAtOnce(command, 4))
+        return started[-1]
+
+    assert run(["--strict", "-k", "pad_token"], popen=popen) == 4  # (the child's usage error: passed on as it is)
+    assert "--llmload-strict" in started[0].command
+    err = capsys.readouterr().err
+    assert err.startswith("llmload: warning: --strict is deprecated and will be removed in the next release: it is "
+                          "--fail-not-exercised now"), err
+    from pytest_llmload.main_job import build_parser
+
+    assert "--fail-not-exercised" in build_parser().format_help() and "--strict " not in build_parser().format_help()
 
 
 def test_a_loaders_keyboard_interrupt_is_an_interruption_with_the_rows_so_far(odd_loaders):
@@ -418,9 +500,9 @@ def test_pytest_dying_under_the_main_job_is_a_row_and_keeps_the_log(misbehaving)
     ],
     ids=["log-missing-directory", "log-a-directory", "empty-loader-variable", "lanes-zero", "checks-no-module"],
 )
-def test_a_bad_command_line_is_a_sentence_and_exit_2(tmp_path, args, env, message):
+def test_a_bad_command_line_is_a_sentence_and_exit_4(tmp_path, args, env, message):
     run = warm_main_job(*args, cwd=tmp_path, env={**os.environ, **env})
-    assert (run.returncode, run.stdout) == (2, ""), run.stdout + run.stderr
+    assert (run.returncode, run.stdout) == (4, ""), run.stdout + run.stderr
     assert run.stderr.startswith(message) and len(run.stderr.splitlines()) == 1, run.stderr
     assert _left_behind(Path(os.environ["TMPDIR"])) == []
 
@@ -445,6 +527,118 @@ def test_the_main_job_runs_under_its_own_options_not_the_repos_addopts(tmp_path)
     run = warm_main_job("-k", "pad_token and not cuda", cwd=tmp_path, env=env)
     assert run.returncode == 0, run.stdout + run.stderr
     assert re.search(r"^\[1/1\] check_pad_token_set_offline +passed", run.stdout, re.M), run.stdout
+
+
+def test_no_check_selected_exits_5_with_pytests_words(tmp_path):
+    """pytest's "no tests ran" (exit 5), not a usage error: before (issue 39) exit 2 and "pytest exited 5 before any
+    check ran"."""
+    run = warm_main_job("-k", "no_such_check", cwd=tmp_path)
+    assert run.returncode == 5, run.stdout + run.stderr
+    assert re.search(r"^llmload: no tests ran \(pytest: \d+ deselected in [\d.]+s\): -k 'no_such_check' matched none "
+                     r"of the checks \(--list lists them\)$", run.stdout, re.M), run.stdout
+    assert "before any check ran" not in run.stdout + run.stderr
+    assert _left_behind(Path(os.environ["TMPDIR"])) == []
+
+
+# --- lines that fit the terminal (issue 39) ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("columns", [80, 120])
+def test_every_line_fits_the_terminal_and_cut_reasons_are_whole_in_the_json_and_the_log(odd_loaders, columns):
+    """Before (issue 39): the table padded every row to its longest skip reason (584-character lines on a CI log),
+    and a long check name pushed the progress rows' results out of their column."""
+    import json
+
+    checks = "offload_inference or keeps_fp32_master_weights_cuda"  # a long skip reason, the longest check name
+    run = warm_main_job("--loader", "odd_loaders:long_winded", "-k", checks, "--json", str(odd_loaders / "out.json"),
+                        "--log", str(odd_loaders / "out.log"), cwd=odd_loaders,
+                        env={**os.environ, "COLUMNS": str(columns)})
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = run.stdout.splitlines()
+    assert max(map(len, lines)) <= columns, "\n".join(line for line in lines if len(line) > columns)
+    progress = [line for line in lines if line.startswith("[")]
+    assert len(progress) == 3 and len({line.index(" skipped ") for line in progress}) == 1, progress  # one column
+    table = lines[lines.index(next(line for line in lines if line.startswith("check  "))):]
+    assert any(line.startswith("check_fp16_train_request_keeps_fp32_") for line in table), table  # (wrapped at 80)
+    (record,) = [r for r in json.loads((odd_loaders / "out.json").read_text())["results"]
+                 if r["check"] == "check_offload_inference"]
+    reason = record["reason"]
+    assert "we never offload: our serving stack keeps every layer on its GPU" in reason and len(reason) > 3 * columns
+    at = next(n for n, line in enumerate(table) if line.startswith("check_offload_inference "))
+    assert re.match(r"check_offload_inference +offload-hang \(000\) +skipped +\d+\.\d\ds$", table[at]), table
+    below = table[at + 1:at + 4]  # below its row: cut at three lines
+    assert all(line.startswith("    ") for line in below) and below[2].endswith("...") and \
+        not table[at + 4].startswith("    "), table
+    assert "(reasons cut to fit " in run.stdout and "whole in pytest's log and in --json)" in run.stdout, run.stdout
+    log = (odd_loaders / "out.log").read_text()
+    assert "llmload: the table, every reason whole:" in log and f"skipped ({reason})" in log
+
+
+ROWS = [  # the progress file's records, as the parent reads them
+    {"check": "check_fp16_train_request_keeps_fp32_master_weights_cuda", "guards": "fp16-unscale",
+     "guards_origin": "field", "outcome": "skipped", "reason": "needs 1 GPU, 0 visible (CUDA_VISIBLE_DEVICES unset)",
+     "seconds": 0.01},
+    {"check": "check_offload_inference", "guards": "offload-hang", "guards_origin": "000", "outcome": "skipped",
+     "reason": "not exercised: " + ", ".join(["the loader loaded the model whole on cpu"] * 14), "seconds": 0.2},
+    {"check": "check_distributed_train_step", "guards": "distributed-device-map", "guards_origin": "004",
+     "outcome": "passed", "reason": "", "note": "judged in bfloat16 (the loader loads bfloat16 whatever is asked)",
+     "seconds": 1234.5},
+    {"check": "predict_train_request_trains", "guards": "meta-backward", "guards_origin": "002",
+     "outcome": "predicted", "failure": "meta-backward", "reason": "", "seconds": 0.5},
+]
+
+
+@pytest.mark.parametrize("columns", [40, 80, 120, 200])
+def test_the_table_fits_any_width_and_loses_no_name(columns):
+    from pytest_llmload.main_job import summary_table
+    from pytest_llmload.main_job.process import progress_row
+
+    lines = summary_table(ROWS, columns)
+    assert max(map(len, lines)) <= columns, "\n".join(lines)
+    rows = [progress_row(n, 4, record, max(len(r["check"]) for r in ROWS), columns) for n, record in enumerate(ROWS)]
+    assert max(map(len, rows)) <= columns and len({len(row) for row in rows}) == 1, rows
+    if columns < 80:  # (the narrowest width read: it fits, names broken where they must be)
+        return
+    guards_at, result_at = lines[0].index("guards against"), lines[0].index("result")
+    names = "".join(line[:guards_at].strip() for line in lines)  # the first column, wrapped names joined back
+    guards = "".join(line[guards_at:result_at].replace(" ", "") for line in lines)
+    for record in ROWS:  # every name whole, wrapped or not
+        assert record["check"] in names and f"{record['guards']}({record['guards_origin']})" in guards, \
+            "\n".join(lines)
+    assert "1234.50s" in "".join(lines) and "PREDICTED" in "".join(lines)
+
+
+@pytest.mark.parametrize("text", [
+    "llmload: checking loader pytest_llmload.fixes.reference_loader:load_model_and_tokenizer (from built-in default)",
+    "pytest output: /tmp/pytest-of-root/pytest-311/test_a_check_that_started_and_0/pytest.log " * 3,
+    " " * 100 + "x" * 100,  # (leading spaces wider than a line, a word wider than a line)
+    "check_fp16_train_request_keeps_fp32_master_weights_cuda", "",
+])
+@pytest.mark.parametrize("width", [40, 80])
+def test_wrapping_keeps_every_character_within_the_width(text, width):
+    from pytest_llmload.main_job.terminal import NAME_PARTS, wrap
+
+    for breaks in ({}, {"breaks": NAME_PARTS}):
+        lines = wrap(text, width, "    ", **breaks)
+        assert all(len(line) <= width for line in lines), lines
+        assert "".join(lines).replace(" ", "") == text.replace(" ", ""), lines
+
+
+def test_prose_breaks_at_spaces_a_tables_names_inside_too():
+    from pytest_llmload.main_job.terminal import NAME_PARTS, wrap
+
+    said = "the log is /tmp/llmload-main-x/pytest.log"
+    assert wrap(said, 40, "    ") == ["the log is", "    /tmp/llmload-main-x/pytest.log"]  # (a path stays whole)
+    assert wrap(said, 40, "    ", NAME_PARTS) == ["the log is /tmp/llmload-main-x/", "    pytest.log"]
+    assert wrap("keep it with --log PATH", 12, breaks=NAME_PARTS) == ["keep it with", "--log PATH"]
+
+
+def test_the_table_keeps_one_line_a_row_where_that_fits():
+    from pytest_llmload.main_job import summary_table
+
+    whole = summary_table(ROWS)  # (the log's copy: no width)
+    assert len(whole) == len(ROWS) + 2 and whole[3].endswith(f"  skipped ({ROWS[1]['reason']})     0.20s"), whole
+    fits = summary_table(ROWS[:1] + ROWS[2:], 200)
+    assert len(fits) == 5 and "skipped (needs 1 GPU, 0 visible (CUDA_VISIBLE_DEVICES unset))" in fits[2], fits
 
 
 def test_the_main_job_turns_off_the_house_plugins_unless_asked_after_the_double_dash():
@@ -536,7 +730,7 @@ def test_a_warm_start_starts_its_own_forkserver_not_this_processs(tmp_path):
 def test_an_output_path_that_would_fail_after_the_run_is_refused_before_it(option, path, said):
     """Before (issue 36): --json /dev/full ran every check, then a traceback and no JSON."""
     run = warm_main_job(option, path)  # (refused before any pytest starts)
-    assert run.returncode == 2 and said in run.stderr, run.stdout + run.stderr
+    assert run.returncode == 4 and said in run.stderr, run.stdout + run.stderr
 
 
 def test_a_json_that_cannot_be_written_after_the_run_says_so_and_keeps_the_table(odd_loaders, monkeypatch):
@@ -566,7 +760,7 @@ def test_two_jobs_given_the_same_log_the_second_is_refused(odd_loaders):
         fcntl.flock(first, fcntl.LOCK_EX | fcntl.LOCK_NB)
         run = warm_main_job("--loader", "odd_loaders:for_evaluation", "-k", "pad_token and not cuda", "--log",
                             str(log), cwd=odd_loaders)
-    assert run.returncode == 2, run.stdout + run.stderr
+    assert run.returncode == 4, run.stdout + run.stderr
     assert "is the log of another job running now; give each job its own --log file" in run.stderr
 
 

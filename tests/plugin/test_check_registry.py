@@ -108,7 +108,7 @@ def test_a_spec_that_gives_no_checks_is_one_usage_error(repo, spec, says):
 def test_the_main_job_runs_and_names_the_repos_failure(repo):
     # The main job's command line, as a user would give it: its pytest forked from this process (fixtures/warm_runs.py)
     # rather than a new interpreter, since the subject is what it prints (tests/main_job/test_main_job.py tests the process).
-    env = {**os.environ, "PYTHONPATH": str(repo.path)}
+    env = {**os.environ, "PYTHONPATH": str(repo.path), "COLUMNS": "200"}  # (each sentence on one line)
     out = warm_runs.main_job("--loader", "myrepo_loading:bad", "--checks", "myrepo_checks:CHECKS", "-k", "kv_cache",
                              cwd=repo.path, env=env)
     assert out.returncode == 1, out.stdout + out.stderr
@@ -127,5 +127,5 @@ def test_the_main_job_stops_at_an_installed_entry_point_that_gives_no_checks(rep
     (info / "entry_points.txt").write_text("[pytest_llmload.checks]\nbroken = broken_nothing:CHECKS\n")
     env = {**os.environ, "PYTHONPATH": str(repo.path)}
     out = warm_runs.main_job("-k", "pad_token and not cuda", cwd=repo.path, env=env)
-    assert (out.returncode, out.stdout) == (2, ""), out.stdout + out.stderr
+    assert (out.returncode, out.stdout) == (4, ""), out.stdout + out.stderr  # (pytest's code for a usage error)
     assert out.stderr.startswith("llmload: error: ") and "broken_nothing" in out.stderr, out.stderr

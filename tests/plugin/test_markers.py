@@ -156,6 +156,19 @@ def test_deepspeed_is_imported_after_collection_only_when_a_test_needs_it(pytest
     pytester.runpytest_subprocess("-k", "test_plain", "-p", "no:cacheprovider").assert_outcomes(passed=1)
 
 
+def test_deepspeeds_import_at_collection_prints_nothing(pytester, monkeypatch):
+    """Before (issue 39): ``[WARNING] [real_accelerator.py:...] Setting accelerator to CPU. If you have GPU or other
+    accelerator, we were unable to detect it.`` among pytest's collection lines (and, with DeepSpeed 0.17, its INFO
+    lines and a ``torch.jit.script`` deprecation in the warnings summary): the plugin's import, not the run's."""
+    pytest.importorskip("deepspeed")
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)  # (what makes DeepSpeed guess, and say so)
+    pytester.makepyfile("import pytest\n\n@pytest.mark.llmload_deepspeed\ndef test_ds():\n    pass\n")
+    result = pytester.runpytest_subprocess("--collect-only", "-q", "-p", "no:cacheprovider", "-W", "default")
+    output = result.stdout.str() + result.stderr.str()
+    assert result.ret == 0 and "1 test collected" in output, output
+    assert not any(said in output for said in ("[WARNING]", "[INFO]", "accelerator", "warnings summary")), output
+
+
 def test_deepspeed_is_not_imported_for_tests_that_skip_for_want_of_gpus(pytester):
     # `pytest -m gpu` on a CPU runner: the DeepSpeed tests all skip, so DeepSpeed is not imported.
     pytest.importorskip("deepspeed")

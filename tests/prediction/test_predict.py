@@ -11,6 +11,8 @@ import pytest
 from fixtures import warm_runs
 from fixtures.loaders import before_dp_dtype, before_meta_backward
 from pytest_llmload.placement import architectures, planner, profiles
+from pytest_llmload.placement.planned import machine_of
+from pytest_llmload.placement.simulated_devices import simulated
 from pytest_llmload.prediction import predict
 from pytest_llmload.fixes.reference_loader import load_model_and_tokenizer as reference
 
@@ -107,16 +109,15 @@ def test_an_unknown_model_says_what_to_pass():
 
 
 def _accelerate_direct(model, profile, dtype) -> dict:
-    """What accelerate's own planner gives when handed the profile's max_memory directly."""
+    """What accelerate's own planner gives when handed the profile's max_memory directly (on the profile's
+    simulated GPUs: accelerate < 1.15 resolves each GPU key with torch.device, which needs an accelerator)."""
     from accelerate import infer_auto_device_map
     from accelerate.utils import get_balanced_memory
 
     no_split = model._no_split_modules
-    try:
-        balanced = get_balanced_memory(model, max_memory=profile.max_memory, no_split_module_classes=no_split,
+    with simulated(machine_of(profile)):
+        balanced = get_balanced_memory(model, max_memory=dict(profile.max_memory), no_split_module_classes=no_split,
                                        dtype=dtype)
-    except RuntimeError:  # accelerate < 1.15 without accelerators: the planner's own fallback is what is compared
-        balanced = planner.balanced_by_hand(model, profile.max_memory, dtype)
     planned = infer_auto_device_map(model, max_memory=balanced, no_split_module_classes=no_split, dtype=dtype)
     return {name: str(where) for name, where in planned.items()}
 
@@ -310,19 +311,21 @@ def test_the_main_job_lists_runners_and_models_and_refuses_a_bad_one(capsys):
     assert "add --runner" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("scenario", "failure"), [
-    ("predict_moved_after_loading", "move-offloaded"),
-    ("predict_adapter_on_offloaded", "adapter-on-offloaded"),
-    ("predict_quantized_cast", "quantized-cast"),
+@pytest.mark.parametrize(("scenario", "failure", "model"), [
+    ("predict_moved_after_loading", "move-offloaded", "llama-3-70b"),
+    ("predict_adapter_on_offloaded", "adapter-on-offloaded", "llama-3-70b"),
+    ("predict_quantized_cast", "quantized-cast", "llama-3-8b"),
 ])
-def test_what_a_before_loader_does_after_loading_is_predicted_on_a_runner_that_offloads(scenario, failure, tmp_path):
-    """A 70B model on a 24 GB card offloads; the before-loaders then move it, put an adapter on it, or cast it."""
+def test_what_a_before_loader_does_after_loading_is_predicted_on_a_runner_that_offloads(scenario, failure, model,
+                                                                                        tmp_path):
+    """A 70B model on a 24 GB card offloads; the before-loaders then move it or put an adapter on it. The 4-bit one
+    loads whole on the card, then casts it: an 8B (a 4-bit 70B is 34 GiB, an OOM at the load, before any cast)."""
     import importlib
 
     module = importlib.import_module(f"fixtures.loaders.before_{failure.replace('-', '_')}")
-    profile, config = profiles.load_profile("1x24GB-RTX4090"), architectures.load_config("llama-3-70b")
+    profile, config = profiles.load_profile("1x24GB-RTX4090"), architectures.load_config(model)
     with pytest.raises(predict.PredictedFailure) as caught:
-        getattr(predict, scenario)(module.load, profile, config, "llama-3-70b", tmp_path)
+        getattr(predict, scenario)(module.load, profile, config, model, tmp_path)
     assert caught.value.failure == failure, str(caught.value)
 
 
@@ -331,7 +334,7 @@ def test_the_reference_loader_does_nothing_after_loading_that_the_runner_would_r
     moved = predict.predict_moved_after_loading(reference, profile, config, "llama-3-70b", tmp_path / "m")
     assert moved.failure is None and "no move or cast" in moved.reason
     adapter = predict.predict_adapter_on_offloaded(reference, profile, config, "llama-3-70b", tmp_path / "a")
-    assert adapter.failure is None and "refuses, naming the budget" in adapter.reason
+    assert adapter.failure is None and "refuses the inference load, naming the budget" in adapter.reason
     # 4-bit 70B does not fit 24 GB: transformers' own check of the planned map refuses it there (not a cast).
     with pytest.raises(predict.PredictedFailure) as caught:
         predict.predict_quantized_cast(reference, profile, config, "llama-3-70b", tmp_path / "q")

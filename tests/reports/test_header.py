@@ -41,3 +41,48 @@ def test_a_run_that_uses_the_plugin_without_configuring_it_gets_the_line_after_c
     lines = result.stdout.lines
     (at,) = [i for i, line in enumerate(lines) if line.startswith("llmload: loader ")]
     assert at > next(i for i, line in enumerate(lines) if line.startswith("collected "))
+
+
+# A repo's own loader, gated with parametrize_with_loader_checks and no ini key (issue 39).
+DOWNSTREAM = {
+    "myrepo_loading": "def load(request):\n    return None\n",
+    "test_gate": (
+        "from pytest_llmload.checks.base import Check\n"
+        "from pytest_llmload.failures import BY_ID\n"
+        "from pytest_llmload.plugin.parametrize import parametrize_with_loader_checks\n"
+        "from myrepo_loading import load\n\n"
+        "def check_passes(loader, checkpoint, workdir):\n"
+        "    '''Passes.'''\n\n"
+        "@parametrize_with_loader_checks([load], checks=[Check(check_passes, failure=BY_ID['dp-dtype'])])\n"
+        "def test_loader(loader, check, tmp_path):\n"
+        "    check(loader, tmp_path, tmp_path)\n"),
+}
+
+
+def test_the_header_names_the_loader_the_checks_run_not_the_reference_one(pytester, monkeypatch):
+    """Before (issue 39): ``llmload: loader pytest_llmload.fixes.reference_loader:... (from built-in default)`` while
+    every check ran the repo's loader."""
+    monkeypatch.delenv("PYTEST_LLMLOAD_LOADER", raising=False)
+    pytester.makepyfile(**DOWNSTREAM)
+    monkeypatch.syspath_prepend(pytester.path)
+    result = pytester.runpytest("-p", "no:randomly")
+    result.assert_outcomes(passed=1)
+    (header,) = [line for line in result.stdout.lines if line.startswith("llmload:")]
+    assert header.startswith("llmload: loader myrepo_loading:load (from parametrize_with_loader_checks); "), header
+
+
+def test_the_header_is_there_under_xdist(pytester, monkeypatch):
+    """Before (issue 39): ``pytest -n 2`` printed no llmload line (the controller collects nothing; the workers'
+    output is not shown). The controller prints it from the workers' test ids."""
+    from fixtures import warm_runs
+
+    monkeypatch.delenv("PYTEST_LLMLOAD_LOADER", raising=False)
+    monkeypatch.setenv("PYTHONPATH", str(pytester.path))  # (xdist's workers are new interpreters)
+    pytester.makepyfile(**DOWNSTREAM)
+    result = warm_runs.runpytest(pytester, "-p", "xdist", "-n", "2", "-p", "no:randomly", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    (header,) = [line for line in result.stdout.lines if line.startswith("llmload:")]
+    # (the ids name the loader by its short id: mod.function)
+    assert header.startswith("llmload: loader myrepo_loading.load (from parametrize_with_loader_checks); "), header
+    lines = result.stdout.lines
+    assert lines.index(header) < next(i for i, line in enumerate(lines) if "passed" in line)

@@ -164,3 +164,44 @@ def test_a_run_without_the_report_draws_nothing_and_imports_no_matplotlib(pytest
 ])
 def test_numbered_modules_are_written_as_ranges(names, written):
     assert compress_modules(names) == written
+
+
+PREDICTION_GROUP = re.compile(r'<div class="prediction" data-check="([^"]+)" data-runner="([^"]*)" '
+                              r'data-failure="([^"]*)">(.*?)</div></div></div>')
+DEVICE_BAR = re.compile(r'<div class="device(?: over)?" data-device="([^"]+)" data-capacity="(\d*)" '
+                        r'data-weights="(\d*)" data-peak="(\d*)" data-modules="(\d+)">'
+                        r'.*?<span class="holds">([^<]*)</span>')
+
+
+@pytest.mark.timeout(240)
+def test_a_prediction_run_draws_a_bar_group_per_prediction_with_its_devices_and_capacities(pytester):
+    """Before (issue 38): the report drew only three after-loading rows, titled 'loaded in 0.57 s', with the CI
+    process's own memory and no capacity. Now each prediction gets a bar per device of the runner, filled against the
+    device's capacity, the modules it holds on it, the predicted failure beside it; no picture of this process."""
+    warm_runs.runpytest(
+        pytester, *SUITE, "--llmload-runner", "2xH100-80GB,1x24GB-RTX4090", "--llmload-model", "llama-3-8b",
+        "--llmload-loader", "fixtures.loaders.before_move_offloaded:load", "-k",
+        "predict_inference_load or predict_launcher_ddp or predict_zero3 or predict_moved", "--llmload-html",
+        "report.html", "--llmload-progress", "progress.jsonl")
+    progress = [r for r in map(json.loads, (pytester.path / "progress.jsonl").read_text().splitlines())
+                if r.get("event") == "result"]
+    drawn = {r["check"]: r for r in progress if r.get("prediction")}
+    assert len(drawn) >= 5 and any(r["outcome"] == "predicted" for r in drawn.values()), progress
+    text = (pytester.path / "report.html").read_text(encoding="utf-8")
+    _assert_self_contained(text)
+    groups = {check: (runner, failure, body) for check, runner, failure, body in PREDICTION_GROUP.findall(text)}
+    predicted = {r["check"] for r in progress if r["outcome"] == "predicted"}
+    assert set(groups) == set(drawn) | predicted  # one group per prediction (a refused placement: no map to draw)
+    for check, record in drawn.items():
+        runner, failure, body = groups[check]
+        prediction = record["prediction"]
+        assert (runner, failure) == (prediction["runner"], record["failure"] or "")
+        bars = DEVICE_BAR.findall(body)
+        assert [(device, int(capacity)) for device, capacity, *_ in bars] == [
+            (d["device"], d["capacity"]) for d in prediction["devices"]], check
+        assert [html.unescape(holds) for *_, holds in bars] == [prediction["placement"][d["device"]]
+                                                                 for d in prediction["devices"]]
+        verdict = html.unescape(body[body.index('class="pred-verdict"'):])
+        assert (f"would hit {record['failure']}" if record["failure"] else "no failure predicted") in verdict
+    assert "<figure>" not in text  # the stand-ins' loads are this process's: not drawn
+    assert _rows(text).keys() >= drawn.keys() and 'href="#t-' in text

@@ -8,8 +8,13 @@ come back from children with their answer), and the skip reason. It travels as d
 progress file, the main job's table and ``--json``, JUnit XML, the HTML report and the
 ``pytest_llmload_check_result`` hook read its fields; none of them reads another's text.
 
-Imports nothing: the progress writer reads it, and the main job's parent reads its fields from the progress
-file (what each row guards against and where that failure comes from included), never the check registry.
+A prediction's row carries where the model would go (:attr:`Row.prediction`, the record
+:meth:`pytest_llmload.prediction.predict.Prediction.record` makes); :mod:`pytest_llmload.placement.picture` says it in words, the same for the main job's table, pytest's terminal and
+the failure's text.
+
+Imports nothing but the size printer: the progress writer reads it, and the main job's parent reads its fields from
+the progress file (what each row guards against and where that failure comes from included), never the check
+registry.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from typing import Any, Optional
+
 
 ROW_PROPERTY = "llmload_row"
 # The flat properties (report.user_properties; JUnit XML writes them as <property>): what a dashboard groups by.
@@ -37,8 +43,9 @@ class Row:
     ``judged in float16 ...``, ``simulated: ...``), ``fix`` (the failure's fix, where it was named), ``loader`` (the
     loader that really ran), ``guards`` (the failure the check guards against) and where that failure comes from,
     ``guards_origin`` (``002``: its write-up in shared/seeds; ``field``: upstream issue trackers; ``extension``: a
-    repo's own), and ``not_run`` (an ``error`` that did not wait: the loader under test hung in an earlier check,
-    :mod:`pytest_llmload.plugin.loader_hang`)."""
+    repo's own), ``not_run`` (an ``error`` that did not wait: the loader under test hung in an earlier check,
+    :mod:`pytest_llmload.plugin.loader_hang`), and ``prediction`` (a prediction's row: where the model would go,
+    per device against its capacity, and the whole map; plain data, :func:`placement_lines`)."""
 
     check: str
     verdict: str
@@ -51,6 +58,7 @@ class Row:
     loader: Optional[str] = None
     guards_origin: Optional[str] = None
     not_run: bool = False
+    prediction: Optional[dict] = None
 
     @property
     def note(self) -> str:

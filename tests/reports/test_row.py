@@ -1,4 +1,4 @@
-"""One row record (pytest_llmload.checks.row): decided once where the check's outcome is decided, and read as data by the
+"""One row record (pytest_llmload.reports.row): decided once where the check's outcome is decided, and read as data by the
 progress file (the main job's table and --json), JUnit XML and the pytest_llmload_check_result hook."""
 
 import json
@@ -7,7 +7,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from fixtures import warm_runs
-from pytest_llmload.checks.row import Row, outcome_of
+from pytest_llmload.reports.row import Row, outcome_of
 
 
 def test_a_row_travels_as_one_property_and_comes_back_whole():
