@@ -916,8 +916,8 @@ class AfterLoading(NamedTuple):
 
 
 def _after_loading(scenario: str, loader, profile, config, model_name, workdir, **fields) -> AfterLoading:
-    """An inference load run to its end on a stand-in placed as planned: an empty model with the ``hf_device_map``
-    from_pretrained would leave on it (:func:`~pytest_llmload.loader.transformers_compat.leaves_hf_device_map`)."""
+    """An inference load run to its end on the model from_pretrained would return, without weights
+    (:class:`_StandIn`), what it does after loading recorded (:func:`_after_loading_recorded`)."""
     from pytest_llmload.loader.seam import LoaderError
 
     start = time.perf_counter()
