@@ -21,7 +21,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # tests the warm one.
 os.environ.setdefault("PYTEST_LLMLOAD_COLD_FORKSERVER", "1")
 
-pytest_plugins = ["pytester"]
+pytest_plugins = ["pytester", "fixtures.browser"]  # browser_page: a headless Chromium (fixtures/browser.py)
 
 # In-process pytester runs restore sys.modules afterwards, and torch cannot be imported twice in one
 # process (the second import crashes). Importing the stack before the snapshot keeps it loaded.
