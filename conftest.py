@@ -96,7 +96,8 @@ SLOW_FILES = (
     "tests/plugin/test_xdist_gpus.py", "tests/plugin/test_plugin_load_cost.py", "tests/runners/test_child_coverage.py",
     "tests/plugin/test_check_registry.py", "tests/test_downstream_repo.py", "tests/test_readme_adapter.py",
     "tests/plugin/test_loader_hang.py", "tests/runners/test_warm_server.py", "tests/plugin/test_lanes.py",
-    "tests/test_write_ups_as_written.py",
+    "tests/test_write_ups_as_written.py", "tests/reports/test_html_report_browser.py",
+    "tests/docs/test_docs_render.py",
 )
 SLOW_TESTS = {
     "tests/failures/test_adapter_on_offloaded.py": ("test_check_passes_on_the_fixed_loader",),
@@ -136,7 +137,8 @@ SLOW_TESTS = {
         "test_the_report_has_a_row_per_test_and_pictures_of_the_offloaded_model",
         "test_pytest_html_gets_the_same_pictures_as_extras",
         "test_under_xdist_the_workers_records_reach_the_controllers_report",
-        "test_a_run_without_the_report_draws_nothing_and_imports_no_matplotlib"),
+        "test_a_run_without_the_report_draws_nothing_and_imports_no_matplotlib",
+        "test_the_failing_row_comes_first_and_each_picture_is_drawn_once"),
     "tests/test_docs.py": ("test_the_site_builds_with_warnings_as_errors",),
     "tests/failures/test_homes.py": ("test_a_gpu_variant_runs_in_a_forkserver_child_on_cuda_0",),
     "tests/loader/test_seam.py": ("test_a_shorter_timeout_than_a_checks_own_deadline_wins",),

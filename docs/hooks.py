@@ -9,20 +9,26 @@
   :data:`TABLE_END`), which tests/failures/test_homes.py checks are current;
 - ``reference/settings.md``: every setting of :data:`pytest_llmload.config.vocabulary.SETTINGS`, the markers' help texts and
   the fixtures' docstrings (read from ``pytest_llmload/plugin/fixtures.py`` without importing it);
-- the ``LoadRequest`` field table, put where a page says ``<!-- llmload:load-request-fields -->``.
+- the ``LoadRequest`` field table, put where a page says ``<!-- llmload:load-request-fields -->``;
+- ``reference/api.md``: the helpers a fix names (:data:`API_MODULES`), each with its signature, its docstring and an
+  anchor named by its dotted path; a failure page's Fix section links each helper it names there (:func:`linked`).
 
 The functions that make the pages (:func:`generated_pages`, :func:`failure_page`, :func:`known_failures_table`,
-:func:`settings_page`, :func:`load_request_fields`) import nothing of MkDocs, so a test can call them without it
-(tests/test_docs.py).
-Importing the catalog needs neither torch nor the Hugging Face stack.
+:func:`settings_page`, :func:`load_request_fields`, :func:`api_page`) import nothing of MkDocs, so a test can call
+them without it (tests/test_docs.py).
+Importing the catalog and the API page's modules needs neither torch nor the Hugging Face stack (CI's docs step has
+neither).
 """
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib
 import importlib.util
+import inspect
 import re
+import sys
 import typing
 from pathlib import Path
 
@@ -40,6 +46,18 @@ EXTRAS_START = "<!-- llmload:extras (generated from the checks' extras: python d
 EXTRAS_END = "<!-- /llmload:extras -->"
 EXTRAS_HOMES = ("README.md", "docs/getting-started.md")
 SETTINGS_PAGE = "reference/settings.md"
+API_PAGE = "reference/api.md"
+# The modules of the API page, and which of their names it documents: None for every public function and class
+# defined in the module, else the names (a helper a fix names that lives outside pytest_llmload.fixes).
+API_MODULES = {
+    "pytest_llmload.fixes.training_scripts": None,
+    "pytest_llmload.fixes.trainer_guard": None,
+    "pytest_llmload.fixes.adapters": None,
+    "pytest_llmload.fixes.training_memory": None,
+    "pytest_llmload.fixes.reference_loader": None,
+    "pytest_llmload.failures.move_offloaded": ("may_move",),
+    "pytest_llmload.instruments.phases": ("phase", "timed_generate", "recording"),
+}
 
 # What each LoadRequest field asks, and what a loader that honours it returns (the contract the checks verify
 # before judging). The names and defaults come from the dataclass; a field without a line here fails the build.
@@ -181,12 +199,13 @@ def failure_page(failure) -> str:
     homes = failure.homes
     lines = [f"# {failure.id}: {plain(failure.title)}", "",
              "*Generated from the catalog (`pytest_llmload.failures`) when the docs are built.*", "",
-             "| | |", "|---|---|",
+             "| field | value |", "|---|---|",
              f"| id | {code(failure.id)} |",
              f"| write-up or field reports | {cell(plain(failure.write_up))} |",
              f"| where it occurs | {cell(plain(failure.occurs))} |"]
     lines += [f"| {what} | {code(path)} |" for what, path in homes.items()]
-    lines += ["", "## Root cause", "", plain(failure.root_cause), "", "## Fix", "", plain(failure.fix), "",
+    lines += ["", "## Root cause", "", plain(failure.root_cause), "",
+              "## Fix", "", linked(failure.fix, f"../{API_PAGE}"), "",
               "## Signatures", "",
               "A failing test whose message or traceback matches one of these regular expressions gets a report "
               "section `llmload: known failure` naming this failure:", ""]
@@ -211,7 +230,7 @@ def failure_page(failure) -> str:
         lines += [f"### {check.name}", "", plain(check.summary) or "(no docstring)", "",
                   f"- needs GPUs: {check.needs_gpus or 'none (runs on CPU)'}",
                   f"- transformers: {code(check.transformers) if check.transformers else 'any version'}",
-                  f"- asks the loader for: a {check.purpose} load",
+                  f"- asks the loader for: {'an' if check.purpose == 'inference' else 'a'} {check.purpose} load",
                   f"- ranks: {check.world_size}",
                   f"- deadline: {check.timeout:g} s, {runs}", ""]
     for title, what in (("The loader before its fix", "before-loader"), ("How it is reproduced here",
@@ -421,13 +440,104 @@ def record_fields() -> str:
     return "\n".join(out)
 
 
+# --- the helpers' API page ----------------------------------------------------------------------------------------
+
+def _api_entries() -> dict[str, list[tuple[str, object]]]:
+    """``{module: [(name, object), ...]}`` of the API page, in :data:`API_MODULES`' order and the module's own."""
+    entries = {}
+    for module_name, names in API_MODULES.items():
+        module = importlib.import_module(module_name)
+        if names is None:
+            names = [name for name, obj in vars(module).items()
+                     if not name.startswith("_") and (inspect.isfunction(obj) or inspect.isclass(obj))
+                     and obj.__module__ == module_name]
+        entries[module_name] = [(name, getattr(module, name)) for name in names]
+    return entries
+
+
+def _signature(name: str, obj) -> str:
+    """``name(parameters)`` without annotations (they are strings under ``from __future__ import annotations``)."""
+    try:
+        signature = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return name
+    bare = [parameter.replace(annotation=inspect.Parameter.empty) for parameter in signature.parameters.values()]
+    prefix = "class " if inspect.isclass(obj) else ""
+    return prefix + name + str(signature.replace(parameters=bare, return_annotation=inspect.Signature.empty))
+
+
+def api_page() -> str:
+    """The reference page of the helpers the fixes name: a section a module, an entry (anchored by its dotted path)
+    a function or class, with its signature and docstring."""
+    lines = ["# Helpers for training scripts and loaders", "",
+             "*Generated from the docstrings of the modules below when the docs are built.* The fixes the checks "
+             "recommend, as functions a training script or a loader can import; none of them imports pytest. The "
+             "Fix section of each [known failure](../failures/index.md) links the helpers it names here."]
+    for module_name, entries in _api_entries().items():
+        module = importlib.import_module(module_name)
+        lines += ["", f"## {code(module_name)} {{#{module_name}}}", "", from_rest(inspect.getdoc(module) or "")]
+        for name, obj in entries:
+            lines += ["", f"### {code(name)} {{#{module_name}.{name}}}", "", "```python", _signature(name, obj), "```",
+                      "", from_rest(inspect.getdoc(obj) or "(no docstring)")]
+    return "\n".join(lines) + "\n"
+
+
+def _anchors() -> dict[int, str]:
+    """``{id(object): anchor}`` of every entry of the API page (a module's anchor is its name)."""
+    anchors = {id(importlib.import_module(module_name)): module_name for module_name in API_MODULES}
+    for module_name, entries in _api_entries().items():
+        anchors.update({id(obj): f"{module_name}.{name}" for name, obj in entries})
+    return anchors
+
+
+def _target(dotted: str, anchors: dict[int, str]) -> str | None:
+    """The API page's anchor of a dotted name as a fix writes it: a full path (``pytest_llmload.fixes.x.f``), a path
+    through a module that imports the helper, or one from a module's own name on (``move_offloaded.may_move``)."""
+    head, _, name = dotted.rpartition(".")
+    # only modules already imported (the catalog's, the API page's): a dotted word never imports anything
+    for module_name, module in list(sys.modules.items()):
+        if module_name.startswith("pytest_llmload") and (module_name == head or module_name.endswith("." + head)):
+            obj = getattr(module, name, None)
+            if obj is not None and id(obj) in anchors:
+                return anchors[id(obj)]
+    module = sys.modules.get(dotted)
+    return anchors.get(id(module)) if module is not None else None
+
+
+_DOTTED = re.compile(r"(?<![\w.])[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+")
+_SIBLING = re.compile(r"\s*/\s*([A-Za-z_]\w*)")
+
+
+def linked(text: str, page: str) -> str:
+    """Catalog text as :func:`plain` Markdown, each helper it names by a dotted name (and a sibling after a slash:
+    ``pytest_llmload.fixes.adapters.adapter_placement_kwargs / put_adapter``) a link to its entry on ``page`` (the
+    API page, relative to the page the text goes on)."""
+    anchors, out, at = _anchors(), [], 0
+    for match in _DOTTED.finditer(text):
+        if match.start() < at:
+            continue  # a sibling already linked
+        anchor = _target(match.group(), anchors)
+        if anchor is None:
+            continue
+        out += [plain(text[at:match.start()]), f"[{code(match.group())}]({page}#{anchor})"]
+        at = match.end()
+        head = match.group().rpartition(".")[0]
+        while sibling := _SIBLING.match(text, at):
+            anchor = _target(f"{head}.{sibling.group(1)}", anchors)
+            if anchor is None:
+                break
+            out += [plain(text[at:sibling.start(1)]), f"[{code(sibling.group(1))}]({page}#{anchor})"]
+            at = sibling.end()
+    return "".join(out + [plain(text[at:])])
+
+
 # --- everything, and the MkDocs events ----------------------------------------------------------------------------
 
 def generated_pages() -> dict[str, str]:
     """Every generated page: its path under docs/ and its Markdown."""
     from pytest_llmload.failures import CATALOG
 
-    pages = {FAILURES_INDEX: failures_index(), SETTINGS_PAGE: settings_page()}
+    pages = {FAILURES_INDEX: failures_index(), SETTINGS_PAGE: settings_page(), API_PAGE: api_page()}
     pages.update({f"failures/{failure.id}.md": failure_page(failure) for failure in CATALOG})
     return pages
 
@@ -500,8 +610,6 @@ def write_tables() -> list[str]:
 
 
 if __name__ == "__main__":  # python docs/hooks.py: the tables after a change to the catalog
-    import sys
-
     sys.path.insert(0, str(ROOT))  # this checkout's catalog, whatever copy of the package is installed
     changed = write_tables()
     print(f"rewrote the generated tables in {', '.join(changed)}" if changed else "the tables are current")

@@ -39,8 +39,9 @@ def test_every_known_failure_has_its_generated_page(failure, pages, hooks):
     assert page.startswith(f"# {failure.id}: ")
     # the report section as printed (raw text), and the same fields as Markdown
     assert failure.explain() in page
-    for text in (failure.title, failure.root_cause, failure.fix, failure.occurs, failure.write_up):
+    for text in (failure.title, failure.root_cause, failure.occurs, failure.write_up):
         assert hooks.plain(text) in page or hooks.cell(hooks.plain(text)) in page, text
+    assert hooks.linked(failure.fix, f"../{hooks.API_PAGE}") in page  # the fix, its helpers linked (tests/docs/)
     for pattern in failure.signatures:
         assert hooks.code(pattern) in page
     checks = [check for check in REGISTRY if check.failure.id == failure.id]

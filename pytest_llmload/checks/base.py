@@ -190,7 +190,7 @@ class Check(NamedTuple):
         purposes = getattr(loader, "purposes", None)
         if purposes is not None and self.purpose not in purposes:
             return (f"{self.name}: loader {loader.name} is declared for {' and '.join(purposes)} only; this check "
-                    f"needs a {self.purpose} load")
+                    f"needs {'an' if self.purpose == 'inference' else 'a'} {self.purpose} load")
         declared = getattr(loader, "not_applicable_reason", lambda name: None)
         reason = declared(self.name) or declared(self.name.removesuffix("_cuda"))
         if reason is not None:

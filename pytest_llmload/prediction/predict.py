@@ -649,7 +649,7 @@ class Scenario(NamedTuple):
         purposes = getattr(loader, "purposes", None)
         if purposes is not None and self.purpose not in purposes:
             return (f"{self.name}: loader {loader.name} is declared for {' and '.join(purposes)} only; this "
-                    f"scenario runs a {self.purpose} load")
+                    f"scenario runs {'an' if self.purpose == 'inference' else 'a'} {self.purpose} load")
         declared = getattr(loader, "not_applicable_reason", lambda name: None)
         reasons = [declared(check.name) for check in REGISTRY if check.failure.id == self.failure.id
                    and not check.name.endswith("_cuda")]
