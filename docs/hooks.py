@@ -9,7 +9,7 @@
   :data:`TABLE_END`), which tests/failures/test_homes.py checks are current;
 - ``reference/settings.md``: every setting of :data:`pytest_llmload.config.vocabulary.SETTINGS`, the markers' help texts and
   the fixtures' docstrings (read from ``pytest_llmload/plugin/fixtures.py`` without importing it);
-- the ``LoadRequest`` field table, put where a page says ``<!-- llmload:load-request-fields -->``;
+- the ``LoadRequest`` field table, written between a page's ``<!-- llmload:load-request-fields ... -->`` lines;
 - ``reference/api.md``: the helpers a fix names (:data:`API_MODULES`), each with its signature, its docstring and an
   anchor named by its dotted path; a failure page's Fix section links each helper it names there (:func:`linked`).
 
@@ -33,8 +33,12 @@ import typing
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FIELDS_MARK = "<!-- llmload:load-request-fields -->"
-RECORDS_MARK = "<!-- llmload:record-fields -->"
+# Tables written into the pages themselves (readable on GitHub, not only on the built site), between a start and an
+# end line: the LoadRequest fields on the loader contract, KnownFailure's and Check's on the extension API.
+FIELDS_MARK = "<!-- llmload:load-request-fields (generated from LoadRequest: python docs/hooks.py) -->"
+FIELDS_END = "<!-- /llmload:load-request-fields -->"
+RECORDS_MARK = "<!-- llmload:record-fields (generated from the records: python docs/hooks.py) -->"
+RECORDS_END = "<!-- /llmload:record-fields -->"
 FAILURES_INDEX = "failures/index.md"
 # The known-failures table sits between these lines in README.md and docs/index.md.
 TABLE_START = "<!-- llmload:known-failures (generated from the catalog: python docs/hooks.py) -->"
@@ -572,13 +576,21 @@ def on_files(files, config, **kwargs):
 
 
 def on_page_markdown(markdown, page, config, files, **kwargs):
-    if FIELDS_MARK in markdown:
-        markdown = markdown.replace(FIELDS_MARK, load_request_fields())
-    if RECORDS_MARK in markdown:
-        markdown = markdown.replace(RECORDS_MARK, record_fields())
+    for start, end, make in ((FIELDS_MARK, FIELDS_END, load_request_fields), (RECORDS_MARK, RECORDS_END, record_fields)):
+        if start in markdown:
+            markdown = with_block(markdown, start, end, make())
     if TABLE_START in markdown:
         markdown = with_known_failures_table(markdown, linked=True)
     return markdown
+
+
+def with_block(text: str, start_line: str, end_line: str, content: str) -> str:
+    """``text`` with ``content`` between ``start_line`` and ``end_line``, whatever was there before."""
+    before, start, rest = text.partition(start_line)
+    _, end, after = rest.partition(end_line)
+    if not start or not end:
+        raise ValueError(f"docs/hooks.py: no {start_line!r} ... {end_line!r} lines to put the generated table between")
+    return f"{before}{start}\n\n{content}\n\n{end}{after}"
 
 
 def with_extras_table(text: str) -> str:
@@ -586,19 +598,23 @@ def with_extras_table(text: str) -> str:
     from pytest_llmload.config.distribution import extras_table
     from pytest_llmload.failures import REGISTRY
 
-    before, start, rest = text.partition(EXTRAS_START)
-    _, end, after = rest.partition(EXTRAS_END)
-    if not start or not end:
-        raise ValueError(f"docs/hooks.py: no {EXTRAS_START!r} ... {EXTRAS_END!r} lines to put the extras' table between")
-    return f"{before}{start}\n\n{extras_table(REGISTRY)}\n\n{end}{after}"
+    return with_block(text, EXTRAS_START, EXTRAS_END, extras_table(REGISTRY))
+
+
+# page -> how its generated blocks are made anew (besides the known failures' and the extras' tables)
+BLOCK_HOMES = {
+    "docs/loader-contract.md": lambda text: with_block(text, FIELDS_MARK, FIELDS_END, load_request_fields()),
+    "docs/extension.md": lambda text: with_block(text, RECORDS_MARK, RECORDS_END, record_fields()),
+}
 
 
 def write_tables() -> list[str]:
-    """Rewrite the known-failures table in README.md and docs/index.md from the catalog, and the extras' table in
-    :data:`EXTRAS_HOMES`; the files it changed."""
+    """Rewrite the known-failures table in README.md and docs/index.md from the catalog, the extras' table in
+    :data:`EXTRAS_HOMES` and the tables of :data:`BLOCK_HOMES`; the files it changed."""
     changed = []
     homes = [(name, lambda text, linked=linked: with_known_failures_table(text, linked))
              for name, linked in TABLE_HOMES.items()] + [(name, with_extras_table) for name in EXTRAS_HOMES]
+    homes += list(BLOCK_HOMES.items())
     for name, rewrite in homes:
         path = ROOT / name
         text = path.read_text(encoding="utf-8")

@@ -76,6 +76,13 @@ def test_the_load_request_table_has_every_field(hooks):
     assert hooks.FIELDS_MARK in (ROOT / "docs" / "loader-contract.md").read_text(encoding="utf-8")
 
 
+@pytest.mark.parametrize("home", ["docs/loader-contract.md", "docs/extension.md"])
+def test_the_tables_written_into_the_pages_are_current(hooks, home):
+    # Written into the page, not only at build time, so the page reads whole on GitHub too.
+    text = (ROOT / home).read_text(encoding="utf-8")
+    assert hooks.BLOCK_HOMES[home](text) == text, f"{home}'s generated table is stale: run python docs/hooks.py"
+
+
 def test_the_readme_has_no_link_that_breaks_once_installed():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     relative = re.findall(r"\]\((?!https?://|#)([^)]*)\)", readme)
