@@ -307,7 +307,9 @@ def with_known_failures_table(text: str, linked: bool) -> str:
 
 def _fixtures() -> list[tuple[str, str, str]]:
     """``(name, scope, docstring)`` of each fixture in pytest_llmload/plugin/fixtures.py, in file order (read, not imported)."""
-    path = Path(importlib.util.find_spec("pytest_llmload.plugin.fixtures").origin)
+    # From the package's own folder: once an old import path was resolved in this process, the module's spec may be
+    # the alias' (no origin).
+    path = Path(importlib.util.find_spec("pytest_llmload").origin).parent / "plugin" / "fixtures.py"
     found = []
     for node in ast.parse(path.read_text(encoding="utf-8")).body:
         if not isinstance(node, ast.FunctionDef):

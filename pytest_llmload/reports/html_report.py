@@ -1,14 +1,19 @@
 """Pictures of where each model went and of memory per phase, in a self-contained HTML report.
 
 ``--llmload-html PATH`` (ini ``llmload_html``) writes one HTML file at the end of the session: a header (the loader,
-the stack's versions, when and how long, counts by verdict), one row per test (its verdict, the known failure it
-names, seconds) and, for each test that loaded a model, two figures drawn with matplotlib (Agg): the model's device
-map (one bar per device, cpu/disk/meta included, its bytes and the modules on it) and the memory of each phase.
+the stack's versions, when and how long, counts by verdict); then each failing row (failed, error, then predicted)
+as a card: its finding (the row's sentence, as the main job prints it), the known failure it names and its fix (the
+row's ``fix``, as the main job and JUnit give it; the catalog's field reports linked), and its pictures; then every
+other row collapsed (``<details>``) in one table, with their pictures below it. For each test that loaded a model,
+two figures drawn with matplotlib (Agg): where its models went (one picture per placement, a bar per device,
+cpu/disk/meta included, its bytes and the modules on it; the loads that had it listed below) and the memory of
+each phase, its axis starting near the lowest value shown. A picture is embedded once, where it first appears: a
+later one with the same input data (hashed, :class:`_Pictures`) says "same picture as" and links to it.
 For each prediction (``--llmload-runner``), where the model would go on the runner instead: a bar per device
 filled against its capacity, the modules it holds on it, the predicted failure beside it (:func:`prediction_html`,
 plain HTML and CSS from the row's :attr:`~pytest_llmload.reports.row.Row.prediction`; the stand-in loads of a
-prediction are this process's, and are not drawn). CSS and images are inline (PNG data URIs): the file can be
-mailed or kept as a CI artifact alone.
+prediction are this process's, and are not drawn). CSS and images are inline (palette PNG data URIs): the file can
+be mailed or kept as a CI artifact alone.
 
 With pytest-html in the run (``--html``), the same PNGs go into its report as extras (``report.extras``, the API
 pytest-html documents), whether or not ``--llmload-html`` is given.
@@ -34,9 +39,12 @@ A run without ``--llmload-html`` or ``--html`` does nothing here; matplotlib is 
 from __future__ import annotations
 
 import base64
+import hashlib
 import html
 import importlib.util
 import io
+import json
+import math
 import os
 import re
 import sys
@@ -46,6 +54,7 @@ from typing import Any, Optional
 
 import pytest
 
+from pytest_llmload.reports.known_failures import SECTION as KNOWN_FAILURE_SECTION
 from pytest_llmload.reports.row import GUARDS_PROPERTY, LOADER_PROPERTY, Row
 from pytest_llmload.placement.picture import device_order, placement_tiers
 from pytest_llmload.instruments.device_map_summary import compress_modules
@@ -237,8 +246,6 @@ class _Spool:
         recorder._closed, recorder.track_model = closed_and_spooled, track_and_spool
 
     def write(self, kind: str, data: dict) -> None:
-        import json
-
         try:
             os.write(self.fd, (json.dumps([kind, data], default=str) + "\n").encode("utf-8"))
         except (OSError, TypeError, ValueError):
@@ -246,8 +253,6 @@ class _Spool:
 
 
 def _spooled() -> list[tuple[str, dict]]:
-    import json
-
     if _spool_dir is None or not os.path.isdir(_spool_dir):
         return []
     found = []
@@ -309,10 +314,16 @@ def _checkpoint_tensors(source: str) -> Optional[list[tuple[str, int]]]:
 
 DPI = 100
 WIDTH_IN = 11.0
+# A chart is a few flat colours and antialiased text: as a palette PNG of this many colours it is a third of its
+# full-colour size, with no difference to see (the reference loader's report: 1.5 MB before, see docs/html_report.md).
+PNG_COLOURS = 64
 DEVICE_COLOURS = {"cpu": "#e6862e", "disk": "#8c6d4f", "meta": "#d62728"}
 CUDA_COLOURS = ("#1f77b4", "#2ca02c", "#9467bd", "#17becf", "#bcbd22", "#e377c2", "#7f7f7f", "#393b79")
 LABEL_CHARS = 64
 PHASE_LABEL_WIDTH = 46
+# A memory axis starts at 0 only where the values shown span more than this share of the largest: else near the
+# lowest, so that a rise of a few MiB on a process of hundreds is seen.
+MEMORY_SPAN_FROM_ZERO = 0.5
 
 
 def device_colour(device: str) -> str:
@@ -340,11 +351,16 @@ def _wrap(text: str, width: int) -> str:
 
 
 def _png(fig) -> bytes:
+    """The figure as a palette PNG of :data:`PNG_COLOURS` colours (Pillow is matplotlib's own dependency)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from PIL import Image
 
     FigureCanvasAgg(fig)
+    drawn = io.BytesIO()
+    fig.savefig(drawn, format="png", dpi=DPI, metadata={"Software": None})
+    image = Image.open(io.BytesIO(drawn.getvalue())).convert("RGB")
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=DPI, metadata={"Software": None})
+    image.quantize(PNG_COLOURS, method=Image.Quantize.MEDIANCUT).save(buffer, format="PNG", optimize=True)
     return buffer.getvalue()
 
 
@@ -369,16 +385,39 @@ def _style(ax) -> None:
         ax.spines[side].set_visible(False)
 
 
-def device_map_figure(models: list[dict], nodeid: str) -> bytes:
-    """One panel per model load: a bar per device (its bytes), the modules on it written beside the bar."""
+def placement(model: dict) -> dict:
+    """What a device-map picture draws of one load: its bars (a device, its bytes, its modules) and the bytes under
+    no entry. Loads with the same placement have the same picture: the report draws it once."""
+    return {"devices": model["devices"], "unmatched_bytes": model.get("unmatched_bytes") or 0}
+
+
+def placements(models: list[dict]) -> list[list[dict]]:
+    """A test's loads grouped by placement, in the order of their first load."""
+    groups: dict[str, list[dict]] = {}
+    for model in models:
+        groups.setdefault(json.dumps(placement(model), sort_keys=True), []).append(model)
+    return list(groups.values())
+
+
+def load_line(model: dict) -> str:
+    """One load in words: ``LlamaForCausalLM from llama-float32-seed0 for train on cpu, lora, in 0.32 s``."""
+    took = f", in {model['seconds']:.2f} s" if model.get("seconds") else ""
+    what = f"{model['kind']} from {model['load']}" if model.get("load") else _model_name(model)
+    return what + took
+
+
+def device_map_figure(groups: list[list[dict]], titled: bool = True) -> bytes:
+    """One panel per placement (:func:`placements`): a bar per device (its bytes), the modules on it written beside
+    the bar. ``titled``: each panel names its loads and where its map comes from (pytest-html's extras, which have no
+    text beside them); the HTML report says those in HTML, and draws each placement alone, untitled."""
     from matplotlib.figure import Figure
 
-    heights = [1.3 + 0.55 * max(1, len(m["devices"])) for m in models]
-    fig = Figure(figsize=(WIDTH_IN, sum(heights) + 0.45), layout="constrained")
-    axes = fig.subplots(len(models), 1, squeeze=False, gridspec_kw={"height_ratios": heights})[:, 0]
-    fig.suptitle(_wrap(f"Where the models went \u2014 {_test_name(nodeid)}", 80), fontsize=13, fontweight="bold")
-    for ax, model in zip(axes, models):
-        devices = model["devices"]
+    heights = [(1.3 if titled else 0.75) + 0.5 * max(1, len(g[0]["devices"])) for g in groups]
+    fig = Figure(figsize=(WIDTH_IN, sum(heights)), layout="constrained")
+    axes = fig.subplots(len(groups), 1, squeeze=False, gridspec_kw={"height_ratios": heights})[:, 0]
+    for ax, group in zip(axes, groups):
+        drawn = placement(group[0])
+        devices = drawn["devices"]
         known = all(d["bytes"] is not None for d in devices)
         raw = [d["bytes"] if known else len(d["modules"]) for d in devices]
         unit, scale = _unit(max(raw, default=0)) if known else ("", 1.0)
@@ -401,19 +440,17 @@ def device_map_figure(models: list[dict], nodeid: str) -> bytes:
             ax.text(v - largest * 0.015 if inside else v + largest * 0.012, yi, _wrap(_short(text, 3 * width), width),
                     va="center", ha="right" if inside else "left", fontsize=10,
                     color="white" if dark else "black")
-        if known:
-            ax.set_xlabel(f"weights on the device ({unit}, as stored in the checkpoint)", fontsize=10)
-        else:
-            ax.set_xlabel("modules on the device (the checkpoint's sizes could not be read)", fontsize=10)
+        label = ("weights on the device ({}, as stored in the checkpoint)".format(unit) if known
+                 else "modules on the device (the checkpoint's sizes could not be read)")
+        if drawn["unmatched_bytes"]:
+            label += f"; {format_bytes(drawn['unmatched_bytes'])} of tensors under no device-map entry"
+        ax.set_xlabel(label, fontsize=10)
         _style(ax)
-        title = _model_name(model) + (f", loaded in {model['seconds']:.2f} s" if model.get("seconds") else "")
-        detail = f"device map: {model['map_source']}"
-        if model.get("load"):
-            detail += f" \u00b7 load: {model['load']}"
-        if model.get("unmatched_bytes"):
-            detail += f" \u00b7 {format_bytes(model['unmatched_bytes'])} of tensors under no device-map entry"
-        ax.set_title(title, fontsize=11.5, fontweight="bold", loc="left", pad=22 + 13 * (len(_wrap(detail, 140).splitlines()) - 1))
-        ax.text(0, 1.02, _wrap(detail, 140), transform=ax.transAxes, fontsize=9.5, color="#424a53", va="bottom")
+        if titled:
+            title = "; ".join(load_line(m) for m in group)
+            detail = f"device map: {group[0]['map_source']}"
+            ax.set_title(_wrap(_short(title, 280), 110), fontsize=11, fontweight="bold", loc="left", pad=18)
+            ax.text(0, 1.02, _wrap(detail, 140), transform=ax.transAxes, fontsize=9.5, color="#424a53", va="bottom")
     return _png(fig)
 
 
@@ -428,77 +465,99 @@ def _phase_label(p: dict) -> str:
     return "\n".join(indent + line for line in lines)
 
 
-def memory_figure(phases: list[dict], nodeid: str) -> Optional[bytes]:
-    """Per phase: the process RSS before it and at its peak (from the kernel), and each GPU's peak allocation."""
+def memory_rows(phases: list[dict]) -> list[dict]:
+    """What the memory figure draws of a test's phases (the phases with a figure), and nothing else: two tests
+    with the same rows have the same picture."""
+    return [{"label": _phase_label(p), "error": p.get("error") or "", "child": bool(p.get("child")),
+             "rss_before": p.get("rss_before") or 0,
+             "rss_peak": p["rss_peak"] if p.get("rss_peak") is not None else (p.get("rss_after") or 0),
+             "cuda_after": {str(i): int(v[0]) for i, v in (p.get("cuda_after") or {}).items()},
+             "cuda_peak": {str(i): int(v) for i, v in (p.get("cuda_peak") or {}).items()}}
+            for p in phases
+            if p.get("rss_peak") is not None or p.get("rss_after") is not None or p.get("cuda_peak")]
+
+
+def axis_start(values: list[int]) -> int:
+    """Where a memory axis starts, in bytes: 0 where the values span most of the way from 0 (or one is 0), else a
+    round number a little under the lowest value, so that the differences between the bars are what is seen."""
+    low, high = min(values, default=0), max(values, default=0)
+    if low <= 0 or high - low > MEMORY_SPAN_FROM_ZERO * high:
+        return 0
+    _, scale = _unit(high)  # (round in the axis' unit: it starts at 320 MiB, not at 335544320 bytes)
+    span = max(high - low, high / 50) / scale  # (a flat test: the bars' ends still apart from the axis)
+    step = 10 ** math.floor(math.log10(span))
+    return max(0, int((low / scale - 0.3 * span) // step * step * scale))
+
+
+def memory_figure(rows: list[dict]) -> Optional[bytes]:
+    """Per phase (:func:`memory_rows`): the process RSS before it and at its peak (from the kernel), and each GPU's
+    peak allocation; each axis starts near the lowest value it shows (:func:`axis_start`), and says so."""
     from matplotlib.figure import Figure
 
-    rows = [p for p in phases if p.get("rss_peak") is not None or p.get("rss_after") is not None or p.get("cuda_peak")]
     if not rows:
         return None
-    cuda = sorted({i for p in rows for i in p.get("cuda_peak", {})}, key=int)
+    cuda = sorted({i for p in rows for i in p["cuda_peak"]}, key=int)
     panels = [None, *cuda]
-    height = 1.2 + 0.56 * len(rows)
-    fig = Figure(figsize=(WIDTH_IN, 0.5 + height * len(panels)), layout="constrained")
+    height = 1.0 + 0.5 * len(rows)
+    fig = Figure(figsize=(WIDTH_IN, height * len(panels)), layout="constrained")
     axes = fig.subplots(len(panels), 1, squeeze=False)[:, 0]
-    fig.suptitle(_wrap(f"Memory per phase \u2014 {_test_name(nodeid)}", 80), fontsize=13, fontweight="bold")
-    labels = [_phase_label(p) for p in rows]
-    children = {bool(p.get("child")) for p in rows}  # {True}: every phase ran in an isolated child
+    children = {p["child"] for p in rows}  # {True}: every phase ran in an isolated child
     y = list(range(len(rows)))[::-1]
     for ax, index in zip(axes, panels):
         if index is None:
-            before = [p.get("rss_before") or 0 for p in rows]
-            peak = [p.get("rss_peak") if p.get("rss_peak") is not None else (p.get("rss_after") or 0) for p in rows]
+            before, peak = [p["rss_before"] for p in rows], [p["rss_peak"] for p in rows]
             colour, what = "#e6862e", "process RSS"
             title = ("Process RSS: grey = before the phase, orange = its peak during the phase (the kernel's "
                      "high-water mark)" + ("; every phase ran in the check's isolated child process"
                                            if children == {True} else "; [child]: in the check's isolated child "
                                            "process" if True in children else ""))
         else:
-            before = [int((p.get("cuda_after") or {}).get(index, [0, 0])[0]) for p in rows]
-            peak = [int((p.get("cuda_peak") or {}).get(index, 0)) for p in rows]
+            before = [p["cuda_after"].get(index, 0) for p in rows]
+            peak = [p["cuda_peak"].get(index, 0) for p in rows]
             colour, what = device_colour(f"cuda:{index}"), f"cuda:{index} allocated"
             title = f"cuda:{index}: grey = allocated by torch at the end of the phase, coloured = its peak during it"
+        start = axis_start([*before, *peak])
         unit, scale = _unit(max([*peak, *before, 1]))
-        largest = max([*peak, *before, 1]) / scale
+        low, largest = start / scale, max([*peak, *before, 1]) / scale
+        room = (largest - low) or 1.0
         ax.barh([v + 0.19 for v in y], [b / scale for b in before], height=0.36, color="#b9b9b9")
         ax.barh([v - 0.19 for v in y], [k / scale for k in peak], height=0.36, color=colour)
         for yi, b, k, p in zip(y, before, peak, rows):
             grew = f"  (+{format_bytes(k - b)})" if index is None and k > b else ""
-            ax.text(k / scale + largest * 0.01, yi - 0.19, f"{format_bytes(k)}{grew}", va="center", fontsize=9.5)
-            if p.get("error") and index is None:
-                ax.text(k / scale + largest * 0.01, yi + 0.19, _short(f"raised {p['error']}", 38), va="center",
+            ax.text(k / scale + room * 0.01, yi - 0.19, f"{format_bytes(k)}{grew}", va="center", fontsize=9.5)
+            if p["error"] and index is None:
+                ax.text(k / scale + room * 0.01, yi + 0.19, _short(f"raised {p['error']}", 34), va="center",
                         fontsize=9, color="#c00000")
-        ax.set_xlim(0, largest * 1.42)
+        ax.set_xlim(low, low + room * 1.5)  # (room on the right for the figures written beside the bars)
         ax.set_ylim(-0.65, len(rows) - 0.35)
-        ax.set_yticks(y, [label + ("  [child]" if p.get("child") and len(children) > 1 else "")
-                          for label, p in zip(labels, rows)],
+        ax.set_yticks(y, [p["label"] + ("  [child]" if p["child"] and len(children) > 1 else "") for p in rows],
                       fontsize=9.5)
         for tick, p in zip(ax.get_yticklabels(), rows):
-            if p.get("error"):
+            if p["error"]:
                 tick.set_color("#c00000")
-        ax.set_xlabel(f"{what} ({unit})", fontsize=10)
+        ax.set_xlabel(f"{what} ({unit})" + (f"; the axis starts at {format_bytes(start)}, not 0" if start else ""),
+                      fontsize=10, color="#c00000" if start else "black")
         ax.set_title(_wrap(title, 84), fontsize=10, loc="left", color="#424a53")
         _style(ax)
     return _png(fig)
 
 
 def figures(record: dict, nodeid: str) -> list[tuple[str, bytes]]:
-    """The PNGs of one test: its device map and its memory per phase (only for a test that loaded a model)."""
+    """The PNGs of one test for pytest-html's extras: its device maps (a panel per placement) and its memory per
+    phase (only for a test that loaded a model)."""
     if not record.get("models"):
         return []
-    found = [("llmload: device map", device_map_figure(record["models"], nodeid))]
-    memory = memory_figure(record.get("phases", []), nodeid)
+    found = [("llmload: device map", device_map_figure(placements(record["models"])))]
+    memory = memory_figure(memory_rows(record.get("phases", [])))
     if memory is not None:
         found.append(("llmload: memory per phase", memory))
     return found
 
 
-def device_map_text(models: list[dict]) -> str:
-    """The device maps in words (the figure's caption): ``LlamaForCausalLM from llama: cpu 224.5 KiB (...); ...``."""
-    return "\n".join(
-        f"{_model_name(m)}: " + "; ".join(
-            f"{d['device']} {format_bytes(d['bytes']) if d['bytes'] is not None else '?'} "
-            f"({compress_modules(d['modules'])})" for d in m["devices"]) for m in models)
+def placement_text(model: dict) -> str:
+    """A placement in words (its picture's caption): ``cpu 224.5 KiB (model.embed_tokens, model.layers.0); ...``."""
+    return "; ".join(f"{d['device']} {format_bytes(d['bytes']) if d['bytes'] is not None else '?'} "
+                     f"({compress_modules(d['modules'])})" for d in model["devices"])
 
 
 def memory_text(phases: list[dict]) -> str:
@@ -552,7 +611,7 @@ class HtmlReport:
 
     def _row(self, nodeid: str) -> dict:
         return self.rows.setdefault(nodeid, {"nodeid": nodeid, "outcome": "passed", "seconds": 0.0, "verdict": None,
-                                             "props": {}, "note": "", "record": None})
+                                             "props": {}, "note": "", "record": None, "known": ""})
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if not self.collects:
@@ -570,6 +629,8 @@ class HtmlReport:
             row["note"] = report.longrepr[2].removeprefix("Skipped: ")
         elif report.failed and not row["note"]:
             row["note"] = _first_line(report.longreprtext)
+        # A test that is not a check: the known failure its text matched, as pytest's report section says it.
+        row["known"] = next((text for name, text in report.sections if name == KNOWN_FAILURE_SECTION), row["known"])
         record = getattr(report, RECORD_ATTRIBUTE, None)
         if record is not None:
             row["record"] = record
@@ -610,13 +671,17 @@ def _first_line(text: str) -> str:
 
 VERDICT_COLOURS = {"passed": "#1a7f37", "failed": "#cf222e", "error": "#b35900", "predicted": "#8250df",
                    "skipped": "#6e7781", "not exercised": "#6e7781", "xfailed": "#6e7781", "xpassed": "#b35900"}
+# The rows a red build is opened for: first, each as a card, in this order. Every other row is collapsed below them.
+CARDS = ("failed", "error", "predicted")
+FIELD_REPORT = re.compile(r"\b([\w.-]+/[\w.-]+)#(\d+)\b")  # a catalog's field report: owner/repo#number
 
 CSS = """
 body { font: 15px/1.45 system-ui, -apple-system, "Segoe UI", "DejaVu Sans", sans-serif; color: #1f2328;
        margin: 24px auto; max-width: 1200px; padding: 0 16px; }
 h1 { font-size: 26px; margin: 0 0 6px; }
-h2 { font-size: 20px; margin: 28px 0 10px; border-bottom: 1px solid #d0d7de; padding-bottom: 4px; }
-h3 { font-size: 16px; margin: 22px 0 6px; word-break: break-all; }
+h2 { font-size: 20px; margin: 24px 0 10px; border-bottom: 1px solid #d0d7de; padding-bottom: 4px; }
+h3 { font-size: 17px; margin: 22px 0 6px; word-break: break-all; }
+h4 { font-size: 14px; margin: 14px 0 4px; }
 .meta { color: #424a53; margin: 2px 0; }
 .counts span { display: inline-block; margin: 6px 8px 0 0; }
 table { border-collapse: collapse; width: 100%; font-size: 14px; table-layout: fixed; }
@@ -629,10 +694,28 @@ td.test, td.failure { overflow-wrap: anywhere; }
            font-weight: 600; white-space: nowrap; }
 .sentence { white-space: pre-wrap; overflow-wrap: anywhere; color: #424a53; font-size: 13px; margin-top: 3px; }
 code { font-size: 13px; }
-figure { margin: 8px 0 18px; }
-figure img { max-width: 100%; height: auto; border: 1px solid #d0d7de; }
+figure { margin: 6px 0 14px; }
+figure img { max-width: 100%; height: auto; border: 1px solid #d0d7de; display: block; }
 figcaption { color: #57606a; font-size: 13px; }
+figcaption ul { margin: 2px 0; padding-left: 20px; }
 a { color: #0969da; }
+.card { border: 1px solid #d0d7de; border-left: 6px solid #cf222e; border-radius: 6px; padding: 4px 18px 8px;
+        margin: 12px 0 22px; }
+.card.error { border-left-color: #b35900; } .card.predicted { border-left-color: #8250df; }
+.card h3 { margin-top: 10px; }
+.label { font-weight: 600; color: #1f2328; }
+.finding .sentence { font: 13px/1.45 ui-monospace, "DejaVu Sans Mono", monospace; color: #1f2328;
+                     background: #fff5f5; border: 1px solid #ffcecb; border-radius: 4px; padding: 8px 10px; }
+.fix { background: #dafbe1; border: 1px solid #aceebb; border-radius: 4px; padding: 6px 10px; margin: 10px 0; }
+.fix p { margin: 3px 0; }
+.fix pre { white-space: pre-wrap; margin: 0; font-size: 13px; }
+.notes { color: #424a53; font-size: 13px; }
+.same { color: #57606a; font-size: 13px; margin: 2px 0; font-style: italic; }
+details.rest { margin: 24px 0; }
+details.rest > summary { cursor: pointer; font-size: 20px; font-weight: 600; padding: 4px 0;
+                         border-bottom: 1px solid #d0d7de; }
+details.rest > summary .verdict { font-size: 13px; vertical-align: middle; }
+details.rest > summary > span { margin-left: 10px; font-size: 15px; }
 .prediction { display: flex; gap: 16px; align-items: flex-start; margin: 6px 0 18px; }
 .pred-bars { flex: 3; min-width: 0; }
 .pred-verdict { flex: 1; min-width: 0; border-left: 3px solid #8250df; padding: 2px 0 2px 10px; font-size: 14px; }
@@ -654,6 +737,10 @@ a { color: #0969da; }
 def _severity(kind: str) -> tuple[int, str]:
     order = ("failed", "error", "predicted", "xpassed", "not exercised", "passed", "skipped", "xfailed")
     return (order.index(kind) if kind in order else len(order), kind)
+
+
+def _row_severity(row: dict) -> tuple[int, str]:
+    return _severity(_verdict_of(row)[0])
 
 
 def _badge(kind: str) -> str:
@@ -681,21 +768,132 @@ def _anchor(nodeid: str) -> str:
     return "t-" + re.sub(r"[^A-Za-z0-9_-]+", "-", nodeid).strip("-")
 
 
-def render_html(config: pytest.Config, rows: list[dict], started: float, ended: float) -> str:
+class _Pictures:
+    """The pictures already in the file, by what they show (a hash of the figure's input data, never of its PNG):
+    each is drawn and embedded once; a later row with the same one refers to it."""
+
+    def __init__(self) -> None:
+        self.first: dict[str, str] = {}  # key: the row that shows it
+
+    def html(self, data: Any, draw, alt: str, row_name: str) -> str:
+        key = hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode("utf-8")).hexdigest()[:16]
+        if key in self.first:
+            return (f'<p class="same">same picture as <a href="#p-{key}">{html.escape(self.first[key])}\'s</a></p>')
+        png = draw()
+        self.first[key] = row_name
+        return (f'<img id="p-{key}" alt="{html.escape(alt)}" '
+                f'src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}">')
+
+
+def _pictures_html(row: dict, drawn: _Pictures) -> str:
+    """A test's pictures: a device map per placement, the loads that had it listed below it; its memory per phase."""
+    from pytest_llmload.reports.progress import check_name
+
+    esc, record, name = html.escape, row["record"], check_name(row["nodeid"])
+    parts = ["<h4>Where the models went</h4>"]
+    if not record["models"]:  # a failing test's card: the loader raised before it returned one, say
+        parts.append('<p class="same">no model came back to be drawn (the finding says where it stopped)</p>')
+    for group in placements(record["models"]):
+        picture = drawn.html(["device map", placement(group[0])], lambda: device_map_figure([group], titled=False),
+                             f"llmload: device map: {row['nodeid']}", name)
+        loads = "".join(f"<li>{esc(load_line(m))} (device map: {esc(m['map_source'])})</li>" for m in group)
+        parts.append(f'<figure class="device-map">{picture}<figcaption><b>{esc(placement_text(group[0]))}</b>'
+                     f"<ul>{loads}</ul></figcaption></figure>")
+    memory = memory_rows(record.get("phases", []))
+    if memory:
+        picture = drawn.html(["memory", memory], lambda: memory_figure(memory),
+                             f"llmload: memory per phase: {row['nodeid']}", name)
+        parts.append(f'<h4>Memory per phase</h4><figure class="memory">{picture}'
+                     f'<figcaption>{esc(memory_text(record["phases"]))}</figcaption></figure>')
+    return "".join(parts)
+
+
+def _fix_html(failure_id: str, fix: str) -> str:
+    """The known failure a row names and its fix, in the fix's own words (the row's, as the main job and JUnit give
+    it); its write-up or the field reports it comes from (linked), from the catalog where it is one of ours."""
+    from pytest_llmload import failures as catalog
+
+    esc = html.escape
+    known = catalog.BY_ID.get(failure_id)
+    about = ""
+    if known is not None:
+        about = f": {esc(known.title)}"
+        if known.write_up.startswith("seeds/"):
+            about += f" (write-up {esc(known.write_up.rpartition('/')[2][:3])})"
+        else:
+            about += "<br>field reports: " + ", ".join(
+                f'<a href="https://github.com/{esc(repo)}/issues/{number}">{esc(repo)}#{number}</a>'
+                for repo, number in dict.fromkeys(FIELD_REPORT.findall(known.write_up)))
+    return (f'<div class="fix"><p><span class="label">Known failure</span> <code>{esc(failure_id)}</code>{about}</p>'
+            f'<p><span class="label">fix ({esc(failure_id)}):</span> {esc(fix)}</p></div>')
+
+
+def _card(row: dict, drawn: _Pictures) -> str:
+    """A failing row (failed, error, predicted): what failed, what was found, the known failure and its fix, and
+    its pictures (a prediction's: where the model would go)."""
+    from pytest_llmload.reports.progress import check_name
+
+    esc = html.escape
+    kind, failure, sentence = _verdict_of(row)
+    check_row, nodeid = _row_of(row), row["nodeid"]
+    name = check_name(nodeid)
+    finding = check_row.sentence.removeprefix(f"{check_row.check}: ") if check_row else sentence
+    guards = f" &middot; guards {esc(check_row.guards)}" if check_row and check_row.guards else ""
+    parts = [f'<section class="card {esc(kind)}" id="{_anchor(nodeid)}" data-check="{esc(name)}" '
+             f'data-verdict="{esc(kind)}">',
+             f"<h3>{esc(name)} {_badge(kind)}</h3>",
+             f'<p class="meta"><code>{esc(nodeid)}</code> &middot; {row["seconds"]:.2f} s{guards}</p>',
+             f'<div class="finding"><span class="label">Finding</span><div class="sentence">{esc(finding)}</div></div>']
+    if check_row and check_row.notes:
+        parts.append(f'<p class="notes"><span class="label">How it was judged:</span> {esc(check_row.note)}</p>')
+    if check_row and check_row.fix and check_row.failure:
+        parts.append(_fix_html(check_row.failure, check_row.fix))
+    elif row.get("known"):  # a test that runs no check: the known failure its text matched
+        parts.append(f'<div class="fix"><span class="label">Known failure</span><pre>{esc(row["known"])}</pre></div>')
+    if _is_prediction(check_row):
+        parts.append(prediction_html(check_row))
+    elif row["record"] and (row["record"].get("models") or memory_rows(row["record"].get("phases", []))):
+        parts.append(_pictures_html(row, drawn))
+    return "".join(parts) + "</section>"
+
+
+def _table_row(row: dict, linked: bool) -> str:
+    from pytest_llmload.reports.progress import check_name
+
+    esc = html.escape
+    kind, failure, sentence = _verdict_of(row)
+    nodeid = row["nodeid"]
+    name = check_name(nodeid)
+    link = f' &middot; <a href="#{_anchor(nodeid)}">pictures</a>' if linked else ""
+    return (f'<tr data-check="{esc(name)}" data-verdict="{esc(kind)}"><td class="test"><b>{esc(name)}</b>{link}<br>'
+            f"<code>{esc(nodeid)}</code></td><td>{_badge(kind)}"
+            + (f'<div class="sentence">{esc(sentence)}</div>' if sentence else "") + "</td>"
+            f"<td class=\"failure\">{esc(failure)}</td><td class=\"num\">{row['seconds']:.2f}</td></tr>")
+
+
+def _counts(rows: list[dict]) -> str:
     from collections import Counter
+
+    kinds = Counter(_verdict_of(row)[0] for row in rows)
+    return "".join(f"<span>{_badge(kind)} {kinds[kind]}</span>" for kind in sorted(kinds, key=_severity))
+
+
+def render_html(config: pytest.Config, rows: list[dict], started: float, ended: float) -> str:
+    """The file: the header and counts; the failing rows first, each as a card; every other row collapsed below."""
     from importlib import metadata
 
     from pytest_llmload.reports.header import header_lines
     from pytest_llmload.reports.progress import check_name
 
     esc = html.escape
-    kinds = Counter(_verdict_of(row)[0] for row in rows)
     loaders = sorted({row["props"][LOADER_PROPERTY] for row in rows if row["props"].get(LOADER_PROPERTY)})
     head = header_lines(config)[0].removeprefix("llmload: ")
     chosen, _, stack = head.removeprefix("loader ").partition("; ")
     if loaders and chosen.split(" (from ")[0] not in loaders:  # the rows name the loader they ran
         chosen = ", ".join(loaders)
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
+    cards = sorted((row for row in rows if _verdict_of(row)[0] in CARDS), key=_row_severity)
+    rest = [row for row in rows if row not in cards]
     parts = [
         "<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">',
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
@@ -705,38 +903,34 @@ def render_html(config: pytest.Config, rows: list[dict], started: float, ended: 
         f'<p class="meta"><b>stack:</b> {esc(stack)}</p>',
         f'<p class="meta"><b>python</b> {esc(sys.version.split()[0])}, <b>pytest</b> {esc(metadata.version("pytest"))}; '
         f"started {esc(when)}, took {ended - started:.1f} s; {len(rows)} test{'s' if len(rows) != 1 else ''}</p>",
-        '<p class="counts">' + "".join(f"<span>{_badge(kind)} {kinds[kind]}</span>" for kind in sorted(kinds, key=_severity)) + "</p>",
-        "<h2>Results</h2>",
-        '<table><colgroup><col class="c-test"><col class="c-verdict"><col class="c-failure"><col class="c-seconds"></colgroup>'
-        "<thead><tr><th>test / check</th><th>verdict</th><th>known failure</th><th>seconds</th></tr></thead><tbody>",
+        f'<p class="counts">{_counts(rows)}</p>',
     ]
-    predictions = [row for row in rows if _is_prediction(_row_of(row))]
-    pictured = [row for row in rows if row["record"] and row["record"].get("models") and row not in predictions]
-    for row in rows:
-        kind, failure, sentence = _verdict_of(row)
-        nodeid = row["nodeid"]
-        name = check_name(nodeid)
-        link = f' &middot; <a href="#{_anchor(nodeid)}">pictures</a>' if row in pictured + predictions else ""
-        parts.append(
-            f'<tr><td class="test"><b>{esc(name)}</b>{link}<br><code>{esc(nodeid)}</code></td>'
-            f"<td>{_badge(kind)}" + (f'<div class="sentence">{esc(sentence)}</div>' if sentence else "") + "</td>"
-            f"<td class=\"failure\">{esc(failure)}</td><td class=\"num\">{row['seconds']:.2f}</td></tr>")
+    drawn = _Pictures()  # (in the order of the page: a picture is embedded where it is first seen)
+    if cards:
+        parts.append(f"<h2>Failures ({len(cards)})</h2>")
+        parts += [_card(row, drawn) for row in cards]
+    else:
+        parts.append('<p class="meta">Nothing failed: every row is below, collapsed (click to open).</p>')
+    if not rest:
+        return "\n".join(parts + ["</body>", "</html>", ""])
+    predictions = [row for row in rest if _is_prediction(_row_of(row))]
+    pictured = [row for row in rest if row["record"] and row["record"].get("models") and row not in predictions]
+    rows_word = f"row{'s' if len(rest) != 1 else ''}"
+    summary = f"{len(rest)} other {rows_word}" if cards else f"All {len(rest)} {rows_word}"
+    parts += [f'<details class="rest"><summary>{summary} {_counts(rest)}</summary>',
+              '<table><colgroup><col class="c-test"><col class="c-verdict"><col class="c-failure">'
+              '<col class="c-seconds"></colgroup><thead><tr><th>test / check</th><th>verdict</th>'
+              "<th>known failure</th><th>seconds</th></tr></thead><tbody>"]
+    parts += [_table_row(row, row in pictured + predictions) for row in sorted(rest, key=_row_severity)]
     parts.append("</tbody></table>")
     if pictured:
         parts.append("<h2>Where the models went, and memory per phase</h2>")
         parts.append('<p class="meta">Bars: the bytes of the checkpoint\'s tensors under each device-map entry '
                      "(as stored, before any cast or quantization), and each phase's memory as recorded.</p>")
     for row in pictured:
-        kind, _, _ = _verdict_of(row)
-        nodeid = row["nodeid"]
-        parts.append(f'<h3 id="{_anchor(nodeid)}">{esc(check_name(nodeid))} {_badge(kind)}</h3>')
-        captions = {"llmload: device map": device_map_text(row["record"]["models"]),
-                    "llmload: memory per phase": memory_text(row["record"].get("phases", []))}
-        for name, png in figures(row["record"], nodeid):
-            data = base64.b64encode(png).decode("ascii")
-            parts.append(f'<figure><img alt="{esc(name)}: {esc(nodeid)}" src="data:image/png;base64,{data}">'
-                         f'<figcaption><b>{esc(name)}</b>:<br>{esc(captions.get(name, "")).replace(chr(10), "<br>")}'
-                         "</figcaption></figure>")
+        parts.append(f'<section id="{_anchor(row["nodeid"])}" data-check="{esc(check_name(row["nodeid"]))}">'
+                     f'<h3>{esc(check_name(row["nodeid"]))} {_badge(_verdict_of(row)[0])}</h3>'
+                     f"{_pictures_html(row, drawn)}</section>")
     if predictions:
         parts.append("<h2>Where the model would go: the predictions</h2>")
         parts.append('<p class="meta">Per prediction, a bar per device of the runner profile, filled by what the '
@@ -744,8 +938,10 @@ def render_html(config: pytest.Config, rows: list[dict], started: float, ended: 
                      "predicted peak of a training step or of DeepSpeed's model states), with the modules it holds; "
                      "beside it, the failure the runner would hit. Planned, not measured: nothing was loaded.</p>")
     for row in predictions:
-        parts.append(prediction_html(row, _row_of(row)))
-    parts += ["</body>", "</html>", ""]
+        check_row = _row_of(row)
+        parts.append(f'<h3 id="{_anchor(row["nodeid"])}">{esc(check_row.check)} {_badge(_verdict_of(row)[0])}</h3>'
+                     + prediction_html(check_row))
+    parts += ["</details>", "</body>", "</html>", ""]
     return "\n".join(parts)
 
 
@@ -765,16 +961,14 @@ def _percent(part: Optional[int], whole: Optional[int]) -> float:
     return 0.0 if not part or not whole else min(100.0, 100.0 * part / whole)
 
 
-def prediction_html(row: dict, check_row: Row) -> str:
+def prediction_html(check_row: Row) -> str:
     """One prediction's bar group: a bar per device filled against its capacity, the modules it holds written on it,
     and the verdict beside the bars (the failure the runner would hit, or what was found). Plain HTML and CSS: the
     figures need no drawing library."""
     esc = html.escape
     prediction = check_row.prediction or {}
-    kind = _verdict_of(row)[0]
     failure = check_row.failure if check_row.verdict == "predicted" else None
-    head = (f'<h3 id="{_anchor(row["nodeid"])}">{esc(check_row.check)} {_badge(kind)}</h3>'
-            f'<div class="prediction" data-check="{esc(check_row.check)}" '
+    head = (f'<div class="prediction" data-check="{esc(check_row.check)}" '
             f'data-runner="{esc(prediction.get("runner", ""))}" data-failure="{esc(failure or "")}">')
     bars = []
     for d in prediction.get("devices", []):

@@ -1,6 +1,7 @@
 """The HTML report (``--llmload-html``) and the pictures in pytest-html's report, as a user meets them (pytester):
-one row per test with its verdict, the device map and memory of a check that offloaded, self-contained, under
-``pytest -n 2`` too; and what a run without the report leaves alone."""
+one row per test with its verdict, the failing ones first as cards, the device map and memory of a check that
+offloaded, each picture drawn once, memory axes scaled to the change, self-contained, under ``pytest -n 2`` too; and
+what a run without the report leaves alone. In a real browser: tests/reports/test_html_report_browser.py."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import re
 import pytest
 
 from fixtures import warm_runs
-from pytest_llmload.reports.html_report import compress_modules
+from pytest_llmload.reports.html_report import axis_start, compress_modules, render_html
 
 SUITE = ("--pyargs", "pytest_llmload.suite", "-p", "no:cacheprovider")
 OFFLOAD = "check_offload_inference"
@@ -21,15 +22,19 @@ WRITES = "check_load_writes_only_offload_folder"
 ON_CPU = "cpu 224.5 KiB (model.embed_tokens, model.layers.0)"
 ON_DISK = "disk 513.8 KiB (model.layers.1\u20133, model.norm, model.rotary_emb, lm_head)"
 PNG_URI = re.compile(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"')
+SAME_PICTURE = "same picture as"
 
 
 def _rows(text: str) -> dict[str, str]:
-    """``{check name: verdict}`` from the results table."""
-    return dict(re.findall(r'<tr><td class="test"><b>([^<]+)</b>.*?<span class="verdict"[^>]*>([^<]+)</span>', text))
+    """``{check name: verdict}`` of every row: the failing rows' cards and the collapsed table's rows."""
+    return dict(re.findall(r'<(?:tr|section class="card [^"]*" id="[^"]*") data-check="([^"]+)" '
+                           r'data-verdict="([^"]+)"', text))
 
 
 def _assert_self_contained(text: str) -> None:
-    assert not re.search(r"https?://", text), "a reference to the network"
+    """Nothing the page loads comes from elsewhere; the only addresses are links (a known failure's field reports)."""
+    assert not re.search(r'(?:src|srcset|action)="(?!data:|#)', text) and "url(" not in text, "a resource to fetch"
+    assert len(re.findall(r"https?://", text)) == len(re.findall(r'<a href="https://', text)), "an address not a link"
     assert "<script" not in text and "<link" not in text, "external script or stylesheet"
     for data in PNG_URI.findall(text):
         assert base64.b64decode(data).startswith(b"\x89PNG\r\n\x1a\n")
@@ -54,11 +59,15 @@ def test_the_report_has_a_row_per_test_and_pictures_of_the_offloaded_model(pytes
     assert _rows(text) == {OFFLOAD: "passed", WRITES: "passed", f"{OFFLOAD}_cuda": "skipped"}
     assert "needs 1 GPU" in text  # the skipped row says why
     assert "reference_loader:load_model_and_tokenizer" in text and "torch " in text  # loader, stack versions
+    assert "<details" in text and 'class="card' not in text  # nothing failed: every row collapsed
     section = html.unescape(_pictures_of(text, OFFLOAD))
-    assert len(PNG_URI.findall(section)) == 2  # the device map, the memory per phase
-    assert f"LlamaForCausalLM from llama-float32-seed0: {ON_CPU}; {ON_DISK}" in section  # the offloading load
-    assert "LlamaForCausalLM from llama-float32-seed0: cpu 738.2 KiB (<whole model>)" in section  # the ground truth
+    assert len(PNG_URI.findall(section)) == 3  # two placements (offloaded, the ground truth whole), the memory
+    assert f"{ON_CPU}; {ON_DISK}" in section and "LlamaForCausalLM from llama-float32-seed0 for inference on cpu, " \
+        "max_memory={'cpu': 377984}" in section  # the offloading load, what it was asked
+    assert "cpu 738.2 KiB (<whole model>)" in section  # the ground truth
     assert "peak process RSS" in section
+    writes = html.unescape(_pictures_of(text, WRITES))  # the same offloaded placement: referred to, not drawn again
+    assert f"{ON_CPU}; {ON_DISK}" in writes and SAME_PICTURE in writes and len(PNG_URI.findall(writes)) == 1
     assert f"{OFFLOAD}_cuda <span" not in text  # no pictures for a check that loaded nothing
 
 
@@ -98,12 +107,14 @@ def test_under_xdist_the_workers_records_reach_the_controllers_report(pytester):
                            "test_failing": "failed", "test_skipped": "skipped"}
     assert "<code>test_many.py::test_failing</code>" in text
     assert "not today" in text and "assert 1 == 2" in text
+    assert text.index('data-check="test_failing"') < text.index("<details")  # the failure first, as a card
     section = html.unescape(_pictures_of(text, "test_offloaded"))
-    assert len(PNG_URI.findall(section)) == 2
     assert f"{ON_CPU}; {ON_DISK}" in section
     isolated = html.unescape(_pictures_of(text, "test_isolated_check"))  # a worker's forked child, then the controller
-    assert f"{ON_CPU}; {ON_DISK}<br>LlamaForCausalLM from llama-float32-seed0: cpu 738.2 KiB" in isolated
-    assert text.count("<figure>") == 4  # only the tests that loaded a model have pictures
+    assert f"{ON_CPU}; {ON_DISK}" in isolated and "cpu 738.2 KiB (<whole model>)" in isolated
+    # Only the tests that loaded a model have pictures; the offloaded placement of both is drawn once.
+    assert text.count('<figure class="device-map">') == 3 and text.count('<figure class="memory">') == 2
+    assert len(PNG_URI.findall(text)) == 4 and text.count(SAME_PICTURE) == 1
 
 
 @pytest.mark.timeout(120)
@@ -203,5 +214,48 @@ def test_a_prediction_run_draws_a_bar_group_per_prediction_with_its_devices_and_
                                                                  for d in prediction["devices"]]
         verdict = html.unescape(body[body.index('class="pred-verdict"'):])
         assert (f"would hit {record['failure']}" if record["failure"] else "no failure predicted") in verdict
-    assert "<figure>" not in text  # the stand-ins' loads are this process's: not drawn
+    assert "<figure" not in text  # the stand-ins' loads are this process's: not drawn
     assert _rows(text).keys() >= drawn.keys() and 'href="#t-' in text
+
+
+MiB = 1 << 20
+WHOLE_ON_CPU = {"kind": "LlamaForCausalLM", "source": "/tmp/llama", "seconds": 0.2, "load": "llama for train on cpu",
+                "map_source": "hf_device_map at load", "unmatched_bytes": 0,
+                "devices": [{"device": "cpu", "modules": ["<whole model>"], "bytes": 755968}]}
+
+
+def _report_row(name: str, outcome: str, loads: list[float], rss: int) -> dict:
+    """A row as the report collects it: a test that loaded the tiny model whole on cpu, once per entry of ``loads``
+    (its seconds), in a process of ``rss`` bytes that grew by 3 MiB."""
+    phases = [{"name": "load", "label": "load (llama)", "depth": 0, "rss_before": rss, "rss_peak": rss + 3 * MiB}]
+    return {"nodeid": f"test_x.py::{name}", "outcome": outcome, "seconds": 0.5, "verdict": None, "props": {},
+            "note": "assert 1 == 2" if outcome == "failed" else "", "known": "",
+            "record": {"models": [dict(WHOLE_ON_CPU, seconds=s) for s in loads], "phases": phases}}
+
+
+def test_the_failing_row_comes_first_and_each_picture_is_drawn_once(pytestconfig):
+    rows = [_report_row("test_a", "passed", [0.2, 0.3], 300 * MiB), _report_row("test_b", "failed", [0.5], 310 * MiB),
+            _report_row("test_c", "passed", [0.4], 300 * MiB)]
+    text = render_html(pytestconfig, rows, 0.0, 1.0)
+    _assert_self_contained(text)
+    assert _rows(text) == {"test_a": "passed", "test_b": "failed", "test_c": "passed"}
+    card = text[text.index('<section class="card failed"'):text.index("<details")]
+    assert 'data-check="test_b"' in card and "assert 1 == 2" in card  # the failure first, with its finding
+    # Its pictures where it is, the first time: the device map (the same placement for every load), its memory.
+    assert len(PNG_URI.findall(card)) == 2 and SAME_PICTURE not in card
+    a, c = _pictures_of(text, "test_a"), _pictures_of(text, "test_c")
+    assert a.count(SAME_PICTURE) == 1 and len(PNG_URI.findall(a)) == 1  # its two loads, one picture: the card's
+    assert a.count("<li>") == 2 and "in 0.20 s" in a and "in 0.30 s" in a
+    assert c.count(SAME_PICTURE) == 2 and not PNG_URI.findall(c)  # memory as test_a's, device map as test_b's
+    assert "test_a's</a>" in c and "test_b's</a>" in c
+
+
+@pytest.mark.parametrize(("values", "start"), [
+    ([330 * MiB, 391 * MiB], 310 * MiB),  # a rise of 61 MiB on 330: the axis starts under the lowest, at 310 MiB
+    ([800 * MiB, 803 * MiB], 790 * MiB),  # 3 MiB on 800 is seen
+    ([372 * MiB, 372 * MiB], 369 * MiB),  # no change: the bars still end apart from the axis
+    ([100 * MiB, 400 * MiB], 0),  # a span from near 0: the axis starts at 0
+    ([0, 5 * MiB], 0),  # a GPU's allocation from nothing
+])
+def test_a_memory_axis_starts_near_the_lowest_value_it_shows(values, start):
+    assert axis_start(values) == start
