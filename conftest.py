@@ -90,7 +90,9 @@ STARTS_INTERPRETERS_FIRST = (
 
 # The contributor's inner loop is `pytest -m "not slow" -n 2` (docs/performance.md): the tests below take a second or
 # more each (a real interpreter, xdist or torchrun run, a deadline waited on purpose, ranks or a Trainer), measured
-# from a full run's JUnit durations. CI runs them all. Whole files where nearly every test is slow; else by name.
+# from a full run's JUnit durations (or bench_test_command.py --by-file), and parametrized grids whose cells add up to
+# seconds (the planner against from_pretrained's own map). CI runs them all. Whole files where nearly every test is
+# slow; else by name, or by a parametrized test's full name (`name[id]`) where only some of its cases are slow.
 SLOW_FILES = (
     "tests/main_job/test_main_job.py", "tests/test_corpus.py", "tests/test_sample_loaders.py", "tests/runners/test_launcher.py",
     "tests/plugin/test_xdist_gpus.py", "tests/plugin/test_plugin_load_cost.py", "tests/runners/test_child_coverage.py",
@@ -143,6 +145,18 @@ SLOW_TESTS = {
     "tests/failures/test_homes.py": ("test_a_gpu_variant_runs_in_a_forkserver_child_on_cuda_0",),
     "tests/loader/test_seam.py": ("test_a_shorter_timeout_than_a_checks_own_deadline_wins",),
     "tests/system/test_offline.py": ("test_offline_only_while_llmload_tests_run_under_xdist",),
+    "tests/prediction/test_mechanisms.py": (
+        "test_a_correct_loader_exits_0_with_runner", "test_a_correct_loader_is_predicted_no_known_failure",
+        "test_the_suite_skips_a_scenario_the_loader_is_not_declared_for"),
+    "tests/prediction/test_planner_exact.py": (
+        "test_the_plan_is_from_pretrained_s_own_map", "test_a_4bit_plan_is_from_pretrained_s_own_map_or_its_refusal"),
+    "tests/prediction/test_inputs.py": ("test_the_shipped_architectures_build",),
+    "tests/reports/test_pytest_report_files.py": (
+        "test_an_error_row_is_an_error_in_junit_xml_and_a_failure_stays_a_failure[xdist]",
+        "test_each_row_is_a_record_in_the_report_log_after_its_report[xdist]",
+        "test_under_lanes_each_report_and_row_is_in_the_report_log_once"),
+    "tests/reports/test_header.py": ("test_the_header_is_there_under_xdist",),
+    "tests/plugin/test_fixtures.py": ("test_gpu_tests_skip_on_a_cpu_runner_before_anything_heavy_is_imported",),
     "tests/prediction/test_predict.py": (
         "test_a_runner_that_is_not_a_profile_is_a_usage_error",
         "test_the_prediction_through_the_loader_equals_the_planner_given_the_profiles_memory",
@@ -150,14 +164,16 @@ SLOW_TESTS = {
         "test_what_a_before_loader_does_after_loading_is_predicted_on_a_runner_that_offloads"),
     "tests/plugin/test_markers.py": (
         "test_deepspeed_is_imported_after_collection_only_when_a_test_needs_it",
-        "test_deepspeed_is_not_imported_for_tests_that_skip_for_want_of_gpus"),
+        "test_deepspeed_is_not_imported_for_tests_that_skip_for_want_of_gpus",
+        "test_deepspeeds_import_at_collection_prints_nothing"),
 }
 
 
 def _mark_slow(items) -> None:
     for item in items:
         path = item.nodeid.partition("::")[0]
-        if path in SLOW_FILES or getattr(item, "originalname", item.name) in SLOW_TESTS.get(path, ()):
+        named = SLOW_TESTS.get(path, ())
+        if path in SLOW_FILES or getattr(item, "originalname", item.name) in named or item.name in named:
             item.add_marker(pytest.mark.slow)
 
 

@@ -7,17 +7,20 @@ strategy, with the profile's capacities as ``max_memory`` and with none (from_pr
 4-bit (bitsandbytes, as write-up 003 and the dp-dtype check load) with ``auto``, where the quantizer's own check
 may refuse the map.
 
-To stay fast (a from_pretrained call builds its model, 0.1-0.6 s), from_pretrained runs once per architecture,
-strategy, budget and quantization, on one of the profiles (each has its turn); for the other profiles its
-``_get_device_map`` is called again with the arguments from_pretrained gave it, the strategy and ``max_memory``
-(which from_pretrained hands over as the caller passed them: checked) being the cell's.
-benchmarks/bench_planner_exact.py calls from_pretrained for every cell.
+To stay fast, the test takes a covering subset of that grid: every architecture on every profile once, and every
+pair of architecture, profile, strategy and budget in some cell (:data:`CELLS`, checked below); the 4-bit cells
+likewise. benchmarks/bench_planner_exact.py compares the full grid (448 cells), calling from_pretrained for each.
+Here a from_pretrained call (it builds its model, 0.1-0.8 s) runs once per architecture, strategy, budget and
+quantization, on one of the profiles (each has its turn); for the other profiles its ``_get_device_map`` is called
+again with the arguments from_pretrained gave it, the strategy and ``max_memory`` (which from_pretrained hands over
+as the caller passed them: checked) being the cell's.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import Counter
+from itertools import combinations
 from typing import Callable
 
 import pytest
@@ -30,14 +33,38 @@ ARCHITECTURES = architectures.shipped_names()
 GPU_PROFILES = [name for name in profiles.shipped_names() if profiles.load_profile(name).devices]
 STRATEGIES = ("auto", "balanced", "sequential")
 
-CELLS = [pytest.param(arch, strategy, budget, runner, id=f"{arch}-{strategy}-{budget}@{runner}")
-         for arch in ARCHITECTURES for strategy in STRATEGIES for budget in own_map.BUDGETS for runner in GPU_PROFILES]
-FOUR_BIT_CELLS = [pytest.param(arch, budget, runner, id=f"{arch}-4bit-auto-{budget}@{runner}")
-                  for arch in ARCHITECTURES for budget in own_map.BUDGETS for runner in GPU_PROFILES]
+
+
+def _covering(arch: int, runner: int) -> tuple[str, str]:
+    """The strategy and budget of the cell of architecture ``arch`` on profile ``runner`` (indices): the strategy
+    turns with both, the budget with the architecture and the strategy, so that every pair of the four is in some
+    cell while each architecture needs from_pretrained for 3 of its 6 strategy x budget calls."""
+    strategy = (arch + runner) % len(STRATEGIES)
+    return STRATEGIES[strategy], own_map.BUDGETS[(arch + strategy) % len(own_map.BUDGETS)]
+
+
+# Grouped by from_pretrained's call (architecture, strategy, budget): the `taken` fixture keeps only its latest.
+GRID = sorted(((arch, *_covering(a, r), runner) for a, arch in enumerate(ARCHITECTURES)
+               for r, runner in enumerate(GPU_PROFILES)),
+              key=lambda cell: (cell[0], STRATEGIES.index(cell[1]), own_map.BUDGETS.index(cell[2])))
+FOUR_BIT_GRID = sorted((arch, own_map.BUDGETS[(a + r) % len(own_map.BUDGETS)], runner)
+                       for a, arch in enumerate(ARCHITECTURES) for r, runner in enumerate(GPU_PROFILES))
+CELLS = [pytest.param(*cell, id="{}-{}-{}@{}".format(*cell)) for cell in GRID]
+FOUR_BIT_CELLS = [pytest.param(*cell, id="{}-4bit-auto-{}@{}".format(*cell)) for cell in FOUR_BIT_GRID]
 
 
 def test_the_table_covers_eight_architectures_and_every_gpu_profile():
     assert len(ARCHITECTURES) >= 8 and len(GPU_PROFILES) >= 7
+
+
+def test_the_cells_cover_every_pair_of_architecture_profile_strategy_and_budget():
+    values = (ARCHITECTURES, STRATEGIES, own_map.BUDGETS, GPU_PROFILES)
+    for grid, factors in (([cell.values for cell in CELLS], (0, 1, 2, 3)),
+                          ([cell.values for cell in FOUR_BIT_CELLS], (0, 2, 3))):
+        for first, second in combinations(range(len(factors)), 2):
+            pairs = {(cell[first], cell[second]) for cell in grid}
+            wanted = len(values[factors[first]]) * len(values[factors[second]])
+            assert len(pairs) == wanted, (factors[first], factors[second])
 
 
 @pytest.fixture(scope="module")
