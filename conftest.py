@@ -8,6 +8,7 @@ import os
 import pytest
 
 from pytest_llmload.plugin.hooks import SUB_PLUGINS
+from pytest_llmload.system.gpus import physical_devices, visible_devices
 from pytest_llmload.runners.warm_server import DEEPSPEED_PRELOAD
 
 # The suite's models are tiny: a second OpenMP thread buys nothing, while on a shared 2-core runner (or under
@@ -18,8 +19,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # The tests that start forkserver children test isolation, not the server's warmth: a cold server (torch alone) starts
 # in ~1 s, a warm one imports the whole stack (~12 s) in every xdist worker. tests/runners/test_warm_server.py
-# tests the warm one.
-os.environ.setdefault("PYTEST_LLMLOAD_COLD_FORKSERVER", "1")
+# tests the warm one. Only where no GPU is visible: on a GPU runner (pytest -m gpu -n 4) each _cuda check's child
+# would import the whole stack itself (issue 40). Read without torch (nvidia-smi or the driver's entries).
+if not visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES"), physical_devices()):
+    os.environ.setdefault("PYTEST_LLMLOAD_COLD_FORKSERVER", "1")
 
 pytest_plugins = ["pytester", "fixtures.browser"]  # browser_page: a headless Chromium (fixtures/browser.py)
 

@@ -8,6 +8,8 @@
 #   all       the whole suite, -n 8 with every worker seeing the GPU (--llmload-gpus-per-worker off: 8 workers on 1 GPU)
 #   main      the main job (python -m pytest_llmload, reference loader) on the GPU machine, its rows and its time
 #   nccl      benchmarks/gpu/gpu_figures.py --only-nccl (issue 28's figure: write-up 004's check on 1 nccl rank)
+#   issue40   benchmarks/gpu/issue40_figures.py: the main job against its import floor, and pytest -m gpu -n 4
+#             with the GPU shared (issue 40's goals 1 and 2; ROUNDS=N rounds, default 1)
 #   cpu4      the CPU test command with the GPU hidden, -n 4 on 4 of the machine's cores (taskset), its wall and CPU
 #             time (issue 28: what the test command takes on a 4-core runner)
 set -uo pipefail
@@ -27,6 +29,7 @@ for what in "$@"; do
         dp) timeout 180 python3 benchmarks/gpu/dp_same_device.py 2>&1 | tee "$OUT/dp.log" | tail -5 ;;
         figures) timeout 300 python3 benchmarks/gpu/gpu_figures.py --out "$OUT/figures.json" 2>&1 | tee "$OUT/figures.log" | tail -30 ;;
         main) timeout "${MAIN_TIMEOUT:-200}" python3 -m pytest_llmload --json "$OUT/main.json" 2>&1 | tee "$OUT/main.log" | tail -25 ;;
+        issue40) timeout "${ISSUE40_TIMEOUT:-480}" python3 benchmarks/gpu/issue40_figures.py --rounds "${ROUNDS:-1}" --out "$OUT/issue40.json" 2>&1 | tee "$OUT/issue40.log" | tail -30 ;;
         nccl) timeout 300 python3 benchmarks/gpu/gpu_figures.py --only-nccl --out "$OUT/nccl.json" 2>&1 | tee "$OUT/nccl.log" | tail -20 ;;
         cpu4) CUDA_VISIBLE_DEVICES= timeout "${CPU4_TIMEOUT:-400}" python3 -c 'import resource, subprocess, sys, time
 start = time.perf_counter(); code = subprocess.call(sys.argv[1:]); used = resource.getrusage(resource.RUSAGE_CHILDREN)

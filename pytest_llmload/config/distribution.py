@@ -24,6 +24,9 @@ TESTED_CONSTRAINTS = PACKAGE_ROOT / "configs" / "tested-constraints.txt"
 SERVES_BESIDES_CHECKS = {"report": "the pictures of `--llmload-html` (device maps, memory per phase)"}
 # Every check needs this one; a check's `extras` name what it needs besides.
 BASE_EXTRA = "hf"
+# The one address in the package that is not this project's (those come from the metadata): a field report
+# ("owner/repo#123", as the catalog cites them) on its own tracker.
+FIELD_REPORT_URL = "https://github.com/{repo}/issues/{number}"
 
 
 # --- the metadata, or the checkout's pyproject.toml -----------------------------------------------------------------

@@ -176,8 +176,8 @@ SETTINGS = (
     Setting("lanes", "count", metavar="N", default=1, help=(
         "run the tests in N processes: once the tests are collected, pytest forks N-1 times and each fork takes "
         "tests beside it, its reports joining this run's (the main job uses 2 where 2 CPUs are usable). One lane "
-        "under xdist, with -x, --maxfail, --pdb, --trace, --sw or --collect-only, where a GPU is visible, or for "
-        "fewer than 3 tests. Default 1.")),
+        "under xdist, with -x, --maxfail, --pdb, --trace, --sw or --collect-only, or for fewer than 3 tests; the "
+        "tests that use a GPU keep to one lane. Default 1.")),
     # --- hangs (pytest_llmload.plugin.loader_hang)
     Setting("wait_after_hang", "bool", help=(
         "after the loader under test hangs (a deadline passes inside its call), run every later test that uses it "

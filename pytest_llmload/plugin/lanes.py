@@ -22,8 +22,14 @@ another, one core mostly idle. With ``--llmload-lanes 2`` (the main job's defaul
 - under coverage a forked lane measures as an isolated child does (:mod:`.child_coverage`): its lines count.
 
 One lane (pytest's own loop) wherever lanes would change what a run means: under xdist, with ``-x``/``--maxfail``,
-``--pdb``, ``--trace``, ``--sw`` or ``--collect-only``, where a GPU is visible (lanes would share its memory, which
-checks measure), and for fewer than 3 tests.
+``--pdb``, ``--trace``, ``--sw`` or ``--collect-only``, and for fewer than 3 tests.
+
+Where a GPU is visible (issue 40: the H200's main job ran in one lane, 115.5 s), the tests that use it (marked
+``gpu``: ``needs_gpus``, the ``_cuda`` checks, a GPU fixture) keep to lane 0, one at a time as in one lane, and the
+other lanes take only the others: no two tests ever share the GPU. The memory a check measures is its own process's
+(CUDA's allocator counts per process), and the checks ask for explicit per-device budgets. Where a collected check
+starts gloo ranks that simulate a runner without GPUs, their GPU-less server starts before anything runs
+(:func:`pytest_llmload.runners.warm_server.start_early`), so that it imports the stack while the other checks run.
 """
 
 from __future__ import annotations
@@ -64,10 +70,6 @@ def why_one_lane(session: pytest.Session, lanes: int) -> Optional[str]:
         return "-x, --maxfail, --pdb, --trace or --sw: the run stops at a failure or a breakpoint"
     if len(session.items) < 3:
         return "fewer than 3 tests"
-    from pytest_llmload.system import gpus
-
-    if gpus.visible_gpu_count() > 0:
-        return "a GPU is visible: lanes would share its memory"
     return None
 
 
@@ -84,9 +86,28 @@ def _ranks(item: pytest.Item) -> int:
     return int(getattr(_check(item), "world_size", 1) or 1)
 
 
+def _uses_gpu(item: pytest.Item) -> bool:
+    """Marked ``gpu`` (plugin.markers marks every test that needs GPUs or uses a GPU fixture), or a GPU check."""
+    return item.get_closest_marker("gpu") is not None or bool(getattr(_check(item), "needs_gpus", 0))
+
+
+def start_gpu_less_server_early(items) -> bool:
+    """The gloo ranks' GPU-less server, started now where a GPU is visible and a collected check needs it (see the
+    module's docstring); counts the GPUs only where a check starts ranks."""
+    checks = [check for check in map(_check, items) if check is not None]
+    if not any(getattr(check, "world_size", 1) > 1 for check in checks):
+        return False
+    from pytest_llmload.runners import warm_server
+    from pytest_llmload.system import gpus
+
+    return warm_server.start_early(checks, gpus.visible_gpu_count())
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtestloop(session: pytest.Session):
     lanes = settings.value(session.config, "lanes") or 1
+    if not session.config.option.collectonly:
+        start_gpu_less_server_early(session.items)
     if why_one_lane(session, lanes) is not None:
         return None  # pytest's own loop
     Lanes(session, lanes).run()
@@ -111,8 +132,9 @@ class Lanes:
         # ones); lane 0: its own (peft) first, then the others' from the end; the other lanes the other way round.
         light = sorted((index[id(i)] for i in self.items if not _imports_peft(i)), key=lambda n: -_ranks(self.items[n]))
         self.preference = {0: heavy + light[::-1]}
+        on_gpu = {index[id(i)] for i in self.items if _uses_gpu(i)}  # lane 0's alone: one at a time on the GPU
         for lane in range(1, count):
-            self.preference[lane] = light + heavy[::-1]
+            self.preference[lane] = [n for n in light + heavy[::-1] if n not in on_gpu]
         context = multiprocessing.get_context("fork")
         self.taken = context.RawArray("b", len(self.items))  # which lane took each test, plus one (0: nobody)
         self.lock = context.Lock()

@@ -206,14 +206,17 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item):
     limit = item.stash.get(limit_key, None)
-    if limit is None:
-        return (yield)
-    measure = _Measure(limit.device).__enter__()
-    try:
-        return (yield)
-    finally:
-        measure.__exit__(None, None, None)
-        item.stash[measured_key] = measure.result
+    # Under xdist workers that share the GPUs: a CUDA limit's test holds them alone, the other GPU tests shared
+    alone = limit is not None and limit.device != "cpu"
+    with gpus.held_by_test(item.get_closest_marker("gpu") is not None, alone=alone):
+        if limit is None:
+            return (yield)
+        measure = _Measure(limit.device).__enter__()
+        try:
+            return (yield)
+        finally:
+            measure.__exit__(None, None, None)
+            item.stash[measured_key] = measure.result
 
 
 @pytest.hookimpl(wrapper=True)

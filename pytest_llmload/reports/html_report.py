@@ -54,6 +54,7 @@ from typing import Any, Optional
 
 import pytest
 
+from pytest_llmload.config.distribution import FIELD_REPORT_URL
 from pytest_llmload.reports.known_failures import SECTION as KNOWN_FAILURE_SECTION
 from pytest_llmload.reports.row import GUARDS_PROPERTY, LOADER_PROPERTY, Row
 from pytest_llmload.placement.picture import device_order, placement_tiers
@@ -822,7 +823,7 @@ def _fix_html(failure_id: str, fix: str) -> str:
             about += f" (write-up {esc(known.write_up.rpartition('/')[2][:3])})"
         else:
             about += "<br>field reports: " + ", ".join(
-                f'<a href="https://github.com/{esc(repo)}/issues/{number}">{esc(repo)}#{number}</a>'
+                f'<a href="{esc(FIELD_REPORT_URL.format(repo=repo, number=number))}">{esc(repo)}#{number}</a>'
                 for repo, number in dict.fromkeys(FIELD_REPORT.findall(known.write_up)))
     return (f'<div class="fix"><p><span class="label">Known failure</span> <code>{esc(failure_id)}</code>{about}</p>'
             f'<p><span class="label">fix ({esc(failure_id)}):</span> {esc(fix)}</p></div>')

@@ -78,6 +78,16 @@ def quiet_deepspeed_import():
         deepspeed_logger.removeFilter(drop)
 
 
+# What the GPU-less server (``gpus_hidden``: the ranks of a check that simulates a runner without GPUs, on a machine
+# with some) imports besides: peft, which cannot be preloaded in a process that sees a GPU (its bitsandbytes
+# initialises CUDA at import) but can in a server that sees none, and the shipped tiny checkpoints' modeling modules
+# (loader.tiny_models: Llama, Qwen2); every rank of the train checks imported them itself (issue 40).
+GPU_LESS_PRELOAD = DEEPSPEED_PRELOAD + (
+    "peft",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.qwen2.modeling_qwen2",
+)
+
 # The runners' own modules: the children's entry point (children._child_main) and the callers that start them (a
 # module that is not installed is skipped by the server).
 RUNNERS = ("pytest_llmload.runners.children", "pytest_llmload.runners.isolation", "pytest_llmload.runners.ranks")
@@ -88,24 +98,39 @@ def ensure(*, accelerator: Optional[str], gpus_hidden: bool = False) -> None:
     ``$PYTEST_LLMLOAD_COLD_FORKSERVER`` is set) and DeepSpeed's ``accelerator`` (``None``: this process's
     ``DS_ACCELERATOR``); ``gpus_hidden``: with no GPU visible (``CUDA_VISIBLE_DEVICES=""``), for children that
     simulate a runner without accelerators on a machine that has some. Started once, restarted only for other
-    settings. Call it between runs, with no child of it alive."""
+    settings. Call it between runs, with no child of it alive. It does not wait for the server's imports: the server
+    imports while this process goes on, and its first child waits for them (:func:`start_early`)."""
     global _started
     from multiprocessing import forkserver
 
-    modules = ("torch", *RUNNERS, *(() if os.environ.get(COLD_ENV) else DEEPSPEED_PRELOAD))
+    modules = ("torch", *RUNNERS, *(() if os.environ.get(COLD_ENV) else GPU_LESS_PRELOAD if gpus_hidden
+                                    else DEEPSPEED_PRELOAD))
     accelerator = accelerator if accelerator is not None else os.environ.get("DS_ACCELERATOR")
     key = (modules, accelerator, gpus_hidden)
     server = forkserver._forkserver  # multiprocessing's one server for this process
+    _usable_from_a_fork(server)
     if _started == key and _alive(server):
         return
     if server._forkserver_pid is not None:  # another preload or accelerator, or one it started elsewhere
-        server._stop()
+        _stop_or_leave(server)
     server.set_forkserver_preload(list(modules))
     # The server inherits this process's environment when it is spawned: the server's settings, there only.
     with mock.patch.dict(os.environ, {**SERVER_ENV, **({"DS_ACCELERATOR": accelerator} if accelerator else {}),
                                       **({"CUDA_VISIBLE_DEVICES": ""} if gpus_hidden else {})}):
         server.ensure_running()
     _started = key
+
+
+def start_early(checks, gpus_visible: int) -> bool:
+    """Start the GPU-less server now where a GPU is visible and ``checks`` (the run's collected checks) include one
+    that starts gloo ranks simulating a runner without GPUs (``world_size`` > 1): the server then imports the stack
+    while this process runs the other checks, not inside the first such check (issue 40: 9.9 s in a new interpreter
+    with the CUDA build of torch on a 2-core machine). Returns whether it started one."""
+    if gpus_visible <= 0 or not any(getattr(check, "world_size", 1) > 1 and not getattr(check, "needs_gpus", 0)
+                                    for check in checks):
+        return False
+    ensure(accelerator="cpu", gpus_hidden=True)
+    return True
 
 
 def forkserver_pid() -> Optional[int]:
@@ -116,10 +141,66 @@ def forkserver_pid() -> Optional[int]:
     return server._forkserver_pid if _alive(server) else None
 
 
+# --- a server this process's parent started ---------------------------------------------------------------------
+# The lanes (plugin.lanes) fork after the GPU-less server started (start_early). multiprocessing checks its server
+# with waitpid before each child, which a fork cannot call on its parent's child (ChildProcessError): in a fork, such a
+# server counts as running while its process lives, and one that ended is let go of, this process starting its own.
+
+
+def _parents(pid: int) -> bool:
+    """Whether the server ``pid`` is not this process's child (its parent's: this process is a fork), not reaping it."""
+    try:
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return True
+    return False
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _let_go(server) -> None:
+    os.close(server._forkserver_alive_fd)  # (this copy only: the server ends once its parent's closes too)
+    server._forkserver_pid = server._forkserver_address = server._forkserver_alive_fd = None
+
+
+def _usable_from_a_fork(server) -> None:
+    """multiprocessing's own check before each child, made to accept its parent's server (see above); once a process."""
+    if getattr(server.ensure_running, "usable_from_a_fork", False):
+        return
+    own_check = server.ensure_running
+
+    def ensure_running() -> None:
+        pid = server._forkserver_pid
+        if pid is not None and _parents(pid):
+            if _running(pid):
+                return
+            _let_go(server)
+        own_check()
+
+    ensure_running.usable_from_a_fork = True
+    server.ensure_running = ensure_running
+
+
+def _stop_or_leave(server) -> None:
+    """Stop this process's server; one its parent started is left to that parent, which still uses it."""
+    if _parents(server._forkserver_pid):
+        _let_go(server)
+    else:
+        server._stop()
+
+
 def _alive(server) -> bool:
     pid = server._forkserver_pid
     if pid is None:
         return False
+    if _parents(pid):
+        return _running(pid)
     with contextlib.suppress(ChildProcessError):
         return os.waitpid(pid, os.WNOHANG)[0] == 0
     return False

@@ -7,6 +7,7 @@ stays cheap.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -173,3 +174,63 @@ def worker_hint(needed: int, environ=os.environ) -> Optional[str]:
     if needed > total:
         return held
     return f"{held}: run it with -n {total // needed}, or with {GPUS_PER_WORKER_OPTION} {needed}"
+
+
+# --- GPUs shared by several xdist workers ---------------------------------------------------------------------------
+# With --llmload-gpus-per-worker off (plugin.xdist_gpus), every worker sees every GPU: `pytest -m gpu -n 4` on one
+# GPU (issue 40). What each test measures is its own process's (CUDA's allocator counts per process), but a test that
+# measures its peak against a limit may fill the device: it holds the GPUs alone, and every other GPU test holds them
+# shared, so none runs beside it. A lock file per GPU (named by UUID where the driver lists them, so that an index
+# and a UUID name one file), flock'ed: the lock goes with the process that holds it, also when it dies.
+
+LOCK_DIR = "llmload-gpu-locks"
+
+
+def shares_gpus_with_other_workers(environ=os.environ) -> bool:
+    """An xdist worker among several that sees GPUs no assignment gave it alone (assignment off, or a worker spec
+    that sets its own list)."""
+    workers = environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    return (environ.get("PYTEST_XDIST_WORKER") is not None and workers.isdigit() and int(workers) > 1
+            and WORKER_GPUS_ENV not in environ and visible_gpu_count() > 0)
+
+
+def lock_names() -> list[str]:
+    """The visible GPUs, each by its UUID where the driver lists them, else by its index; sorted (one order for every
+    holder: two never wait on each other)."""
+    physical = physical_devices()
+    names = visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES"), physical)
+    if physical.uuids and physical.count == len(physical.uuids):  # (GPUs only: MIG devices have their own)
+        names = [physical.uuids[int(n)] if n.isdigit() else next(
+            (u for u in physical.uuids if u.startswith(n)), n) for n in names]
+    return sorted(names)
+
+
+@contextlib.contextmanager
+def held(names: list[str], *, alone: bool):
+    """Hold each GPU of ``names``: ``alone`` (no other holder meanwhile) or shared (with other shared holders)."""
+    import fcntl
+    import tempfile
+
+    folder = os.path.join(tempfile.gettempdir(), LOCK_DIR)
+    os.makedirs(folder, exist_ok=True)
+    fds = []
+    try:
+        for name in names:
+            fd = os.open(os.path.join(folder, re.sub(r"[^\w.-]", "_", name) + ".lock"), os.O_RDWR | os.O_CREAT, 0o666)
+            fds.append(fd)
+            fcntl.flock(fd, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        yield
+    finally:
+        for fd in fds:
+            os.close(fd)  # (releases its lock)
+
+
+@contextlib.contextmanager
+def held_by_test(uses_gpu: bool, *, alone: bool):
+    """Around a test in a worker that shares its GPUs with other workers: ``alone`` for a test that may fill them,
+    shared for any other that ``uses_gpu``; elsewhere nothing."""
+    if not (uses_gpu or alone) or not shares_gpus_with_other_workers():
+        yield
+        return
+    with held(lock_names(), alone=alone):
+        yield

@@ -654,6 +654,17 @@ def test_the_main_job_turns_off_the_house_plugins_unless_asked_after_the_double_
     assert "no:html" in ours  # the plugin's own report needs no pytest-html
 
 
+def test_the_main_job_loads_no_conftest_from_the_folders_above_the_shipped_suite():
+    # From a checkout (an editable install, a venv inside a repo) pytest loaded the repo's own conftest.py: this repo's
+    # made the GPU-less server cold, and every gloo rank of the H200's main job imported the stack (issue 40).
+    from pytest_llmload.main_job import pytest_command
+    from pytest_llmload.main_job.process import SUITE_DIR
+
+    argv = pytest_command(None, None, Path("progress"), [])
+    assert argv[argv.index("--confcutdir") + 1] == str(SUITE_DIR)
+    assert (SUITE_DIR / "test_loader_checks.py").is_file() and not (SUITE_DIR / "conftest.py").exists()
+
+
 # --- the warm start the tests above use (fixtures.warm_popen) ---------------------------------------------
 
 PROBE = '''

@@ -98,14 +98,26 @@ def test_runs_that_lanes_would_change_keep_to_one_process(pytester, args):
     assert len({pid for _, pid in _ran(pytester)}) <= 1
 
 
-def test_with_a_gpu_visible_the_tests_keep_to_one_process(pytester, monkeypatch):
+def test_with_a_gpu_visible_the_tests_that_use_it_keep_to_lane_zero_and_the_others_spread(pytester, monkeypatch):
+    # Issue 40: one lane wherever a GPU was visible made the H200's main job one chain. Now only the GPU's tests keep
+    # to one process (never two at once on the GPU); the other lane takes the rest, from the start.
     from pytest_llmload.system import gpus
 
     monkeypatch.setattr(gpus, "visible_gpu_count", lambda: 1)  # (what counts them)
-    _tests(pytester, PASSES)
+    _tests(pytester, PASSES + """
+import pytest
+
+@pytest.mark.needs_gpus(1)
+def test_gpu_{n}():
+    _ran("test_gpu_{n}")
+    time.sleep(0.2)
+""", count=3)
     result = pytester.runpytest("-p", "no:randomly", "--llmload-lanes", "2")
     result.assert_outcomes(passed=6)
-    assert len({pid for _, pid in _ran(pytester)}) == 1
+    main = int((pytester.path / "main.txt").read_text())
+    ran = _ran(pytester)
+    assert {pid for name, pid in ran if name.startswith("test_gpu")} == {main}
+    assert len({pid for _, pid in ran}) == 2
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="signals and fork")

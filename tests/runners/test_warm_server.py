@@ -46,3 +46,55 @@ def test_another_accelerator_restarts_the_server_with_it(monkeypatch):
     monkeypatch.setenv("DS_ACCELERATOR", "mps")  # (only read by DeepSpeed, not imported cold)
     warm_server.ensure(accelerator=None)
     assert warm_server.forkserver_pid() not in (None, first)
+
+
+def test_the_gpu_less_server_starts_early_only_where_a_gpu_is_visible_and_a_check_starts_ranks(monkeypatch):
+    # Issue 40: on the H200 the main job waited about 20 s inside its distributed check for this server's imports.
+    from pytest_llmload.checks.base import Check
+    from pytest_llmload.failures.offload_hang import FAILURE
+
+    started = []
+    monkeypatch.setattr(warm_server, "ensure", lambda **settings: started.append(settings))
+    ranks, gpu_ranks, plain = (Check(print, FAILURE, world_size=2), Check(print, FAILURE, world_size=1, needs_gpus=1),
+                               Check(print, FAILURE))
+    assert not warm_server.start_early([ranks, plain], gpus_visible=0)  # no GPU: ranks fork from the test process
+    assert not warm_server.start_early([plain, gpu_ranks], gpus_visible=1)  # nothing starts gloo ranks
+    assert warm_server.start_early([plain, ranks], gpus_visible=1)
+    assert started == [{"accelerator": "cpu", "gpus_hidden": True}]
+
+
+def test_the_gpu_less_server_imports_what_the_ranks_imported_each(monkeypatch):
+    from multiprocessing import forkserver
+
+    asked = []
+    monkeypatch.delenv(warm_server.COLD_ENV, raising=False)
+    monkeypatch.setattr(warm_server, "_started", None)
+    monkeypatch.setattr(forkserver._forkserver, "set_forkserver_preload", asked.append)
+    monkeypatch.setattr(forkserver._forkserver, "ensure_running", lambda: None)
+    monkeypatch.setattr(forkserver._forkserver, "_forkserver_pid", None)
+    warm_server.ensure(accelerator="cpu", gpus_hidden=True)
+    warm_server.ensure(accelerator="cuda")
+    hidden, gpu = asked
+    assert {"peft", "transformers.models.llama.modeling_llama"} <= set(hidden) - set(gpu)
+    assert "peft" not in gpu  # (a server that sees a GPU must not: bitsandbytes initialises CUDA at import)
+
+
+def what_a_lane_finds() -> tuple:
+    before = warm_server.forkserver_pid()
+    # the same settings: its parent's server serves it, its child included
+    served_by = isolation.run_isolated(os.getppid, start="forkserver", timeout=100)
+    warm_server.ensure(accelerator="cpu", gpus_hidden=True)  # other settings: its own, its parent's left running
+    return before, served_by, warm_server.forkserver_pid()
+
+
+def test_a_fork_uses_the_server_its_parent_started_and_leaves_it_running(monkeypatch):
+    # The lanes fork after the GPU-less server started: a lane must use it, not start another (multiprocessing's own
+    # check of a server is waitpid, which a fork cannot call on its parent's child).
+    monkeypatch.setenv(warm_server.COLD_ENV, "1")  # (cheap: which server serves is tested, not the stack)
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    warm_server.ensure(accelerator="cpu")
+    parents = warm_server.forkserver_pid()
+    before, served_by, own = isolation.run_isolated(what_a_lane_finds, timeout=150)
+    assert before == served_by == parents
+    assert own not in (None, parents)
+    assert warm_server.forkserver_pid() == parents  # still running for this process
