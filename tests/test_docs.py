@@ -4,13 +4,14 @@ no link that breaks once installed. The full ``mkdocs build --strict`` is CI's (
 MkDocs is installed (``pip install -e '.[docs]'``)."""
 
 import dataclasses
-import importlib.util
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from fixtures.docs_hooks import docs_hooks
 
 from pytest_llmload.plugin import fixtures as plugin_fixtures
 from pytest_llmload.failures import CATALOG, REGISTRY
@@ -22,10 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def hooks():
-    spec = importlib.util.spec_from_file_location("llmload_docs_hooks", ROOT / "docs" / "hooks.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return docs_hooks()
 
 
 @pytest.fixture(scope="module")

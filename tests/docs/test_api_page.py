@@ -1,11 +1,12 @@
 """The helpers' API page (docs/hooks.py's ``reference/api.md``) and the links to it from a fix's text: made without
 MkDocs, so these run everywhere; tests/docs/test_docs_render.py follows the links in the built site."""
 
-import importlib.util
 import re
 from pathlib import Path
 
 import pytest
+
+from fixtures.docs_hooks import docs_hooks
 
 from pytest_llmload.fixes import training_scripts
 
@@ -15,10 +16,7 @@ PAGE = "../reference/api.md"
 
 @pytest.fixture(scope="module")
 def hooks():
-    spec = importlib.util.spec_from_file_location("llmload_docs_hooks", ROOT / "docs" / "hooks.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return docs_hooks()
 
 
 def test_every_public_helper_of_the_fixes_has_an_anchored_entry(hooks):

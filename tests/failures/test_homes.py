@@ -4,13 +4,13 @@ entry and checks), its before-loader ``fixtures/loaders/before_<id>.py`` and its
 are built from those modules alone (docs/contributing.md: adding a failure touches those three files)."""
 
 import importlib
-import importlib.util
 import inspect
 import pickle
 from pathlib import Path
 
 import pytest
 
+from fixtures.docs_hooks import docs_hooks
 from pytest_llmload import failures
 from pytest_llmload.checks.base import Check, KnownFailure
 
@@ -53,7 +53,7 @@ def test_the_modules_are_found_not_listed_and_come_in_the_catalogs_order():
 def test_the_docs_tables_have_every_failure_and_are_current():
     # The known-failures table of README.md and of the docs' home page, and the failures' index page, are made from
     # the catalog (docs/hooks.py); a new failure appears in each with nothing else edited but its module.
-    hooks = _docs_hooks()
+    hooks = docs_hooks()
     for linked in (False, True):
         rows = [line for line in hooks.known_failures_table(linked).splitlines()[2:]]
         assert [row.split(" | ")[0] for row in rows] == [
@@ -64,13 +64,6 @@ def test_the_docs_tables_have_every_failure_and_are_current():
         text = (ROOT / name).read_text(encoding="utf-8")
         assert hooks.with_known_failures_table(text, linked) == text, (
             f"{name}'s known-failures table is not the catalog's: run `python docs/hooks.py`")
-
-
-def _docs_hooks():
-    spec = importlib.util.spec_from_file_location("llmload_docs_hooks", ROOT / "docs" / "hooks.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize("failure_id", IDS)

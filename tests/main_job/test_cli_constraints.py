@@ -95,11 +95,9 @@ def test_the_readme_ci_sample_takes_its_constraints_from_print_constraints():
 
 @pytest.mark.parametrize("home", ["README.md", "docs/getting-started.md"])
 def test_the_docs_extras_tables_are_current(home):
-    import importlib.util
+    from fixtures.docs_hooks import docs_hooks
 
-    spec = importlib.util.spec_from_file_location("llmload_docs_hooks", ROOT / "docs" / "hooks.py")
-    hooks = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(hooks)
+    hooks = docs_hooks()
     assert home in hooks.EXTRAS_HOMES
     text = (ROOT / home).read_text(encoding="utf-8")
     assert hooks.with_extras_table(text) == text, f"{home}'s extras table is not the checks': run python docs/hooks.py"
