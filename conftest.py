@@ -105,6 +105,7 @@ SLOW_FILES = (
     "tests/docs/test_docs_render.py",
 )
 SLOW_TESTS = {
+    "tests/checks/test_contract.py": ("test_every_check_goes_through_the_contract[check_train_request_trains]",),
     "tests/failures/test_adapter_on_offloaded.py": ("test_check_passes_on_the_fixed_loader",),
     "tests/failures/test_distributed_device_map.py": (
         "test_check_passes_on_the_reference_loader", "test_every_mode_is_judged_even_when_the_first_cannot_run_here"),
