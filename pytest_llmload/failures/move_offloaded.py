@@ -40,6 +40,7 @@ from pytest_llmload.checks import contract
 from pytest_llmload.loader.seam import LoaderError
 from pytest_llmload.loader.request import LoadRequest
 from pytest_llmload.checks.ground_truth import input_ids, offload_budget, offloaded_parts, where_loaded
+from pytest_llmload.instruments.recorder import track_model
 from pytest_llmload.system.tracebacks import LOADING_LIBRARIES, is_library, module_of
 
 Loader = Callable[[LoadRequest], Any]
@@ -135,6 +136,7 @@ class Move(NamedTuple):
     made_by: str  # where the loader's code made it (file:line `source`), and through which library call
     state: Optional[OffloadState]
     error: BaseException
+    model: Any = None  # the model that was moved, where the traceback holds it
 
 
 def _call_text(name: str, args: tuple, kwargs: dict) -> str:
@@ -208,7 +210,7 @@ def find_move(exc: BaseException) -> Optional[Move]:
                     name = getattr(local.get("fn"), "__name__", "to")
                     state = offload_state(local["model"])
                     return Move(_call_text(name, local.get("args", ()), local.get("kwargs", {})),
-                                _made_by(frames, i), state, error)
+                                _made_by(frames, i), state, error, local["model"])
             return Move(".to(...)", "an unknown caller (no accelerate frame in the traceback)", None, error)
         if "meta" not in str(error):
             continue
@@ -222,7 +224,7 @@ def find_move(exc: BaseException) -> Optional[Move]:
                 args = tuple(local.get("args", ())) or tuple(
                     local[k] for k in ("device", "dst_type") if local.get(k) is not None)
                 return Move(_call_text(frame.f_code.co_name, args, dict(local.get("kwargs", {}))),
-                            _made_by(frames, i), state, error)
+                            _made_by(frames, i), state, error, frame.f_locals["self"])
     return None
 
 
@@ -246,6 +248,8 @@ def check_offloaded_model_not_moved(loader: Loader, checkpoint, workdir, *, devi
         move = find_move(exc.original)
         if move is None:
             raise  # the loader's own error, not this failure
+        if move.model is not None:  # no model came back to the seam: the report draws the one that was moved
+            track_model(move.model, str(checkpoint))
         accelerate_said = re.search(ACCELERATE_REFUSAL, str(move.error)) is not None
         # torch's own text for the meta copy is another catalog entry's signature: say what it means instead
         error = (f"{type(move.error).__name__}: {move.error}" if accelerate_said

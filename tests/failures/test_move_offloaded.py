@@ -19,6 +19,7 @@ from fixtures import tiny_llama
 from fixtures.loaders import before_move_offloaded
 from pytest_llmload import failures as catalog
 from pytest_llmload.failures import move_offloaded
+from pytest_llmload.instruments.recorder import recording
 from pytest_llmload.loader.seam import LoaderError
 from pytest_llmload.fixes.reference_loader import load_model_and_tokenizer as reference_loader
 from pytest_llmload.checks.ground_truth import offload_budget
@@ -83,6 +84,16 @@ def test_check_fails_on_the_before_loader_naming_the_call_and_the_device_map(llm
             "'model.layers.1': 'disk'") in message
     assert f"max_memory={{'cpu': {tiny_llama.HALF_BUDGET}}}" in message
     assert move_offloaded.FAILURE.matches(message)
+
+
+def test_a_failing_check_records_the_moved_model_for_the_report(llmload_checkpoint, tmp_path):
+    # No model comes back to the seam when the loader's own .to() raises: the one in the traceback is recorded, so
+    # the HTML report's card and the failure section can say where it was.
+    with recording() as record, pytest.raises(AssertionError):
+        move_offloaded.check_offloaded_model_not_moved(before_move_offloaded.load, llmload_checkpoint, tmp_path)
+    (loaded,) = record.models
+    assert {str(v) for v in loaded.device_map.values()} == {"cpu", "disk"}
+    assert loaded.source == str(llmload_checkpoint)
 
 
 def casts_after_load(request):
