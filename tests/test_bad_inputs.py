@@ -108,7 +108,7 @@ CASES = [
     Case("loader-option-no-attribute", "option", USAGE, r"module 'not_callable' has no attribute 'absent'",
          args=("--llmload-loader", "not_callable:absent")),
     Case("loader-option-not-callable", "option", USAGE,
-         r"'not_callable:load' from --llmload-loader names a int, not a callable",
+         r"'not_callable:load' from --llmload-loader names an int, not a callable",
          args=("--llmload-loader", "not_callable:load")),
     Case("loader-option-raises-at-import", "option", USAGE,
          r"loader spec 'raises_at_import:load' from --llmload-loader: importing module 'raises_at_import' raised "

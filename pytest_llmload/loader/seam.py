@@ -33,6 +33,7 @@ from pytest_llmload.config.vocabulary import (  # noqa: F401  (the names the plu
 # The seam's errors cross a process boundary (an isolated check's child, a rank) as themselves, though their
 # __init__ takes more than the message: the one scheme every boundary uses.
 from pytest_llmload.runners.wire import Portable
+from pytest_llmload.system.words import a_type
 
 if TYPE_CHECKING:
     from pytest_llmload.loader.request import LoadRequest
@@ -172,7 +173,7 @@ def import_loader(choice: LoaderChoice) -> Callable[["LoadRequest"], Any]:
             ) from exc
     if not callable(obj):
         raise LoaderSpecError(
-            f"loader spec {choice.spec!r} from {choice.source} names a {type(obj).__name__}, not a callable. "
+            f"loader spec {choice.spec!r} from {choice.source} names {a_type(obj)}, not a callable. "
             "Name a function that takes a pytest_llmload.LoadRequest."
         )
     return obj
@@ -365,7 +366,7 @@ def as_loader_under_test(loader: Any, *, name: str = "", source: str = "fixture"
         return loader
     if not callable(loader):
         raise LoaderSpecError(
-            f"the loader from {source} is a {type(loader).__name__} ({_describe(loader)}), not a callable; "
+            f"the loader from {source} is {a_type(loader)} ({_describe(loader)}), not a callable; "
             "the llmload_loader fixture must return a function that takes a pytest_llmload.LoadRequest."
         )
     module = getattr(loader, "__module__", None)

@@ -37,6 +37,7 @@ import traceback
 from typing import NamedTuple, Optional
 
 from pytest_llmload.runners import child_coverage, child_output, lifeline, warm_server, wire
+from pytest_llmload.system.words import a_type
 
 _JOIN_S = 2.0
 
@@ -357,7 +358,7 @@ def _child_main(index, spec, conn, workdir, parent_pid, log_level, coverage_sett
             answer = wire.dumps(wire.Answer("ok", value, notes=tuple(notes)), trusted=True)
         except Exception as exc:  # noqa: BLE001
             raise TypeError(
-                f"{spec.label} returned a {type(value).__name__} that cannot be pickled: {exc}") from None
+                f"{spec.label} returned {a_type(value)} that cannot be pickled: {exc}") from None
         succeeded = True
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent, KeyboardInterrupt too
         with contextlib.suppress(Exception):

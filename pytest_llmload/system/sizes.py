@@ -17,6 +17,8 @@ import math
 import re
 from typing import Union
 
+from pytest_llmload.system.words import a_type
+
 _BINARY = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 _DECIMAL = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
@@ -27,7 +29,7 @@ def parse_size(value: Union[int, float, str], *, what: str = "", positive: bool 
     that names the value (after ``what``, e.g. ``"max_memory value"``) otherwise. ``positive`` refuses 0."""
     named = f"{what} {value!r}" if what else repr(value)
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ValueError(f"{named} is a {type(value).__name__}, not a size")
+        raise ValueError(f"{named} is {a_type(value)}, not a size")
     if isinstance(value, str):
         match = _SIZE.match(value)
         if match is None:

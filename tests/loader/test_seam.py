@@ -86,7 +86,7 @@ def test_conftest_fixture_override_wins(loaders):
                                   "'nope_missing_pkg' does not import (ModuleNotFoundError: *)*"),
         ("my_loaders:absent", "loader spec 'my_loaders:absent' from --llmload-loader: module 'my_loaders' "
                               "has no attribute 'absent'. Name the function that takes a LoadRequest."),
-        ("my_loaders:not_callable", "loader spec 'my_loaders:not_callable' from --llmload-loader names a int, "
+        ("my_loaders:not_callable", "loader spec 'my_loaders:not_callable' from --llmload-loader names an int, "
                                     "not a callable.*"),
     ],
     ids=["malformed", "does-not-import", "no-such-attribute", "not-callable"],
