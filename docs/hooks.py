@@ -225,6 +225,8 @@ def failure_page(failure) -> str:
         lines += ["", "A deadline passed inside the loader call is this failure's own mechanism: the check's row "
                       "is `FAILED` naming it (for every other failure a hung loader is an `error` row)."]
     lines += ["", "The section, as the report prints it:", "", "```", failure.explain(), "```", "", "## Checks", ""]
+    from pytest_llmload.system.words import a
+
     checks = _checks_of(failure)
     if not checks:
         lines += ["None: there is no loader bug to check. The regression tests below show the failure and how the "
@@ -234,7 +236,7 @@ def failure_page(failure) -> str:
         lines += [f"### {check.name}", "", plain(check.summary) or "(no docstring)", "",
                   f"- needs GPUs: {check.needs_gpus or 'none (runs on CPU)'}",
                   f"- transformers: {code(check.transformers) if check.transformers else 'any version'}",
-                  f"- asks the loader for: {'an' if check.purpose == 'inference' else 'a'} {check.purpose} load",
+                  f"- asks the loader for: {a(check.purpose)} load",
                   f"- ranks: {check.world_size}",
                   f"- deadline: {check.timeout:g} s, {runs}", ""]
     for title, what in (("The loader before its fix", "before-loader"), ("How it is reproduced here",
@@ -292,15 +294,19 @@ def known_failures_table(linked: bool) -> str:
     return "\n".join(lines)
 
 
+def with_block(text: str, start_line: str, end_line: str, content: str) -> str:
+    """``text`` with ``content`` between ``start_line`` and ``end_line``, whatever was there before."""
+    before, start, rest = text.partition(start_line)
+    _, end, after = rest.partition(end_line)
+    if not start or not end:
+        raise ValueError(f"docs/hooks.py: no {start_line!r} ... {end_line!r} lines to put the generated table between")
+    return f"{before}{start}\n\n{content}\n\n{end}{after}"
+
+
 def with_known_failures_table(text: str, linked: bool) -> str:
     """``text`` (README.md, docs/index.md) with the table between :data:`TABLE_START` and :data:`TABLE_END` made
     anew from the catalog."""
-    before, start, rest = text.partition(TABLE_START)
-    _, end, after = rest.partition(TABLE_END)
-    if not start or not end:
-        raise ValueError(f"docs/hooks.py: no {TABLE_START!r} ... {TABLE_END!r} lines to put the known failures' "
-                         "table between")
-    return f"{before}{start}\n\n{known_failures_table(linked)}\n\n{end}{after}"
+    return with_block(text, TABLE_START, TABLE_END, known_failures_table(linked))
 
 
 # --- settings, markers, fixtures ----------------------------------------------------------------------------------
@@ -578,21 +584,12 @@ def on_files(files, config, **kwargs):
 
 
 def on_page_markdown(markdown, page, config, files, **kwargs):
-    for start, end, make in ((FIELDS_MARK, FIELDS_END, load_request_fields), (RECORDS_MARK, RECORDS_END, record_fields)):
+    for start, end, make in BLOCKS.values():
         if start in markdown:
             markdown = with_block(markdown, start, end, make())
     if TABLE_START in markdown:
         markdown = with_known_failures_table(markdown, linked=True)
     return markdown
-
-
-def with_block(text: str, start_line: str, end_line: str, content: str) -> str:
-    """``text`` with ``content`` between ``start_line`` and ``end_line``, whatever was there before."""
-    before, start, rest = text.partition(start_line)
-    _, end, after = rest.partition(end_line)
-    if not start or not end:
-        raise ValueError(f"docs/hooks.py: no {start_line!r} ... {end_line!r} lines to put the generated table between")
-    return f"{before}{start}\n\n{content}\n\n{end}{after}"
 
 
 def with_extras_table(text: str) -> str:
@@ -603,11 +600,15 @@ def with_extras_table(text: str) -> str:
     return with_block(text, EXTRAS_START, EXTRAS_END, extras_table(REGISTRY))
 
 
-# page -> how its generated blocks are made anew (besides the known failures' and the extras' tables)
-BLOCK_HOMES = {
-    "docs/loader-contract.md": lambda text: with_block(text, FIELDS_MARK, FIELDS_END, load_request_fields()),
-    "docs/extension.md": lambda text: with_block(text, RECORDS_MARK, RECORDS_END, record_fields()),
+# page -> (start line, end line, what goes between) of the tables written into it (besides the known failures' and
+# the extras' tables); on the built site too, made anew there (on_page_markdown)
+BLOCKS = {
+    "docs/loader-contract.md": (FIELDS_MARK, FIELDS_END, load_request_fields),
+    "docs/extension.md": (RECORDS_MARK, RECORDS_END, record_fields),
 }
+# page -> its text with those tables made anew
+BLOCK_HOMES = {page: (lambda text, start=start, end=end, make=make: with_block(text, start, end, make()))
+               for page, (start, end, make) in BLOCKS.items()}
 
 
 def write_tables() -> list[str]:

@@ -12,6 +12,8 @@ import re
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional
 
+from pytest_llmload.system.words import a
+
 
 # A check that cannot judge (the loader did not put the model in the state its scenario needs) skips with a
 # reason that starts so; `--llmload-strict` (ini `llmload_strict`, the main job's --fail-not-exercised) counts it as a failure.
@@ -190,7 +192,7 @@ class Check(NamedTuple):
         purposes = getattr(loader, "purposes", None)
         if purposes is not None and self.purpose not in purposes:
             return (f"{self.name}: loader {loader.name} is declared for {' and '.join(purposes)} only; this check "
-                    f"needs {'an' if self.purpose == 'inference' else 'a'} {self.purpose} load")
+                    f"needs {a(self.purpose)} load")
         declared = getattr(loader, "not_applicable_reason", lambda name: None)
         reason = declared(self.name) or declared(self.name.removesuffix("_cuda"))
         if reason is not None:

@@ -93,14 +93,12 @@ def _uses_gpu(item: pytest.Item) -> bool:
 
 def start_gpu_less_server_early(items) -> bool:
     """The gloo ranks' GPU-less server, started now where a GPU is visible and a collected check needs it (see the
-    module's docstring); counts the GPUs only where a check starts ranks."""
-    checks = [check for check in map(_check, items) if check is not None]
-    if not any(getattr(check, "world_size", 1) > 1 for check in checks):
-        return False
+    module's docstring); counts the GPUs (which imports torch where a driver exists) only where such a check is."""
     from pytest_llmload.runners import warm_server
     from pytest_llmload.system import gpus
 
-    return warm_server.start_early(checks, gpus.visible_gpu_count())
+    checks = [check for check in map(_check, items) if check is not None and warm_server.starts_gpu_less_ranks(check)]
+    return bool(checks) and warm_server.start_early(checks, gpus.visible_gpu_count())
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -36,6 +36,7 @@ from pytest_llmload.placement.profiles import RunnerProfile
 from pytest_llmload.placement.picture import TIERS, device_order, placement_lines, placement_tiers, tier_of
 from pytest_llmload.loader.request import LoadRequest
 from pytest_llmload.system.sizes import format_bytes
+from pytest_llmload.system.words import a
 
 PREDICTION_PREFIX = "predict_"
 DEFAULT_DTYPE = "bfloat16"  # what runs on these runners use; --llmload-dtype changes it
@@ -649,7 +650,7 @@ class Scenario(NamedTuple):
         purposes = getattr(loader, "purposes", None)
         if purposes is not None and self.purpose not in purposes:
             return (f"{self.name}: loader {loader.name} is declared for {' and '.join(purposes)} only; this "
-                    f"scenario runs {'an' if self.purpose == 'inference' else 'a'} {self.purpose} load")
+                    f"scenario runs {a(self.purpose)} load")
         declared = getattr(loader, "not_applicable_reason", lambda name: None)
         reasons = [declared(check.name) for check in REGISTRY if check.failure.id == self.failure.id
                    and not check.name.endswith("_cuda")]
@@ -914,6 +915,15 @@ class AfterLoading(NamedTuple):
     quantized: bool
     refused: bool = False
 
+    def offloaded_before(self, event: Event) -> str:
+        """The start of a finding about ``event``, a call the loader made on what the load offloaded."""
+        return (f"from_pretrained(device_map={self.prediction.asked.get('device_map')!r}) at {self.prediction.at} "
+                f"offloads {len(event.on_offloaded)} module(s)")
+
+    def reason(self, nothing: str) -> str:
+        """The row's reason: whether the load offloads, and what the loader did after it (``nothing``: if nothing)."""
+        return f"{'offloads' if self.offloads else 'no offload'}; after loading: {_done(self.events) or nothing}"
+
 
 def _after_loading(scenario: str, loader, profile, config, model_name, workdir, **fields) -> AfterLoading:
     """An inference load run to its end on the model from_pretrained would return, without weights
@@ -966,8 +976,7 @@ def predict_moved_after_loading(loader, profile, config, model_name, workdir, ch
     if offloaded_moves:
         move = offloaded_moves[0]
         _predicts(prediction._replace(at=move.at), "move-offloaded", (
-            f"from_pretrained(device_map={prediction.asked.get('device_map')!r}) at {prediction.at} offloads "
-            f"{len(move.on_offloaded)} module(s) (e.g. {list(move.on_offloaded[:2])}) and the loader then calls "
+            f"{loaded.offloaded_before(move)} (e.g. {list(move.on_offloaded[:2])}) and the loader then calls "
             f".{move.name}() on the model at {move.at}: accelerate refuses a move while parameters are on meta"))
     weights = sum(device.weights for device in prediction.devices)
     to_gpu = [event for event in moves if (event.device or "").startswith("cuda")]
@@ -976,8 +985,7 @@ def predict_moved_after_loading(loader, profile, config, model_name, workdir, ch
         _predicts(prediction._replace(at=move.at), "OOM", (
             f"the loader moves the whole model ({format_bytes(weights)} of weights) to {move.device} at {move.at}, "
             f"which has {format_bytes(profile.device_memory)}"))
-    return prediction._replace(reason=f"{'offloads' if loaded.offloads else 'no offload'}; after loading: "
-                               f"{_done(loaded.events) or 'no move or cast'}")
+    return prediction._replace(reason=loaded.reason("no move or cast"))
 
 
 @_scenario()
@@ -993,11 +1001,9 @@ def predict_adapter_on_offloaded(loader, profile, config, model_name, workdir, c
     if on_offloaded:
         adapter = on_offloaded[0]
         _predicts(prediction._replace(at=adapter.at), "adapter-on-offloaded", (
-            f"from_pretrained(device_map={prediction.asked.get('device_map')!r}) at {prediction.at} offloads "
-            f"{len(adapter.on_offloaded)} module(s) and the loader then calls {adapter.name} at {adapter.at}: peft "
+            f"{loaded.offloaded_before(adapter)} and the loader then calls {adapter.name} at {adapter.at}: peft "
             "re-dispatches the base without its budget, and the adapter meets weights on meta"))
-    return prediction._replace(reason=f"{'offloads' if loaded.offloads else 'no offload'}; after loading: "
-                               f"{_done(loaded.events) or 'no adapter loaded'}")
+    return prediction._replace(reason=loaded.reason("no adapter loaded"))
 
 
 @_scenario()

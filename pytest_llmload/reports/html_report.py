@@ -894,7 +894,7 @@ def render_html(config: pytest.Config, rows: list[dict], started: float, ended: 
         chosen = ", ".join(loaders)
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
     cards = sorted((row for row in rows if _verdict_of(row)[0] in CARDS), key=_row_severity)
-    rest = [row for row in rows if row not in cards]
+    rest = [row for row in rows if _verdict_of(row)[0] not in CARDS]
     parts = [
         "<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">',
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
@@ -915,14 +915,16 @@ def render_html(config: pytest.Config, rows: list[dict], started: float, ended: 
     if not rest:
         return "\n".join(parts + ["</body>", "</html>", ""])
     predictions = [row for row in rest if _is_prediction(_row_of(row))]
-    pictured = [row for row in rest if row["record"] and row["record"].get("models") and row not in predictions]
+    predicted = {row["nodeid"] for row in predictions}
+    pictured = [row for row in rest if row["record"] and row["record"].get("models") and row["nodeid"] not in predicted]
+    linked = predicted | {row["nodeid"] for row in pictured}  # (the rows with a section below the table)
     rows_word = f"row{'s' if len(rest) != 1 else ''}"
     summary = f"{len(rest)} other {rows_word}" if cards else f"All {len(rest)} {rows_word}"
     parts += [f'<details class="rest"><summary>{summary} {_counts(rest)}</summary>',
               '<table><colgroup><col class="c-test"><col class="c-verdict"><col class="c-failure">'
               '<col class="c-seconds"></colgroup><thead><tr><th>test / check</th><th>verdict</th>'
               "<th>known failure</th><th>seconds</th></tr></thead><tbody>"]
-    parts += [_table_row(row, row in pictured + predictions) for row in sorted(rest, key=_row_severity)]
+    parts += [_table_row(row, row["nodeid"] in linked) for row in sorted(rest, key=_row_severity)]
     parts.append("</tbody></table>")
     if pictured:
         parts.append("<h2>Where the models went, and memory per phase</h2>")

@@ -121,13 +121,17 @@ def ensure(*, accelerator: Optional[str], gpus_hidden: bool = False) -> None:
     _started = key
 
 
+def starts_gpu_less_ranks(check) -> bool:
+    """Whether ``check`` starts gloo ranks that simulate a runner without GPUs (the GPU-less server's children)."""
+    return getattr(check, "world_size", 1) > 1 and not getattr(check, "needs_gpus", 0)
+
+
 def start_early(checks, gpus_visible: int) -> bool:
     """Start the GPU-less server now where a GPU is visible and ``checks`` (the run's collected checks) include one
-    that starts gloo ranks simulating a runner without GPUs (``world_size`` > 1): the server then imports the stack
-    while this process runs the other checks, not inside the first such check (issue 40: 9.9 s in a new interpreter
-    with the CUDA build of torch on a 2-core machine). Returns whether it started one."""
-    if gpus_visible <= 0 or not any(getattr(check, "world_size", 1) > 1 and not getattr(check, "needs_gpus", 0)
-                                    for check in checks):
+    that starts gloo ranks simulating a runner without GPUs (:func:`starts_gpu_less_ranks`): the server then imports
+    the stack while this process runs the other checks, not inside the first such check (issue 40: 9.9 s in a new
+    interpreter with the CUDA build of torch on a 2-core machine). Returns whether it started one."""
+    if gpus_visible <= 0 or not any(map(starts_gpu_less_ranks, checks)):
         return False
     ensure(accelerator="cpu", gpus_hidden=True)
     return True
