@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import os
 from typing import Optional
-from unittest import mock
 
 from pytest_llmload.config.vocabulary import COLD_FORKSERVER_ENV as COLD_ENV
 
@@ -102,6 +101,7 @@ def ensure(*, accelerator: Optional[str], gpus_hidden: bool = False) -> None:
     imports while this process goes on, and its first child waits for them (:func:`start_early`)."""
     global _started
     from multiprocessing import forkserver
+    from unittest import mock  # (here, not at import: plugin.lanes imports this module in every lanes run)
 
     modules = ("torch", *RUNNERS, *(() if os.environ.get(COLD_ENV) else GPU_LESS_PRELOAD if gpus_hidden
                                     else DEEPSPEED_PRELOAD))
