@@ -52,20 +52,33 @@ class LaunchedEnv(DistributedEnv):
         test = test_key(self._nodeid, meeting.attempts[self._nodeid])
         key = f"{test}/run{self._runs}"
         what = f"distributed_env.run #{self._runs} of this test"
-        server = None
+        abort = functools.partial(_peer_left, meeting, f"{test}/call", what)
+        server = listener = once_forked = None
         try:
             if launch.rank == 0:
                 # A fresh store for this run's process group: a group made by env:// on a store that earlier
                 # groups used would find their keys. The ranks connect to it as clients, as to torchrun's agent.
-                # It listens on MASTER_ADDR's address only, not on every interface (runners.wire).
-                server = wire.bound_store(launch.world_size, datetime.timedelta(seconds=timeout),
-                                             host=launch.master_addr)
-            ready = meeting.gather(f"{key}/ready", server.port if server else None,
-                                   abort=functools.partial(_peer_left, meeting, f"{test}/call", what))
-            outcome = _run_here(launch, fn, args, kwargs, backend, timeout, env, init_process_group, ready[0])
+                # It listens on MASTER_ADDR's address only, not on every interface (runners.wire). Its serving
+                # thread starts once this rank's child is forked, and the others learn its port only then: a
+                # child forked while that thread serves another rank's connection can inherit the C library's
+                # resolver mid-lookup and hang in its rendezvous for good (see ranks.run_rank_groups).
+                listener = wire.listening_socket(launch.world_size, host=launch.master_addr)
+                port = listener.getsockname()[1]
+
+                def once_forked():
+                    nonlocal server, listener
+                    server, listener = wire.bound_store(launch.world_size, datetime.timedelta(seconds=timeout),
+                                                        host=launch.master_addr, listener=listener), None
+                    meeting.gather(f"{key}/ready", port, abort=abort)
+            else:
+                port = meeting.gather(f"{key}/ready", None, abort=abort)[0]
+            outcome = _run_here(launch, fn, args, kwargs, backend, timeout, env, init_process_group, port,
+                                once_forked)
             deadline = time.monotonic() + timeout + RESULT_MARGIN_S
             outcomes = meeting.gather(f"{key}/result", _portable(outcome), deadline=deadline)
         finally:
+            if listener is not None:  # (the ranks did not meet: no store took it over)
+                listener.close()
             del server  # closes the port: every rank's child has ended
         results = _outcomes(outcomes, launch.world_size, timeout + RESULT_MARGIN_S)
         if all(o.status == "ok" for o in results):
@@ -89,8 +102,10 @@ def _peer_left(meeting: Meeting, call_key: str, what: str) -> None:
         "the same distributed_env.run calls, in the same order.", pytrace=False))
 
 
-def _run_here(launch: Launch, fn, args, kwargs, backend, timeout, env, init_process_group, port) -> ChildOutcome:
-    """``fn`` on this rank, in a child forked from this process that joins the run's process group."""
+def _run_here(launch: Launch, fn, args, kwargs, backend, timeout, env, init_process_group, port,
+              once_forked) -> ChildOutcome:
+    """``fn`` on this rank, in a child forked from this process that joins the run's process group once
+    ``once_forked()`` (if any) has returned."""
     rank_env = {"LOCAL_RANK": str(launch.local_rank), "MASTER_ADDR": launch.master_addr}
     if "LOCAL_WORLD_SIZE" in os.environ:  # (torchrun's; without it the child is told the whole world is local)
         rank_env["LOCAL_WORLD_SIZE"] = os.environ["LOCAL_WORLD_SIZE"]
@@ -99,7 +114,7 @@ def _run_here(launch: Launch, fn, args, kwargs, backend, timeout, env, init_proc
                                 init_process_group, timeout)
     spec = children.ChildSpec(f"rank {launch.rank}", fn, args, kwargs, merge_output=True, prepare=prepare)
     (outcome,) = children.run_children([spec], timeout, start=children.start_for(backend=backend),
-                                       prefix="llmload-rank-")
+                                       prefix="llmload-rank-", start_together=True, once_forked=once_forked)
     return outcome
 
 

@@ -167,7 +167,7 @@ class ChildSpec:
 
 
 def run_children(specs, timeout: float, *, start: Start = Start(), tmp_root=None, prefix: str = "llmload-child-",
-                 on_failure=None, start_together=False):
+                 on_failure=None, start_together=False, once_forked=None):
     """Start one child per :class:`ChildSpec` as ``start`` says (:func:`start_for`), collect them until all answered,
     died, or ``timeout`` passed, take the stacks of those still running, kill them, and return one
     :class:`ChildOutcome` per child.
@@ -175,7 +175,9 @@ def run_children(specs, timeout: float, *, start: Start = Start(), tmp_root=None
     ``on_failure(outcomes)`` may shorten the wait once a child failed (return a new deadline, or None): ranks
     blocked in a collective with a dead peer would otherwise wait out the whole deadline. ``start_together``: no
     child runs ``prepare`` before every child is started (ranks: none connects to a rendezvous while this process
-    is still forking). No child and no temporary directory outlives the call, also when it is interrupted (Ctrl-C).
+    is still forking). ``once_forked()``: called after every child is started and before any runs ``prepare``
+    (implies ``start_together``): what must not exist while this process forks (a store's serving thread) is made
+    there. No child and no temporary directory outlives the call, also when it is interrupted (Ctrl-C).
     """
     import multiprocessing as mp
 
@@ -187,7 +189,7 @@ def run_children(specs, timeout: float, *, start: Start = Start(), tmp_root=None
     coverage = child_coverage.parent_settings()  # None unless coverage is measuring here
     outcomes = [ChildOutcome(i, spec.label) for i, spec in enumerate(specs)]
     procs, conns = [], []
-    go = ctx.Event() if start_together else None
+    go = ctx.Event() if start_together or once_forked is not None else None
     try:
         for index, spec in enumerate(specs):
             receiver, sender = ctx.Pipe(duplex=False)
@@ -205,6 +207,8 @@ def run_children(specs, timeout: float, *, start: Start = Start(), tmp_root=None
             procs.append(proc)
             conns.append(receiver)
             outcomes[index].pid = proc.pid
+        if once_forked is not None:
+            once_forked()
         if go is not None:
             go.set()
         pending = _collect(procs, conns, outcomes, time.monotonic() + timeout, on_failure)

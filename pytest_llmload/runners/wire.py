@@ -206,21 +206,34 @@ def _rebuilt(module: str, qualname: str, args: tuple, state: dict) -> BaseExcept
 # ---------------------------------------------------------------------------------------------------------
 
 
-def bound_store(world_size: int, timeout, *, host: str = "127.0.0.1", port: int = 0, multi_tenant: bool = False):
-    """A ``TCPStore`` server on ``port`` (0: one the OS picks), listening on ``host`` only (the loopback interface by
-    default; a launched job's stores: the launcher's own address). The store owns the listening socket (it closes it
-    when it is deleted). ``multi_tenant``: a process group this process makes with env:// on the same port shares
-    the server, as torch's own multi-tenant store does."""
+def listening_socket(world_size: int, *, host: str = "127.0.0.1", port: int = 0):
+    """A socket bound to ``port`` on ``host`` and listening, with no thread serving it yet: clients' connections
+    wait in its backlog until :func:`bound_store` takes it over."""
     import socket
 
-    import torch.distributed as dist
-
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind((host, port))
         listener.listen(max(128, world_size))
+    except BaseException:
+        listener.close()
+        raise
+    return listener
+
+
+def bound_store(world_size: int, timeout, *, host: str = "127.0.0.1", port: int = 0, multi_tenant: bool = False,
+                listener=None):
+    """A ``TCPStore`` server on ``port`` (0: one the OS picks), listening on ``host`` only (the loopback interface by
+    default; a launched job's stores: the launcher's own address), or on ``listener`` (:func:`listening_socket`),
+    which it takes over. The store owns the listening socket (it closes it when it is deleted). ``multi_tenant``: a
+    process group this process makes with env:// on the same port shares the server, as torch's own multi-tenant
+    store does."""
+    import torch.distributed as dist
+
+    if listener is None:
+        listener = listening_socket(world_size, host=host, port=port)
+    try:
         store = dist.TCPStore(host, listener.getsockname()[1], world_size, is_master=True, wait_for_workers=False,
                               timeout=timeout, master_listen_fd=listener.fileno(), multi_tenant=multi_tenant)
     except BaseException:

@@ -272,6 +272,32 @@ def test_children_started_together_run_only_once_every_fork_is_done(monkeypatch,
     assert len(forked) == 3 and min(o.value for o in outcomes) > max(forked)
 
 
+def test_once_forked_runs_after_every_fork_and_before_any_child_prepares(tmp_path):
+    # (a launched job's rank 0 starts its store's serving thread there: see launched_env.LaunchedEnv._start)
+    called = []
+
+    def once_forked():
+        time.sleep(0.2)  # (without the barrier a child would prepare meanwhile)
+        called.append(time.monotonic())
+
+    specs = [children.ChildSpec(f"child {i}", prepared_at, prepare=note_the_time) for i in range(2)]
+    outcomes = children.run_children(specs, 30, tmp_root=tmp_path, once_forked=once_forked)
+    assert len(called) == 1 and min(o.value for o in outcomes) > called[0]
+
+
+def test_a_failure_in_once_forked_leaves_no_child(tmp_path):
+    import multiprocessing
+
+    def once_forked():
+        raise RuntimeError("the others did not come")
+
+    specs = [children.ChildSpec("child", os.getpid, prepare=note_the_time)]
+    with pytest.raises(RuntimeError, match="the others did not come"):
+        children.run_children(specs, 30, tmp_root=tmp_path, once_forked=once_forked)
+    assert list(tmp_path.iterdir()) == []  # its temporary directory removed
+    assert [p for p in multiprocessing.active_children() if p.name.startswith("llmload-")] == []
+
+
 def test_a_forkserver_child_works_too():
     # How a child starts where this process has initialised CUDA: the function and its results go by pickle.
     assert run_isolated(os.getpid, start="forkserver", timeout=50) != os.getpid()

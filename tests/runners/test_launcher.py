@@ -171,29 +171,29 @@ def test_two_ranks_under_torchrun_agree_on_every_outcome(tmp_path):
 
     kind, text = outcomes["test_rank_1_raises"]
     assert kind == "failure"
-    assert "2 of 2 ranks failed (gloo, deadline 20 s); first: rank 1 raised ValueError: rank 1 refuses" in text
-    assert "in refuse_on_rank_1" in text and 'raise ValueError("rank 1 refuses")' in text
+    assert "2 of 2 ranks failed (gloo, deadline 20 s); first: rank 1 raised ValueError: rank 1 refuses" in text, text
+    assert "in refuse_on_rank_1" in text and 'raise ValueError("rank 1 refuses")' in text, text
 
     kind, text = outcomes["test_rank_0_hangs"]
     assert kind == "failure"
-    assert "2 of 2 ranks failed (gloo, deadline 1.5 s); first: rank 0 was still running at the deadline" in text
-    assert "thread stacks of rank 0 at the deadline" in text and "in wait_forever_on_rank_0" in text
-    assert "in barrier" in text  # rank 1, waiting for rank 0
+    assert "2 of 2 ranks failed (gloo, deadline 1.5 s); first: rank 0 was still running at the deadline" in text, text
+    assert "thread stacks of rank 0 at the deadline" in text and "in wait_forever_on_rank_0" in text, text
+    assert "in barrier" in text, text  # rank 1, waiting for rank 0
 
     assert outcomes["test_rank_1_skips"] == ("skipped", "rank 1 has no use for it (on rank 1)")
 
     kind, text = outcomes["test_body_fails_on_rank_1"]
     assert kind == "failure"
-    assert "rank 1 failed this test (a failure on one rank fails it on every rank)" in text
-    assert "AssertionError: the body of rank 1 disagrees" in text
+    assert "rank 1 failed this test (a failure on one rank fails it on every rank)" in text, text
+    assert "AssertionError: the body of rank 1 disagrees" in text, text
 
     kind, text = outcomes["test_body_hangs_on_rank_1"]  # rank 1's deadline ends it; rank 0 waited for its report
     assert kind == "failure"
-    assert "rank 1 failed this test" in text and "time.sleep(3600)" in text and "Timeout (>2.0s)" in text
+    assert "rank 1 failed this test" in text and "time.sleep(3600)" in text and "Timeout (>2.0s)" in text, text
 
     kind, text = outcomes["test_other_world_size"]
     assert kind == "skipped"
-    assert "asks for world_size=1, but torchrun started 2 (RANK/WORLD_SIZE=0/2)" in text
+    assert "asks for world_size=1, but torchrun started 2 (RANK/WORLD_SIZE=0/2)" in text, text
     assert outcomes["test_setup_skips_on_rank_1"] == ("skipped", "rank 1 lacks something at setup (on rank 1)")
 
     assert outcomes["test_agree_on_rank_0_only"] == ("passed", "")

@@ -6,6 +6,7 @@ import datetime
 import os
 import pickle
 import socket
+import time
 
 import pytest
 
@@ -125,6 +126,31 @@ def test_a_store_for_one_machines_ranks_listens_on_loopback_only():
             pytest.skip("this machine has no address beside loopback to try the store's port from")
         with pytest.raises(OSError):
             socket.create_connection((address, store.port), timeout=2).close()
+    finally:
+        del store
+
+
+def test_a_client_that_connects_before_the_store_takes_the_socket_over_is_served():
+    # (a launched job's rank 0 forks its child between the two: launched_env.LaunchedEnv._start)
+    import threading
+
+    import torch.distributed as dist
+
+    listener = wire.listening_socket(2)
+    port, answers = listener.getsockname()[1], []
+
+    def client():
+        store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=datetime.timedelta(seconds=10))
+        answers.append(store.get("k"))
+
+    connecting = threading.Thread(target=client)
+    connecting.start()
+    time.sleep(0.3)  # (the client is waiting in the socket's backlog)
+    store = wire.bound_store(2, datetime.timedelta(seconds=10), listener=listener)
+    try:
+        store.set("k", "v")
+        connecting.join(10)
+        assert answers == [b"v"] and store.port == port
     finally:
         del store
 
