@@ -7,8 +7,8 @@ the forkserver and the ranks it reaps):
 - goal 1: ``python -m pytest_llmload`` (the reference loader, every check: the CPU, GPU and distributed ones), its
   rows (``--json``: each check's time), against the floor (goal: under 30 s; within 1.5x of its floor on a CPU
   machine with the CUDA build);
-- goal 2: ``pytest -m gpu -n 4 --llmload-gpus-per-worker off`` (4 workers sharing the one GPU; a test measuring its
-  CUDA peak holds it alone, ``system.gpus.held_by_test``): wall, CPU, outcomes (goal: under 60 s; 141.3 s before),
+- goal 2: ``pytest -m gpu -n 4`` (4 workers sharing the one GPU, the default with fewer GPUs than workers; a test
+  measuring its CUDA peak holds it alone, ``system.gpus.held_by_test``): wall, CPU, outcomes (goal: under 60 s; 141.3 s before),
   twice: as this repo's conftest.py sets it up (``PYTEST_LLMLOAD_COLD_FORKSERVER=1``: every forkserver child, each
   ``_cuda`` check of a worker that has initialised CUDA, imports the stack itself) and with the warm server
   (the variable set empty, which the conftest keeps).
@@ -33,7 +33,7 @@ from bench_main_job import STACK, count_orphans, run_counted, torch_build  # noq
 
 # The repo's conftest.py sets PYTEST_LLMLOAD_COLD_FORKSERVER=1 where it is unset, and keeps a value set empty.
 SERVERS = {"cold": {}, "warm": {"PYTEST_LLMLOAD_COLD_FORKSERVER": ""}}
-GPU_SUITE = ["-m", "pytest", "-m", "gpu", "-n", "4", "--llmload-gpus-per-worker", "off", "-q", "-rfE",
+GPU_SUITE = ["-m", "pytest", "-m", "gpu", "-n", "4", "-q", "-rfE",
              "-p", "no:cacheprovider"]
 
 

@@ -154,7 +154,8 @@ SETTINGS = (
         "whose driver or CUDA_VISIBLE_DEVICES is broken).")),
     Setting("gpus_per_worker", "gpus", metavar="K|off", help=(
         "under pytest -n N on a machine with GPUs: how many GPUs each xdist worker holds (its own "
-        "CUDA_VISIBLE_DEVICES; default: the visible GPUs divided by N), or 'off' to let every worker see every "
+        "CUDA_VISIBLE_DEVICES; default: the visible GPUs divided by N, and where there are fewer GPUs than workers, "
+        "the workers share them, a test that may fill one running alone), or 'off' to let every worker see every "
         "GPU.")),
     # --- diagnostics (pytest_llmload.reports.sections)
     Setting("phase_progress_seconds", "seconds", metavar="SECONDS", default=30.0,

@@ -3,8 +3,11 @@
 The scheme: every worker holds the same number K of GPUs (``--llmload-gpus-per-worker``, default the visible
 count G divided by N), and the workers' lists are disjoint slices of the visible list. A worker runs one test
 at a time, so two running tests never share a GPU, and a ``needs_gpus(k)`` test runs on any worker when
-k <= K (no scheduling needed); with k > K it skips naming the command that would run it. N * K > G is a usage
-error naming G, N, K and what to run; ``-n auto`` asks for at most G // K workers.
+k <= K (no scheduling needed); with k > K it skips naming the command that would run it. With more workers than
+GPUs and K not given (``pytest -m gpu -n 4`` on one GPU), the workers share them: every worker sees every GPU, and
+a test that may fill one (``limit_torch_memory``) holds them alone while the other GPU tests hold them shared
+(:func:`pytest_llmload.system.gpus.held_by_test`). N * K > G with K given is a usage error naming G, N, K and what
+to run; ``-n auto`` asks for at most G // K workers.
 
 When: the controller plans in ``pytest_configure`` and writes each worker's list into its execnet spec's
 environment (``pytest_xdist_setupnodes``). execnet sets that environment in the worker process right after
@@ -32,6 +35,7 @@ from pytest_llmload.config.vocabulary import GPUS_PER_WORKER_OPTION as OPTION
 
 
 _plan_key = pytest.StashKey["Plan"]()
+_shared_key = pytest.StashKey[tuple]()  # (workers, GPUs) where the workers share the GPUs
 _devices_key = pytest.StashKey[list]()
 
 
@@ -122,6 +126,10 @@ def pytest_configure(config: pytest.Config) -> None:
     devices = _devices(config)
     if not devices:
         return
+    if per_worker is None and workers > len(devices):
+        # Not enough GPUs for one each, and no share asked for: the workers share them (module docstring).
+        config.stash[_shared_key] = (workers, len(devices))
+        return
     try:
         config.stash[_plan_key] = plan(workers, devices, per_worker, gpus.visible_devices_label())
     except PlanError as exc:
@@ -140,6 +148,13 @@ def pytest_xdist_setupnodes(config: pytest.Config, specs) -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
+    shared = config.stash.get(_shared_key, None)
+    if shared is not None:
+        workers, total = shared
+        them = "it" if total == 1 else "them"
+        return [f"llmload: {workers} xdist workers share {total} GPU{'s' if total > 1 else ''} (fewer GPUs than "
+                f"workers): a test that may fill {them} (limit_torch_memory) runs alone, the other GPU tests beside "
+                f"each other; -n {total} gives each worker its own"]
     worker_plan = config.stash.get(_plan_key, None)
     if worker_plan is None:
         return []

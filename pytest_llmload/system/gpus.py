@@ -177,11 +177,12 @@ def worker_hint(needed: int, environ=os.environ) -> Optional[str]:
 
 
 # --- GPUs shared by several xdist workers ---------------------------------------------------------------------------
-# With --llmload-gpus-per-worker off (plugin.xdist_gpus), every worker sees every GPU: `pytest -m gpu -n 4` on one
-# GPU (issue 40). What each test measures is its own process's (CUDA's allocator counts per process), but a test that
-# measures its peak against a limit may fill the device: it holds the GPUs alone, and every other GPU test holds them
-# shared, so none runs beside it. A lock file per GPU (named by UUID where the driver lists them, so that an index
-# and a UUID name one file), flock'ed: the lock goes with the process that holds it, also when it dies.
+# With fewer GPUs than xdist workers (`pytest -m gpu -n 4` on one GPU, issue 40) or --llmload-gpus-per-worker off
+# (plugin.xdist_gpus), every worker sees every GPU. What each test measures is its own process's (CUDA's allocator
+# counts per process), but a test that measures its peak against a limit may fill the device: it holds the GPUs
+# alone, and every other GPU test holds them shared, so none runs beside it. A lock file per GPU (named by UUID where
+# the driver lists them, so that an index and a UUID name one file), flock'ed: the lock goes with the process that
+# holds it, also when it dies.
 
 LOCK_DIR = "llmload-gpu-locks"
 

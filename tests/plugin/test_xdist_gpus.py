@@ -132,7 +132,8 @@ def record(request):
     with open(os.path.join(os.path.dirname(__file__), "tests.jsonl"), "a") as out:
         out.write(json.dumps({"test": request.node.name, "worker": os.environ.get("PYTEST_XDIST_WORKER"),
                               "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", "unset"),
-                              "visible_gpu_count": gpus.visible_gpu_count()}) + "\\n")
+                              "visible_gpu_count": gpus.visible_gpu_count(),
+                              "shares": gpus.shares_gpus_with_other_workers()}) + "\\n")
 """
 
 TESTS = """
@@ -209,10 +210,24 @@ def test_an_outer_index_list_is_kept_as_written(project, monkeypatch):
     assert workers_views(project) == {"gw0": "6", "gw1": "1", "gw2": "3"}
 
 
-def test_more_workers_than_gpus_is_a_usage_error_before_any_worker_starts(project, monkeypatch):
+def test_more_workers_than_gpus_share_them_where_no_share_is_asked_for(project, monkeypatch):
+    # pytest -m gpu -n 4 on a one-GPU runner (issue 40): every worker sees the GPU, and knows it shares it, so that a
+    # test that may fill it holds it alone (system.gpus.held_by_test; tests/system/test_gpus.py)
+    monkeypatch.setenv(gpus.FAKE_GPUS_ENV, "GPU-a")
+    result = run(project, "-n", "2", "-k", "test_one")
+    result.assert_outcomes(passed=8)
+    result.stdout.fnmatch_lines(["llmload: 2 xdist workers share 1 GPU (fewer GPUs than workers): a test that may "
+                                 "fill it (limit_torch_memory) runs alone, the other GPU tests beside each other; "
+                                 "-n 1 gives each worker its own"])
+    assert workers_views(project) == {"gw0": "unset", "gw1": "unset"}
+    assert {(t["visible_gpu_count"], t["shares"]) for t in records(project, "tests.jsonl")} == {(1, True)}
+
+
+def test_more_workers_than_gpus_with_a_share_asked_for_is_a_usage_error_before_any_worker_starts(project,
+                                                                                                 monkeypatch):
     monkeypatch.setenv(gpus.FAKE_GPUS_ENV, EIGHT)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
-    result = run(project, "-n", "8")
+    result = run(project, "-n", "8", "--llmload-gpus-per-worker", "1")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["ERROR: pytest -n 8 with 1 GPU per xdist worker needs 8 GPUs, but 4 are visible "
                                  "(CUDA_VISIBLE_DEVICES=0,1,2,3): run -n 4 (or -n auto), *"])
