@@ -114,7 +114,7 @@ def _run_here(launch: Launch, fn, args, kwargs, backend, timeout, env, init_proc
                                 init_process_group, timeout)
     spec = children.ChildSpec(f"rank {launch.rank}", fn, args, kwargs, merge_output=True, prepare=prepare)
     (outcome,) = children.run_children([spec], timeout, start=children.start_for(backend=backend),
-                                       prefix="llmload-rank-", start_together=True, once_forked=once_forked)
+                                       prefix="llmload-rank-", once_forked=once_forked)
     return outcome
 
 
