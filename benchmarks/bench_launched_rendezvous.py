@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -48,7 +49,8 @@ def one_round(checkout: Path, folder: Path, ranks: int) -> tuple[int, int, float
     env.pop("PYTEST_ADDOPTS", None)
     log = folder / f"log-{checkout.name}.txt"
     wall, _, _ = run_timed(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), "-m", "pytest",
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+         "--log-dir", str(folder / f"torchrun-{checkout.name}"), "-m", "pytest",
          "-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-q", "-c", "/dev/null", "--rootdir", str(folder),
          "test_runs.py"], cwd=folder, env=env, check=False, log=log)
     text = log.read_text(errors="replace")
@@ -74,6 +76,10 @@ def main(rounds: int = 3, runs: int = 100, ranks: int = 4, against=None) -> dict
             for label, (failed, total, walls) in found.items()]
     print_table(f"distributed_env.run under torchrun, {ranks} ranks, {rounds} round(s) of {runs} trivial runs "
                 f"(8 s deadline each); loads: {'; '.join(loads)}", rows, ("checkout", "runs that failed", "wall per round"))
+    if any(failed for failed, _, _ in found.values()):
+        print(f"the runs' logs (torchrun's and pytest's): {folder}")
+    else:
+        shutil.rmtree(folder, ignore_errors=True)
     return {label: {"failed": f, "runs": t} for label, (f, t, _) in found.items()}
 
 

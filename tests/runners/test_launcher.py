@@ -137,8 +137,9 @@ def torchrun_pytest(path, *args: str) -> tuple[subprocess.CompletedProcess, floa
     env["OMP_NUM_THREADS"] = "1"
     started = time.monotonic()
     result = subprocess.run(
+        # (--log-dir: torchrun's own, a torchelastic_* dir in $TMPDIR by default, which it leaves behind)
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-rs", "--junitxml=report.xml", *args],
+         "--log-dir", str(path / "torchrun-logs"), "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-rs", "--junitxml=report.xml", *args],
         cwd=path, env=env, capture_output=True, text=True, timeout=150,
     )
     return result, time.monotonic() - started
