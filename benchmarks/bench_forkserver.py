@@ -34,13 +34,13 @@ def main(runs: int = 5) -> dict:
 
     from pytest_llmload.failures.distributed_device_map import _load_prepare_and_step
     from pytest_llmload.fixes.reference_loader import load_model_and_tokenizer
-    from pytest_llmload.runners import ranks, warm_server
+    from pytest_llmload.runners import preload, ranks, warm_server
     from pytest_llmload.loader.tiny_models import build_tiny_checkpoint
 
     transformers.utils.logging.disable_progress_bar()
     work = Path(tempfile.mkdtemp(prefix="bench-forkserver-"))
     checkpoint = build_tiny_checkpoint(work / "llama")
-    ranks.preload(ranks.DEEPSPEED_PRELOAD + ranks.model_module(checkpoint))
+    preload.preload(preload.DEEPSPEED_PRELOAD + preload.model_module(checkpoint))
 
     def step(start: str, cold: bool):
         def run():

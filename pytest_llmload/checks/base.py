@@ -122,7 +122,7 @@ class Check(NamedTuple):
     @property
     def forks(self) -> bool:
         """Whether the check runs in children forked from its process (isolated, or ranks), which inherit what that
-        process imported first (:func:`pytest_llmload.runners.ranks.preload_for_isolated_checks`)."""
+        process imported first (:func:`pytest_llmload.runners.preload.preload_for_isolated_checks`)."""
         return self.isolated or self.world_size > 1
 
     @property
@@ -159,7 +159,7 @@ class Check(NamedTuple):
             pytest.skip(reason)
         if self.forks:  # its children inherit these instead of each importing them
             from pytest_llmload.config.stash_keys import add_note
-            from pytest_llmload.runners.ranks import preload_failure, preload_for_isolated_checks
+            from pytest_llmload.runners.preload import preload_failure, preload_for_isolated_checks
 
             failed_before = preload_failure()
             if failed_before is not None:  # the first cause, which an import error in this check may be a result of

@@ -17,7 +17,7 @@ import pkgutil
 from types import ModuleType
 
 from pytest_llmload.checks.base import Check, KnownFailure
-from pytest_llmload.runners.ranks import preload_for_isolated_checks  # (its home: one floor down)
+from pytest_llmload.runners.preload import preload_for_isolated_checks  # (its home: one floor down)
 
 
 def _discovered() -> tuple[ModuleType, ...]:

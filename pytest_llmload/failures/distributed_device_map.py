@@ -46,7 +46,7 @@ from pytest_llmload.loader.seam import LoaderModelError
 from pytest_llmload.instruments.probes import spy_classmethod
 from pytest_llmload.loader.request import LoadRequest
 from pytest_llmload.checks.ground_truth import train_optimizer
-from pytest_llmload.runners import ranks
+from pytest_llmload.runners import preload, ranks
 from pytest_llmload.runners.ranks import RankResult
 
 Loader = Callable[[LoadRequest], Any]
@@ -135,8 +135,8 @@ def check_distributed_train_step(
         import pytest
 
         pytest.skip(f"{missing} for mode 'deepspeed'; pass modes=('ddp',) to check without it")
-    ranks.preload(
-        (ranks.DEEPSPEED_PRELOAD if "deepspeed" in modes else ranks.HF_PRELOAD) + ranks.model_module(checkpoint)
+    preload.preload(
+        (preload.DEEPSPEED_PRELOAD if "deepspeed" in modes else preload.HF_PRELOAD) + preload.model_module(checkpoint)
     )
     problems, unexercised, simulated, pins = [], [], [], set()
     groups = [ranks.RankGroup(_load_prepare_and_step,

@@ -59,7 +59,7 @@ from pytest_llmload.checks import contract
 from pytest_llmload.loader.seam import LoaderError, LoaderModelError
 from pytest_llmload.loader.request import LoadRequest
 from pytest_llmload.checks.ground_truth import train_optimizer
-from pytest_llmload.runners import ranks
+from pytest_llmload.runners import preload, ranks
 from pytest_llmload.runners.ranks import RankResult
 from pytest_llmload.system.tracebacks import is_library, module_of
 
@@ -127,7 +127,7 @@ def check_zero3_load(
         import pytest
 
         pytest.skip(missing)
-    ranks.preload(ranks.DEEPSPEED_PRELOAD + ranks.model_module(checkpoint))
+    preload.preload(preload.DEEPSPEED_PRELOAD + preload.model_module(checkpoint))
     # GPU ranks start from a clean forkserver and import DeepSpeed themselves: they must pick its CUDA
     # accelerator even when the test process was told DS_ACCELERATOR=cpu.
     # CPU ranks get LOCAL_SIZE, as DeepSpeed's own launcher sets it: ZeRO-3 asks the CPU accelerator for its device

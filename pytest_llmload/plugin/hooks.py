@@ -236,9 +236,9 @@ def _progress_writer(config: pytest.Config):
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    ranks = sys.modules.get("pytest_llmload.runners.ranks")
-    if ranks is not None:  # a run's failed preload is that run's: not the next run's in this process (pytester)
-        ranks.forget_preload_failure()
+    preload = sys.modules.get("pytest_llmload.runners.preload")
+    if preload is not None:  # a run's failed preload is that run's: not the next run's in this process (pytester)
+        preload.forget_preload_failure()
     progress = sys.modules.get("pytest_llmload.reports.progress")
     writer = None if progress is None else config.stash.get(progress.progress_key, None)
     if writer is not None:

@@ -180,7 +180,7 @@ class Lanes:
         served = [check for check in map(_check, self.items)
                   if getattr(check, "forks", False) and not getattr(check, "needs_gpus", 0)]
         if served:
-            from pytest_llmload.runners.ranks import (
+            from pytest_llmload.runners.preload import (
                 forget_preload_failure, preload_for_isolated_checks, remember_preload_failure)
 
             # An import that fails here (a broken bitsandbytes raises more than ImportError; a read-only cache

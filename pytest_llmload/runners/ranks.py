@@ -29,12 +29,10 @@ import datetime
 import functools
 import importlib
 import importlib.util
-import json
 import os
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional
 
 from pytest_llmload.system import gpus, tracebacks
@@ -55,28 +53,13 @@ _LAUNCHER_VARS = frozenset(
 )
 _LAUNCHER_PREFIXES = ("ACCELERATE_", "FSDP_", "TORCHELASTIC_", "OMPI_COMM_WORLD_", "PMI_", "MV2_")
 
-# What a rank would otherwise import itself: preloaded here before forking, or by the warm forkserver (one floor down).
-from pytest_llmload.runners.warm_server import (  # noqa: E402,F401  (part of this API)
-    DEEPSPEED_PRELOAD,
-    HF_PRELOAD,
-    quiet_deepspeed_import,
-)
+# What a rank would otherwise import itself, imported here before forking (runners.preload).
+from pytest_llmload.runners.preload import DEEPSPEED_PRELOAD, preload  # noqa: E402
 
 _GRACE_AFTER_FAILURE_S = 5.0
 # Errors a rank reports when a peer went away first: a consequence, listed after the cause.
 _PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "remote worker", "Broken pipe",
               "NCCL communicator was aborted", "ProcessGroupNCCL")
-
-
-def preload(modules: Sequence[str]) -> None:
-    """Import ``modules`` here, before forking, so that no rank pays for them; a missing one is skipped. DeepSpeed's
-    import is quiet (:func:`quiet_deepspeed_import`: at collection its log lines would read as the run's)."""
-    for name in modules:
-        if name in sys.modules:
-            continue
-        quiet = quiet_deepspeed_import() if name.partition(".")[0] == "deepspeed" else contextlib.nullcontext()
-        with contextlib.suppress(ImportError), quiet:
-            importlib.import_module(name)
 
 
 # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op (deepspeed.comm.torch.build_shm_op) in
@@ -461,63 +444,3 @@ class DistributedEnv:
 
     def _start(self, fn: Callable[..., Any], world_size: int, **options) -> list[Any]:
         return run_ranks(fn, world_size, **options)
-
-
-def model_module(checkpoint) -> tuple[str, ...]:
-    """The transformers modeling module of the checkpoint's architecture, imported lazily otherwise."""
-    try:
-        model_type = json.loads((Path(checkpoint) / "config.json").read_text())["model_type"]
-    except (OSError, ValueError, KeyError):
-        return ()
-    return (f"transformers.models.{model_type}.modeling_{model_type}",)
-
-
-def preload_for_isolated_checks(checkpoint: "os.PathLike[str] | str | None" = None, *, peft: bool = True) -> None:
-    """Import here, before an isolated check or a check's ranks fork, what the checks import: what a child imports
-    dies with it, and the next check would pay for it again (1.5 s a check for peft and its dependencies, measured;
-    the distributed check's ranks import part of it too: the check took 1.35-1.42 s with only the Hugging Face
-    modules preloaded, 0.51-0.64 s with peft). With ``checkpoint``, its model's modeling module too (lanes preload
-    before any checkpoint is built: without).
-
-    peft (``peft=True``: a check that uses adapters) only where no GPU is visible: it imports bitsandbytes, whose
-    import reads the devices' compute capability and so initialises CUDA, and a process that has initialised CUDA
-    can no longer fork. A run of inference checks alone never imports it (about 2.5 s of CPU).
-    """
-    from pytest_llmload.system import gpus
-
-    modules = HF_PRELOAD + (model_module(checkpoint) if checkpoint is not None else ())
-    if peft and gpus.visible_gpu_count() == 0:
-        modules += ("peft",)
-    preload(modules)
-    if "peft" in sys.modules:
-        answer_peft_type_checks()
-
-
-# The first failure of an import made before forking (the lanes' preload), for the rows of the checks it may break.
-_preload_failure: list[str] = []
-
-
-def remember_preload_failure(exc: BaseException) -> None:
-    """Keep the first error of a preload that could not finish, as its first words (:func:`preload_failure`)."""
-    if not _preload_failure:
-        _preload_failure.append(f"{type(exc).__name__}: {exc}".splitlines()[0][:300])
-
-
-def forget_preload_failure() -> None:
-    _preload_failure.clear()
-
-
-def preload_failure() -> Optional[str]:
-    """What a preload that failed in this process raised first; ``None`` where none failed."""
-    return _preload_failure[0] if _preload_failure else None
-
-
-def answer_peft_type_checks() -> None:
-    """Ask peft's ``isinstance(module, BaseTunerLayer)`` here, once: peft asks it of every module of a model it
-    wraps, and the first negative answer in a process walks every subclass of that ABC (~0.3 s). Asked before
-    forking, every child inherits the answers (ABCs cache them) instead of walking again."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-    from torch import nn
-
-    for module in (nn.Dropout, nn.Identity, nn.Linear, nn.Embedding, nn.Module):
-        issubclass(module, BaseTunerLayer)

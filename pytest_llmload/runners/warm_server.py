@@ -31,7 +31,7 @@ _started: Optional[tuple] = None  # (preload, DS_ACCELERATOR) of the server this
 
 # Modules a child would otherwise import lazily, paying for them in every child of every run (what a child imports
 # dies with it). DeepSpeed's engine imports its Muon optimizer, which calls torch.compile at import time and pulls in
-# torch._inductor: about 3 s per rank on 2 cores. Forked ranks get them from the test process (ranks.preload), the
+# torch._inductor: about 3 s per rank on 2 cores. Forked ranks get them from the test process (runners.preload), the
 # forkserver's children from the server. peft is not here: it imports bitsandbytes, which reads the GPUs' compute
 # capability at import and so initialises CUDA.
 HF_PRELOAD = (

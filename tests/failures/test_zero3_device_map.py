@@ -209,9 +209,9 @@ def test_the_model_the_check_judges_is_partitioned_by_zero3(llmload_checkpoint, 
         return (sum(hasattr(p, "ds_id") for p in params), len(params), sum(p.numel() for p in params),
                 sum(p.ds_numel for p in params), sum(p.ds_tensor.numel() for p in params))
 
-    from pytest_llmload.runners import ranks
+    from pytest_llmload.runners import preload, ranks
 
-    ranks.preload(ranks.DEEPSPEED_PRELOAD)
+    preload.preload(preload.DEEPSPEED_PRELOAD)
     results = ranks.run_ranks(load_and_measure, 2, args=(os.fspath(llmload_checkpoint),), timeout=120)
     assert results[0] == results[1]
     with_id, count, local, total, shard = results[0]

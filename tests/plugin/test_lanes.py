@@ -202,10 +202,10 @@ def test_{n}(check):
 ], ids=["peft-check", "ranks-only", "gpu-only", "not-checks"])
 def test_what_the_checks_children_import_is_imported_once_before_the_lanes_fork(pytester, monkeypatch, checks,
                                                                                  preloaded):
-    from pytest_llmload.runners import ranks
+    from pytest_llmload.runners import preload
 
     calls = []
-    monkeypatch.setattr(ranks, "preload_for_isolated_checks", lambda peft: calls.append((os.getpid(), peft)))
+    monkeypatch.setattr(preload, "preload_for_isolated_checks", lambda peft: calls.append((os.getpid(), peft)))
     _tests(pytester, CHECK_PARAMS.replace("{checks}", checks), count=3)
     result = pytester.runpytest("-p", "no:randomly", "--llmload-lanes", "2")
     assert result.ret == pytest.ExitCode.OK, result.stdout.str()
@@ -214,18 +214,18 @@ def test_what_the_checks_children_import_is_imported_once_before_the_lanes_fork(
 
 
 def test_a_preload_that_raises_leaves_the_error_to_the_checks_that_need_it(pytester, monkeypatch):
-    from pytest_llmload.runners import ranks
+    from pytest_llmload.runners import preload
 
     def broken(peft):
         raise RuntimeError("bitsandbytes: no usable backend")
 
-    monkeypatch.setattr(ranks, "preload_for_isolated_checks", broken)
+    monkeypatch.setattr(preload, "preload_for_isolated_checks", broken)
     _tests(pytester, CHECK_PARAMS.replace("{checks}", "_check(isolated=True, uses_adapters=True), _check()"), count=3)
     result = pytester.runpytest("-p", "no:randomly", "--llmload-lanes", "2")
     assert result.ret == pytest.ExitCode.OK, result.stdout.str()  # no INTERNALERROR: the run goes on in its lanes
     assert len({pid for _, pid in _ran(pytester)}) == 2
     # The failure is that run's: the rows of a later run in this process do not name it (issue 35's CI run did).
-    assert ranks.preload_failure() is None
+    assert preload.preload_failure() is None
 
 
 def test_a_hang_of_the_loader_in_one_lane_fails_the_other_lanes_later_tests_at_once(pytester):

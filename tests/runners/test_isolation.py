@@ -433,15 +433,15 @@ def test_isolated_checks_preload_the_stack_but_never_what_initialises_cuda(monke
                                                                            peft_preloaded):
     # What a child imports dies with it. peft imports bitsandbytes, which initialises CUDA where a GPU is visible.
     from pytest_llmload.system import gpus
-    from pytest_llmload.runners import ranks as distributed
+    from pytest_llmload.runners import preload
     from pytest_llmload.failures import preload_for_isolated_checks
 
     (tmp_path / "config.json").write_text('{"model_type": "qwen2"}')
     asked = []
-    monkeypatch.setattr(distributed, "preload", asked.extend)
+    monkeypatch.setattr(preload, "preload", asked.extend)
     monkeypatch.setattr(gpus, "visible_gpu_count", lambda: gpus_visible)
     preload_for_isolated_checks(tmp_path)
-    assert set(distributed.HF_PRELOAD) <= set(asked)
+    assert set(preload.HF_PRELOAD) <= set(asked)
     assert "transformers.models.qwen2.modeling_qwen2" in asked
     assert ("peft" in asked) is peft_preloaded
 

@@ -412,11 +412,11 @@ def test_a_preload_that_failed_first_is_named_in_the_rows_of_the_checks_it_may_b
     from pytest_llmload.failures import REGISTRY
     from pytest_llmload.config.stash_keys import collecting_notes
     from pytest_llmload.fixes.reference_loader import load_model_and_tokenizer
-    from pytest_llmload.runners import ranks
+    from pytest_llmload.runners import preload
 
-    monkeypatch.setattr(ranks, "_preload_failure", [])
-    ranks.remember_preload_failure(OSError(30, "Read-only file system", "/cache/inductor"))
-    ranks.remember_preload_failure(RuntimeError("Artifact already registered"))  # a consequence: not kept
+    monkeypatch.setattr(preload, "_preload_failure", [])
+    preload.remember_preload_failure(OSError(30, "Read-only file system", "/cache/inductor"))
+    preload.remember_preload_failure(RuntimeError("Artifact already registered"))  # a consequence: not kept
     (check,) = [c for c in REGISTRY if c.name == "check_pad_token_set_offline"]
     with collecting_notes() as notes:
         check(load_model_and_tokenizer, llmload_checkpoint, tmp_path)
