@@ -39,14 +39,7 @@ def main_job(*args, cwd=REPO, env=None):
 warm_main_job = warm_runs.main_job
 
 
-def new_tmpdir(tmp_path) -> dict:
-    """An environment whose TMPDIR is a new empty directory: what a main job leaves there can be listed."""
-    (tmp_path / "tmp").mkdir()
-    return {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
-
-
-def left_in(env: dict) -> list[Path]:
-    return [p for p in Path(env["TMPDIR"]).iterdir() if p.name.startswith("llmload-main-")]
+new_tmpdir, left_in = warm_runs.new_tmpdir, warm_runs.left_in
 
 
 # (Each real main job imports the stack, ~8 s: a run serves every assertion about it.)

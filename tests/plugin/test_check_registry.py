@@ -4,6 +4,7 @@ built-in checks, judged through the same contract layer, reported with the same 
 
 import os
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -108,13 +109,13 @@ def test_a_spec_that_gives_no_checks_is_one_usage_error(repo, spec, says):
 def test_the_main_job_runs_and_names_the_repos_failure(repo):
     # The main job's command line, as a user would give it: its pytest forked from this process (fixtures/warm_runs.py)
     # rather than a new interpreter, since the subject is what it prints (tests/main_job/test_main_job.py tests the process).
-    # (TMPDIR: a main job whose check failed keeps its log in its temp dir, by design; here under the test's own)
-    (repo.path / "tmp").mkdir()
-    env = {**os.environ, "PYTHONPATH": str(repo.path), "COLUMNS": "200", "TMPDIR": str(repo.path / "tmp")}
+    # (each sentence on one line; TMPDIR the test's own: the failing run keeps its log there)
+    env = {**warm_runs.new_tmpdir(repo.path), "PYTHONPATH": str(repo.path), "COLUMNS": "200"}
     out = warm_runs.main_job("--loader", "myrepo_loading:bad", "--checks", "myrepo_checks:CHECKS", "-k", "kv_cache",
                              cwd=repo.path, env=env)
     assert out.returncode == 1, out.stdout + out.stderr
-    assert [p.name[:len("llmload-main-")] for p in (repo.path / "tmp").iterdir()] == ["llmload-main-"]
+    kept = warm_runs.left_in(env)  # its log, and nothing else, in the test's TMPDIR
+    assert len(kept) == 1 and kept == list(Path(env["TMPDIR"]).iterdir()), kept
     assert "use-cache-off (extension)" in out.stdout
     assert "fix (use-cache-off): set model.config.use_cache = False only for train requests" in out.stdout
     listed = warm_runs.main_job("--list", "--checks", "myrepo_checks:CHECKS", cwd=repo.path, env=env)
