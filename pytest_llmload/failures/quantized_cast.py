@@ -8,7 +8,9 @@ merge (axolotl-ai-cloud/axolotl#2511), ``text_encoder.to(device=..., dtype=...)`
 (OpenRLHF/OpenRLHF#403, DeepSpeed's ``self.module.to(self.device)``). transformers refuses (it added the guard in
 huggingface/transformers#20409): ``ValueError: You cannot cast a bitsandbytes model in a new `dtype`. Make sure to
 load the model using `from_pretrained` using the desired `dtype` ...`` or ``ValueError: `.half()` is not
-supported for quantized model ...`` (``for `4-bit` or `8-bit` models`` in the older reports).
+supported for quantized model ...`` (``for `4-bit` or `8-bit` models`` in the older reports); transformers 4.56
+refuses any ``.to`` of an 8-bit model (``ValueError: `.to` is not supported for `8-bit` bitsandbytes models``).
+Each is known here by the frame that raised it (:func:`refusing_frame`), not by its words.
 
 The fix: give the dtype to ``from_pretrained`` (``dtype=``, ``torch_dtype=`` before transformers 4.56) and, for
 4-bit, ``bnb_4bit_compute_dtype`` in the ``BitsAndBytesConfig``; never cast the loaded model. Swallowing the
@@ -32,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import re
 from unittest import mock
 from collections.abc import Callable
 from pathlib import Path
@@ -48,12 +49,18 @@ logger = logging.getLogger(__name__)
 
 Loader = Callable[[LoadRequest], Any]
 
-# transformers' refusals to cast (or, in older transformers/bitsandbytes pairs, to move) a bitsandbytes model.
+# The texts of transformers' refusals to cast (or, in some transformers/bitsandbytes pairs, to move) a quantized
+# model, every wording of the stacks in the version matrix and of the reports: what a report's text is matched by
+# (a child's output, a pasted log). In the check's own process a refusal is known by what raised it
+# (:func:`refusing_frame`), whatever its words.
 CAST_REFUSALS = (
-    r"You cannot cast a bitsandbytes model in a new `?dtype`?",
+    r"You cannot cast a (?:bitsandbytes|GPTQ) model in a new `?dtype`?",
+    r"Casting a Quark quantized model to a new `?dtype`? is not supported",
     r"`?\.(?:half|float)\(\)`? is not supported for (?:quantized model|`?4-bit`? or `?8-bit`? models)",
-    r"`?\.to`? is not supported for `?4-bit`? or `?8-bit`? (?:bitsandbytes )?models",
-    r"Calling `?cuda\(\)`? is not supported for `?8-bit`? quantized models",
+    # "4-bit or 8-bit" before transformers 4.3x; "`8-bit` bitsandbytes models" in 4.56
+    r"`?\.to`? is not supported for `?(?:4-bit`? or `?)?8-bit`? (?:bitsandbytes )?models",
+    r"Calling `?(?:cuda|to)\(\)`? is not supported for `?[48]-bit`? quantized models",
+    r"if you want to move a 8-bit model across devices using `?to\(\)`?",  # 5.x with bitsandbytes < 0.48
 )
 
 FAILURE = KnownFailure(
@@ -94,9 +101,28 @@ VARIANTS = (("4bit", "float16"), ("4bit", "bfloat16"), ("8bit", "float16"))
 _CASTS = ("to", "half", "float", "cuda", "bfloat16", "type")
 
 
+def refusing_frame(exc: BaseException) -> int | None:
+    """The index in ``tracebacks.frames(exc)`` of the ``PreTrainedModel`` cast method (``to``, ``half``, ``float``,
+    ``cuda``, ...) of transformers' ``modeling_utils`` that refused, where ``exc`` is such a refusal: a
+    ``ValueError`` raised in that method, or in transformers code it called (a quantizer's), whatever its wording
+    (4.56 words the 8-bit ``.to`` refusal unlike 5.x). ``None`` for anything else, a ``ValueError`` of the loader's
+    own code included."""
+    if not isinstance(exc, ValueError):
+        return None
+    frames = tracebacks.frames(exc)
+    for index in range(len(frames) - 1, -1, -1):  # from where it was raised, outwards
+        frame = frames[index]
+        if not tracebacks.is_library(frame.module, ("transformers",)):
+            return None  # raised in (or passed through) code that is not transformers'
+        if frame.name in _CASTS and frame.module == "transformers.modeling_utils":
+            return index
+    return None
+
+
 def is_cast_refusal(exc: BaseException) -> bool:
-    """Whether ``exc`` is transformers' refusal to cast (or, in older versions, move) a quantized model."""
-    return isinstance(exc, ValueError) and any(re.search(p, str(exc)) for p in CAST_REFUSALS)
+    """Whether ``exc`` is transformers' refusal to cast (or, in some versions, move) a quantized model, known by the
+    frame that raised it (:func:`refusing_frame`)."""
+    return refusing_frame(exc) is not None
 
 
 def _cast_call_site(exc: BaseException) -> str:
@@ -105,16 +131,13 @@ def _cast_call_site(exc: BaseException) -> str:
     The loader's own line (```model = model.half()` (before_quantized_cast.py:44, in load)``), or a library's
     where one casts the model for the script (DeepSpeed's engine: ``self.module.half()``)."""
     frames = tracebacks.frames(exc)
-    for index in range(len(frames) - 1, 0, -1):
-        frame = frames[index]
-        if frame.name in _CASTS and frame.module == "transformers.modeling_utils":
-            below = [f for f in frames[:index] if f.filename != __file__]  # not our spy
-            if not below:
-                continue
-            caller = below[-1]
-            return f"`{(caller.line or '').strip()}` ({Path(caller.filename).name}:{caller.lineno}, in {caller.name})"
-    caller = frames[-1] if frames else None
-    return f"({Path(caller.filename).name}:{caller.lineno}, in {caller.name})" if caller else "(unknown)"
+    index = refusing_frame(exc)
+    below = [f for f in frames[:index or 0] if f.filename != __file__]  # not our spy
+    caller = below[-1] if below else (frames[-1] if frames else None)
+    if caller is None:
+        return "(unknown)"
+    line = f"`{caller.line}` " if below else ""
+    return f"{line}({Path(caller.filename).name}:{caller.lineno}, in {caller.name})"
 
 
 def _inside_from_pretrained(exc: BaseException) -> bool:

@@ -367,3 +367,107 @@ def test_other_failures_errors_do_not_match_quantized_cast(failure_id):
 def test_docstring_first_line_says_what_it_guards():
     summary = quantized_cast.check_quantized_request_keeps_dtype.__doc__.strip().splitlines()[0]
     assert summary.startswith("Guards quantized-cast: ") and len(summary) < 160
+
+
+# --- (g) a refusal is known by what raised it, in every wording of the stacks --------------------------------
+
+
+def _refusal_texts_of_the_installed_transformers() -> list[str]:
+    """Every text a cast method of the installed ``PreTrainedModel`` (``to``, ``half``, ``float``, ``cuda``) raises
+    as a ``ValueError``, read from transformers' own source (an f-string's fields as ``{}``)."""
+    import ast
+    import inspect
+    import textwrap
+
+    from transformers import PreTrainedModel
+
+    texts = []
+    for name in ("to", "half", "float", "cuda"):
+        # (from the code object: `to` is wrapped with torch's Module.to, whose source getsource would follow)
+        source = textwrap.dedent(inspect.getsource(vars(PreTrainedModel)[name].__code__))
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args \
+                    and getattr(node.exc.func, "id", None) == "ValueError":
+                message = node.exc.args[0]
+                parts = message.values if isinstance(message, ast.JoinedStr) else [message]
+                texts.append("".join(p.value if isinstance(p, ast.Constant) else "{}" for p in parts))
+    return texts
+
+
+def _transformers_major() -> int:
+    from importlib import metadata
+
+    return int(metadata.version("transformers").split(".")[0])
+
+
+def test_every_refusal_the_installed_transformers_words_is_matched_by_the_signatures():
+    """Run on each stack: 5.23's 7 texts (no 8-bit `.to` refusal with bitsandbytes >= 0.48) and 4.56's 8 (its
+    "`.to` is not supported for `8-bit` bitsandbytes models", and the 4-bit `.to()`/`.cuda()` refusals of
+    bitsandbytes < 0.43.2)."""
+    texts = _refusal_texts_of_the_installed_transformers()
+    assert len(texts) >= 6, texts
+    unmatched = [text for text in texts if not quantized_cast.FAILURE.matches(text)]
+    assert unmatched == []
+    others = {text: [f.id for f in failures.CATALOG if f.id != "quantized-cast" and f.matches(text)] for text in texts}
+    assert not any(others.values()), others
+
+
+def moves_8bit_with_to(request):
+    """OpenRLHF/OpenRLHF#403's order: load 8-bit on the device, then ``model.to(device)`` as for any model."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    config = (BitsAndBytesConfig(load_in_8bit=True) if request.quantization == "8bit"
+              else BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=request.torch_dtype))
+    model = AutoModelForCausalLM.from_pretrained(request.model_path, quantization_config=config,
+                                                 device_map={"": request.device}, local_files_only=True,
+                                                 **dtype_kwarg(request.torch_dtype))
+    return model.to(request.device)
+
+
+@pytest.mark.skipif(_transformers_major() >= 5, reason="transformers 5 moves an 8-bit model with .to() (it refuses "
+                    "only with bitsandbytes < 0.48): the 4.56 wording is raised on the hf-4.56 stack")
+def test_the_8bit_to_refusal_of_transformers_4_56_is_the_cast_not_a_loader_error(llmload_checkpoint, tmp_path):
+    _require_quantization_here("8bit")
+    with pytest.raises(ValueError, match=r"^`\.to` is not supported for `8-bit` bitsandbytes models") as excinfo:
+        moves_8bit_with_to(LoadRequest(llmload_checkpoint, dtype="float16", quantization="8bit"))
+    assert quantized_cast.is_cast_refusal(excinfo.value) and quantized_cast.FAILURE.matches(str(excinfo.value))
+    with pytest.raises(AssertionError) as failed:
+        quantized_cast.check_quantized_request_keeps_dtype(moves_8bit_with_to, llmload_checkpoint, tmp_path,
+                                                           variants=(("8bit", "float16"),))
+    assert str(failed.value).startswith("1 of 1 quantized requests failed (quantized-cast")
+    assert ("[8bit, float16] the loader cast the 8bit model after loading: `return model.to(request.device)` "
+            "(test_quantized_cast.py:") in str(failed.value)
+    assert "raised ValueError: `.to` is not supported for `8-bit` bitsandbytes models" in str(failed.value)
+
+
+@pytest.mark.skipif(_transformers_major() < 5, reason="transformers 4.x refuses any .to() of an 8-bit model: "
+                    "test_the_8bit_to_refusal_of_transformers_4_56_is_the_cast_not_a_loader_error covers it there")
+def test_the_8bit_move_refusal_of_transformers_5_is_known_by_its_frame(llmload_checkpoint, tmp_path, monkeypatch):
+    """5.x refuses ``.to()`` of an 8-bit model only with bitsandbytes < 0.48 (0.50 here: the check passes the loader
+    that moves it); with the version check answering "older", transformers' own ``to`` raises its own words."""
+    import transformers.modeling_utils as modeling_utils
+
+    _require_quantization_here("8bit")
+    quantized_cast.check_quantized_request_keeps_dtype(moves_8bit_with_to, llmload_checkpoint, tmp_path,
+                                                       variants=(("8bit", "float16"),))
+    model = _quantized_model(llmload_checkpoint, "8bit")
+    monkeypatch.setattr(modeling_utils, "is_bitsandbytes_available", lambda *minimum: not minimum)
+    with pytest.raises(ValueError, match=r"if you want to move a 8-bit model across devices using to\(\)") as excinfo:
+        model.to("cpu")
+    assert quantized_cast.is_cast_refusal(excinfo.value) and quantized_cast.FAILURE.matches(str(excinfo.value))
+
+
+def test_a_loaders_own_error_in_transformers_words_is_not_the_cast(llmload_checkpoint, tmp_path):
+    """Known by what raised it: the loader's own ``ValueError`` with the refusal's text is the loader's error."""
+    from pytest_llmload.loader.seam import LoaderError
+
+    def says_it_refuses(request):
+        raise ValueError(HALF_REFUSED)
+
+    _require_quantization_here()
+    with pytest.raises(ValueError) as excinfo:
+        says_it_refuses(None)
+    assert quantized_cast.FAILURE.matches(str(excinfo.value)) and not quantized_cast.is_cast_refusal(excinfo.value)
+    with pytest.raises(LoaderError, match=re.escape(HALF_REFUSED)):
+        quantized_cast.check_quantized_request_keeps_dtype(says_it_refuses, llmload_checkpoint, tmp_path,
+                                                           variants=(("4bit", "float16"),))
