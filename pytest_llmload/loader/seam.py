@@ -250,8 +250,10 @@ def call_loader(loader: Callable[["LoadRequest"], Any], request: "LoadRequest", 
     from pytest_llmload.instruments.phases import phase, track_model
 
     name = loader_name or getattr(loader, "__qualname__", None) or repr(loader)
-    accelerate_state = _accelerate_state()
-    with phase("load", _phase_detail(request)) as timed, _exits_refused(name, request), _torch_defaults_kept(name):
+    # What the loader leaves in the process is put back on every way out of it (returned, raised, exited): a check
+    # that goes on after a loader's error (a retry, the next mode) must not inherit the loader's set-up.
+    with phase("load", _phase_detail(request)) as timed, _exits_refused(name, request), \
+            _accelerate_state_kept(name), _environment_kept(name), _torch_defaults_kept(name):
         try:
             returned = loader(request)
         except Exception as exc:
@@ -261,15 +263,6 @@ def call_loader(loader: Callable[["LoadRequest"], Any], request: "LoadRequest", 
         closed = "sys.stdout" if getattr(sys.stdout, "closed", False) else "sys.stderr"
         raise LoaderContractError(f"loader {name} closed {closed} while loading ({_phase_detail(request)}): the "
                                   "process it runs in still writes there; a loader must leave the process's streams open.")
-    if not accelerate_state and _accelerate_state():
-        # An evaluation harness or a script that makes its own Accelerator() before loading is correct for how its
-        # users run it; what the check does next (its own Accelerator, DeepSpeed, a Trainer) must start from the
-        # environment, not from the loader's choice, so the state is reset here and the row says so.
-        _reset_accelerate_state()
-        from pytest_llmload.config.stash_keys import add_note
-
-        add_note("the loader made its own Accelerator() while loading; accelerate's process-wide state was reset "
-                 "after the load, so the check's own set-up starts from the environment as a training script's would")
     track_model(result.model, request.model_path, timed.seconds)
     return result
 
@@ -336,19 +329,62 @@ def _exits_refused(name: str, request: "LoadRequest"):
         os._exit = real_exit
 
 
-def _reset_accelerate_state() -> None:
-    state = sys.modules.get("accelerate.state")
-    for cls in ("AcceleratorState", "GradientState"):
-        reset = getattr(getattr(state, cls, None), "_reset_state", None)
-        if reset is not None:
-            with contextlib.suppress(Exception):  # older accelerate: no reset, the state stays (as before)
-                reset(True) if cls == "AcceleratorState" else reset()
+# accelerate's process-wide states, each a class whose instances share one ``_shared_state`` dict.
+_ACCELERATE_STATES = ("AcceleratorState", "PartialState", "GradientState")
 
 
-def _accelerate_state() -> Optional[bool]:
-    """Whether accelerate's shared state is set up; ``None`` where accelerate is not imported."""
+def _accelerate_states_set_up() -> frozenset:
+    """The names of accelerate's shared states that are set up; empty where accelerate is not imported."""
     state = sys.modules.get("accelerate.state")
-    return None if state is None else bool(getattr(state.AcceleratorState, "_shared_state", {}))
+    return frozenset(name for name in _ACCELERATE_STATES
+                     if getattr(getattr(state, name, None), "_shared_state", None))
+
+
+@contextlib.contextmanager
+def _accelerate_state_kept(name: str):
+    """accelerate's shared states as they were before the loader ran. An evaluation harness or a script that makes
+    its own ``Accelerator()`` (or ``PartialState()``) before loading is correct for how its users run it; what the
+    check does next (its own Accelerator, DeepSpeed, a Trainer, a retry of the load) must start from the
+    environment, not from the loader's choice: each state the loader set up is reset, also when it then raised,
+    and the row says so. A state set up before the loader ran is the harness's, and stays."""
+    before = _accelerate_states_set_up()
+    try:
+        yield
+    finally:
+        made = sorted(_accelerate_states_set_up() - before, key=_ACCELERATE_STATES.index)
+        if made:
+            state = sys.modules["accelerate.state"]
+            for cls in made:
+                getattr(state, cls)._reset_state()  # (AcceleratorState's leaves PartialState: reset on its own)
+            from pytest_llmload.config.stash_keys import add_note
+
+            what = "Accelerator()" if "AcceleratorState" in made else f"{made[0]}()"
+            add_note(f"the loader {name} made its own {what} while loading; accelerate's process-wide state was reset "
+                     "after the load, so the check's own set-up starts from the environment as a training script's "
+                     "would")
+
+
+@contextlib.contextmanager
+def _environment_kept(name: str):
+    """``os.environ`` as it was before the loader ran: a loader that sets ``LOCAL_RANK``, ``CUDA_VISIBLE_DEVICES`` or
+    ``ACCELERATE_USE_DEEPSPEED`` (``Accelerator(deepspeed_plugin=...)`` does) would change what the check's own
+    set-up decides after it. Every variable it set, changed or removed is put back, and the row names them."""
+    before = dict(os.environ)
+    try:
+        yield
+    finally:
+        changed = sorted(key for key in set(before) | set(os.environ) if before.get(key) != os.environ.get(key))
+        for key in changed:
+            if key in before:
+                os.environ[key] = before[key]
+            else:
+                del os.environ[key]
+        if changed:
+            from pytest_llmload.config.stash_keys import add_note
+
+            add_note(f"the loader {name} changed the environment variable{'s' if len(changed) > 1 else ''} "
+                     f"{', '.join(changed)} while loading; put back after the load, so the check's own set-up reads "
+                     "the environment it was given")
 
 
 def _phase_detail(request: "LoadRequest") -> str:

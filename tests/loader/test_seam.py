@@ -1,5 +1,7 @@
 """Choosing the loader under test, and what a user sees when the choice is wrong."""
 
+import os
+
 import pytest
 
 from fixtures import warm_runs
@@ -249,7 +251,76 @@ def test_a_loader_that_sets_up_accelerate_is_judged_and_the_state_is_reset_for_t
 
     notes, state_left = run_isolated(load_it, (), timeout=50, label="accelerate state")  # the state dies with the child
     assert not state_left, "the loader's accelerate state is reset after the load"
-    assert len(notes) == 1 and notes[0].startswith("the loader made its own Accelerator() while loading"), notes
+    assert len(notes) == 1 and "made its own Accelerator() while loading" in notes[0], notes
+
+
+def leaves_its_set_up_behind(request):
+    """A loader that sets up what a training script's process holds (accelerate's state, torch's defaults, launcher
+    variables) and then leaves by the way its request names: returned, raised, or exited."""
+    import sys
+
+    import torch
+    from accelerate import Accelerator
+
+    Accelerator(cpu=True)
+    torch.set_default_dtype(torch.bfloat16)
+    os.environ.update(LOCAL_RANK="3", ACCELERATE_USE_DEEPSPEED="true")
+    os.environ.pop("LLMLOAD_TEST_SET_BEFORE", None)
+    way_out = request.purpose
+    if way_out == "train":
+        raise ValueError("the harness wants GPU 3")
+    if str(request.model_path) == "exit":
+        sys.exit(2)
+    return torch.nn.Linear(2, 2)
+
+
+def state_after_each_way_out() -> dict:
+    """In a child: what is left after each way out of :func:`leaves_its_set_up_behind`."""
+    import torch
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    from pytest_llmload.config.stash_keys import collecting_notes
+
+    left = {}
+    for way_out, request in (("returned", LoadRequest("returned")), ("raised", LoadRequest("raised", purpose="train")),
+                             ("exited", LoadRequest("exit"))):
+        for state in (AcceleratorState, GradientState):  # a test process imports accelerate; none set up
+            state._reset_state()
+        PartialState._reset_state()
+        os.environ["LLMLOAD_TEST_SET_BEFORE"] = "kept"
+        with collecting_notes() as notes:
+            try:
+                call_loader(leaves_its_set_up_behind, request, loader_name="harness")
+                raised = None
+            except Exception as exc:  # noqa: BLE001 - what the row would show
+                raised = f"{type(exc).__name__}: {exc}"
+        left[way_out] = {
+            "raised": raised, "notes": notes,
+            "accelerate": [s.__name__ for s in (AcceleratorState, PartialState, GradientState) if s._shared_state],
+            "dtype": str(torch.get_default_dtype()),
+            "environment": {k: os.environ.get(k) for k in ("LOCAL_RANK", "ACCELERATE_USE_DEEPSPEED",
+                                                           "LLMLOAD_TEST_SET_BEFORE")},
+        }
+    return left
+
+
+@pytest.mark.timeout(60)
+def test_state_a_loader_leaves_is_put_back_on_every_way_out():
+    """Issue 46 (2): the state was reset only when the loader returned; a loader that made its own Accelerator() and
+    then raised left it to the check's retry, which crashed ("accelerate chose NO, expected DEEPSPEED")."""
+    from pytest_llmload.runners.isolation import run_isolated
+
+    left = run_isolated(state_after_each_way_out, (), timeout=50, label="state left")  # dies with the child
+    assert left["raised"]["raised"].startswith("LoaderError: loader error: ValueError: the harness wants GPU 3")
+    assert left["exited"]["raised"].startswith("LoaderContractError: loader harness tried to end its process "
+                                               "with sys.exit(2)")
+    for way_out, after in left.items():
+        assert (after["accelerate"], after["dtype"]) == ([], "torch.float32"), (way_out, after)
+        assert after["environment"] == {"LOCAL_RANK": None, "ACCELERATE_USE_DEEPSPEED": None,
+                                        "LLMLOAD_TEST_SET_BEFORE": "kept"}, (way_out, after)
+        assert any("made its own Accelerator()" in note for note in after["notes"]), (way_out, after)
+        assert any("changed the environment variables ACCELERATE_USE_DEEPSPEED, LLMLOAD_TEST_SET_BEFORE, LOCAL_RANK "
+                   "while loading; put back" in note for note in after["notes"]), (way_out, after)
 
 
 def test_junit_xml_carries_the_loader_the_failure_guarded_and_the_verdict_of_each_check(pytester):
@@ -354,3 +425,23 @@ def test_a_loader_module_that_imports_too_long_is_a_usage_error_with_progress_me
                                  "*importing the loader's module 'slow_module' (--llmload-loader) did not return: "
                                  "deadline of 1.5 s exceeded, blocked in <module> (*slow_module.py:*)*",
                                  "*Make importing 'slow_module' quick*"])
+
+
+@pytest.mark.timeout(120)
+def test_a_harness_that_makes_its_own_accelerator_and_pins_a_rank_is_judged_not_a_crash_of_the_check(
+        llmload_checkpoint, tmp_path):
+    """Issue 46 (2), as found: the harness's Accelerator() outlived its failed pinned load on a CPU runner, and the
+    distributed check's own Accelerator inherited it: "accelerate chose NO", an error of the check itself."""
+    from fixtures.loaders import own_accelerator_raises
+    from pytest_llmload.config.stash_keys import collecting_notes
+    from pytest_llmload.failures.distributed_device_map import CHECK
+    from pytest_llmload.reports import verdict
+
+    with collecting_notes() as notes:
+        try:
+            CHECK.function(own_accelerator_raises.load, llmload_checkpoint, tmp_path, modes=("ddp",))
+            row = None
+        except Exception as exc:  # noqa: BLE001 - judged as the plugin judges a row
+            row = verdict.of_exception(exc, CHECK.failure)
+    assert row is None, row  # passed: a rank pin puts the whole model on one device, which accelerate prepares
+    assert any("loaded on the cpu" in note or "ran on cpu" in note for note in notes), notes
