@@ -566,20 +566,45 @@ def predict_placement(scenario: str, loader: Callable, request: LoadRequest, pro
         raise PredictedFailure("OOM", f"on {profile.name}, from_pretrained would refuse the placement: "
                                f"{type(refused.refusal).__name__}: {refused.refusal}") from None
     step = estimate_training_memory(request, tensors=model_tensors(model)) if training else None
-    devices = _devices(model, device_map, profile, dtype=dtype, quantizer=quantizer, step=step)
+    moved = _moved_whole_to(request, profile, kwargs, device_map)
+    # (a model moved whole to its GPU trains there: the host holds its weights only while it loads)
+    devices = _devices(model, device_map, profile, dtype=dtype, quantizer=quantizer,
+                       step=None if moved else step)
     prediction = Prediction(scenario, profile.name, model_name, device_map, devices, asked, notes,
                             seconds=time.perf_counter() - start, at=call.at)
     if zero3 is not None:  # (the map it asked for, which from_pretrained refuses before placing anything)
         return prediction._replace(failure="zero3-device-map", reason=zero3)
-    oom = _over_capacity(prediction, "a training step" if training else "the load")
+    oom = _over_capacity(prediction, "a training step" if training and not moved else "the load")
     if oom.failure is not None:
         return oom
+    if moved is not None:
+        gpu = _devices(model, {"": moved}, profile, dtype=dtype, quantizer=quantizer, step=step)
+        return _over_capacity(prediction._replace(
+            placement={"": moved}, devices=gpu, simulated=prediction.simulated + (
+                f"no device_map: from_pretrained loads the model whole on the host, then Trainer (its "
+                f"_move_model_to_device), DDP or the training script moves it whole to this rank's {moved}",),
+            reason=f"no device_map: loaded whole on the host, then moved whole to {moved} to be trained; nothing is "
+                   "offloaded"), f"the model moved whole to {moved} (from_pretrained at {call.at}, no device_map)"
+                                  + (", with a training step," if step is not None else ""))
     if kwargs.get("device_map") is None:
         return prediction._replace(reason="no device_map: from_pretrained loads the model whole on the host (cpu), "
                                    "where the script, DDP or DeepSpeed moves it whole; nothing is offloaded")
     where = ", ".join(d.device for d in devices) if len(devices) <= 2 else f"{len(devices)} devices"
     return prediction._replace(reason=f"{len(device_map)} map entr{'y' if len(device_map) == 1 else 'ies'} over "
                                f"{where}")
+
+
+def _moved_whole_to(request: LoadRequest, profile: RunnerProfile, kwargs: dict, device_map: dict) -> Optional[str]:
+    """The GPU a train load's model goes to whole, where from_pretrained leaves it whole on the host (no
+    ``device_map``) on a runner with GPUs: the rank's own (``request.device``), where Trainer's
+    ``_move_model_to_device``, DDP (``DistributedDataParallel(model.to(rank))``) or the training script moves it
+    before the first step. ``None`` elsewhere: an inference load (what the script does after loading is
+    ``predict_moved_after_loading``'s to see), a map of the loader's own, a CPU runner, or DeepSpeed, whose engine
+    places the model by its ZeRO stage (:func:`_deepspeed_states`)."""
+    if (request.purpose != "train" or request.deepspeed or not profile.devices or kwargs.get("device_map") is not None
+            or device_map != {"": "cpu"}):
+        return None
+    return request.device
 
 
 def _over_capacity(prediction: Prediction, what: str) -> Prediction:
@@ -874,12 +899,19 @@ def _deepspeed_states(prediction: Prediction, profile, config: dict, request: Lo
 
         _, gpu = estimate_zero2_model_states_mem_needs(total, num_gpus_per_node=profile.devices, cpu_offload=False)
         how = "estimate_zero2_model_states_mem_needs"
-    device = DevicePrediction(f"cuda:{rank}", 1, 2 * total // (profile.devices if zero3 else 1), int(gpu),
-                              profile.device_memory)
+    # The weights each GPU holds, in the bytes the planner counts for the loaded dtype (from_pretrained's map of the
+    # whole model on the host): ZeRO-0/1/2 keep a full copy on every GPU, ZeRO-3 a 1/n partition of them.
+    weights = sum(device.weights for device in prediction.devices) // (profile.devices if zero3 else 1)
+    device = DevicePrediction(f"cuda:{rank}", 1, weights, max(int(gpu), weights), profile.device_memory)
     prediction = prediction._replace(devices=(device,), placement={"": f"cuda:{rank}"}, simulated=(
         prediction.simulated + (f"DeepSpeed places the model (no device_map): its model states per GPU by "
                                 f"DeepSpeed's own {how} ({total / 1e9:.1f} B parameters, full fine-tune, no offload)",)),
         reason=f"DeepSpeed places the model: {format_bytes(gpu)} of model states per GPU ({how})")
+    if weights > profile.device_memory:  # whatever is trained (LoRA too): the weights alone do not fit
+        share = f"a 1/{profile.devices} partition" if zero3 else "a full copy"
+        return prediction._replace(failure="OOM", reason=(
+            f"DeepSpeed ZeRO-{3 if zero3 else 2} puts {share} of the weights on each GPU: {format_bytes(weights)} "
+            f"on cuda:{rank}, which has {format_bytes(profile.device_memory)}"))
     if gpu > profile.device_memory:
         return prediction._replace(failure="OOM", reason=f"DeepSpeed's model states need {format_bytes(gpu)} on "
                                    f"each GPU, which has {format_bytes(profile.device_memory)}")
