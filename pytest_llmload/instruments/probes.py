@@ -3,7 +3,7 @@
 - :func:`deadline`: fail a block that runs too long, naming the frame it is stuck in, with every thread's stack
 - :func:`thread_stacks`: the stack of every thread of this process
 - :func:`spy_classmethod`: record who calls a classmethod (``GenerationConfig.from_pretrained``, say)
-- :func:`record_writes`: every file this process creates, writes, renames or removes meanwhile
+- :func:`record_writes`: every file this process creates, writes, renames or removes meanwhile, and by whom
 - :func:`system_tempdir`: point the system temp dir somewhere else meanwhile
 - :func:`record_network`: refuse, and record, every non-loopback connection or lookup meanwhile (the one
   definition of "local" is :mod:`pytest_llmload.system.offline`'s)
@@ -141,6 +141,23 @@ class Write:
     event: str  # the audit event: open, os.mkdir, os.rename, ...
     path: str
     at_import: bool  # made while importing a module (torch._dynamo makes its cache dir when first imported)
+    by: str = ""  # the module whose code asked for it, past the file plumbing (os.makedirs, tempfile, pathlib, ...)
+
+
+# The standard library's file plumbing: a write is attributed to the code that called it (tempfile.mkdtemp called
+# by transformers' modeling_utils is transformers' write; os.makedirs by torch._inductor's cache code, inductor's).
+_PLUMBING = ("os", "posixpath", "genericpath", "shutil", "tempfile", "pathlib", "io", "_pyio", "codecs",
+             "contextlib", "functools")
+
+
+def _writer(frame) -> str:
+    """The module of the innermost frame, from ``frame`` outwards, that is not file plumbing."""
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module.split(".")[0] not in _PLUMBING:
+            return module
+        frame = frame.f_back
+    return ""
 
 
 _recorders: list[list[Write]] = []
@@ -176,20 +193,22 @@ def _audit_hook(event: str, args: tuple) -> None:
         except OSError:
             path = f"<directory fd {dir_fd}>/{path}"
     path = os.path.realpath(path)
-    frame, at_import = sys._getframe(1), False
+    caller = frame = sys._getframe(1)
+    at_import = False
     while frame is not None:
         if tracebacks.is_importing(frame.f_code.co_filename):
             at_import = True
             break
         frame = frame.f_back
+    write = Write(event, path, at_import, _writer(caller))
     for record in _recorders:
-        record.append(Write(event, path, at_import))
+        record.append(write)
 
 
 @contextlib.contextmanager
 def record_writes() -> Iterator[list[Write]]:
-    """Record every file or directory this process creates, writes, renames or removes meanwhile (Python
-    audit events; writes made by native code without Python's ``open`` are not seen here)."""
+    """Record every file or directory this process creates, writes, renames or removes meanwhile, and which module
+    asked for it (Python audit events; writes made by native code without Python's ``open`` are not seen here)."""
     global _hook_installed
     if not _hook_installed:
         sys.addaudithook(_audit_hook)  # cannot be removed; it returns at once while nothing records
