@@ -93,6 +93,11 @@ TRAINING_DECLARATIONS = {
         "this repo trains only under DeepSpeed (its engine keeps float32 master weights for fp16 and runs one process "
         "per GPU): the fp16 GradScaler check (fp16-unscale) and the Trainer check (dp-dtype) skip 'not exercised'."
     ),
+    "trains_fp16_without_scaler": (
+        "this repo trains half-precision weights without a GradScaler (a pure float16 trainer: mixed precision, "
+        "Trainer's fp16 and accelerate's 'fp16', turned off for half-precision weights): a float16 trainable weight "
+        "is then how it trains, and the fp16 GradScaler check (fp16-unscale) skips 'not exercised'."
+    ),
 }
 
 
@@ -145,6 +150,14 @@ SETTINGS = (
     Setting("model", "text", metavar="NAME|CONFIG", help=(
         "the architecture the predictions load, at full size without weights: a shipped name (llama-3-70b, ...) "
         "or a local config.json. Default llama-3-8b.")),
+    Setting("gate_runners", "lines", metavar="RUNNER[:MODEL]", help=(
+        "the runner/model pairs whose PREDICTED rows fail the run (RUNNER as --llmload-runner names it, MODEL as "
+        "--llmload-model does, none: every model; several a line, or the option repeated): a PREDICTED row on any "
+        "other pair is reported and the run exits 0. Default: every pair fails the run.")),
+    Setting("expected_predictions", "lines", metavar="'SCENARIO[@RUNNER]: REASON'", help=(
+        "predicted rows this repo expects, one 'predict_zero3@8xH100-80GB: reason' each (no @RUNNER: on every "
+        "runner; the option may be repeated, the ini key takes one a line): each is an xfail while it is predicted, "
+        "and an xpass once it is not (strict, failing the run, on a pair llmload_gate_runners gates on).")),
     # --- GPUs (pytest_llmload.plugin.markers, pytest_llmload.plugin.xdist_gpus)
     Setting("gpu_fixtures", "lines", metavar="FIXTURE", help=(
         "extra fixture names that need a GPU: tests using them are marked 'gpu' (default: gpu_model; the option may "

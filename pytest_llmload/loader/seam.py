@@ -55,28 +55,51 @@ class LoaderContractError(Portable, TypeError):
 class LoaderError(Portable, Exception):
     """The loader raised. Not a known failure by itself: a check names a failure only when it sees the failure's
     own mechanism; anything else is the loader's own error, reported as an ``error`` row. ``original`` is the
-    loader's exception (also chained as ``__cause__``, so the full traceback is in the log)."""
+    loader's exception (also chained as ``__cause__``, so the full traceback is in the log). Where it is a known
+    loader fault (:mod:`pytest_llmload.loader.faults`), ``cause`` says it in one sentence and ``fix`` is the code to
+    write instead (``None`` otherwise); both are in the message too, before the loader's frames."""
 
     def __init__(self, original: BaseException, loader_name: str, request: "LoadRequest") -> None:
+        from pytest_llmload.loader.faults import diagnose
+
         self.original = original
-        frames = _own_frames(original)
+        diagnosis = diagnose(original)
+        self.cause = diagnosis.cause if diagnosis else None
+        self.fix = diagnosis.fix if diagnosis else None
+        said = f"\n  cause: {self.cause}.\n  fix: {self.fix}" if diagnosis else ""
+        frames = _own_frames(original, loader_name)
         where = f"\n  in the loader's code: {' <- '.join(frames)}" if frames else ""
         super().__init__(f"loader error: {type(original).__name__}: {original} (loader {loader_name}, "
-                         f"{_phase_detail(request)}){where}")
+                         f"{_phase_detail(request)}){said}{where}")
 
 
 class LoaderModelError(Portable, Exception):
     """The loader's model misbehaves in a way that is not the check's failure (it cannot train for another
-    reason, say): reported as an ``error`` row, like :class:`LoaderError`, never as the known failure."""
+    reason, say): reported as an ``error`` row, like :class:`LoaderError`, never as the known failure. ``fix``: the
+    code to write instead, where the check knows it."""
+
+    def __init__(self, message: str, fix: Optional[str] = None) -> None:
+        self.fix = fix
+        super().__init__(message)
 
 
-def _own_frames(exc: BaseException, keep: int = 3) -> list[str]:
-    """The innermost frames of the traceback outside installed libraries and this module, innermost first."""
+# This package's own files: a spy or a check's code the loader's call passed through is never "the loader's code".
+_PLUGIN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _own_frames(exc: BaseException, loader_name: str = "", keep: int = 3) -> list[str]:
+    """The innermost frames of the traceback in the loader's own code, innermost first: outside installed libraries
+    and this package (the reference loader's module excepted, where it is the loader)."""
     import traceback
 
-    frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if not tracebacks.is_installed(f.filename)
-              and not f.filename.endswith(os.path.join("pytest_llmload", "loader", "seam.py"))]
+    module = sys.modules.get(loader_name.partition(":")[0]) if ":" in loader_name else None
+    loader_file = os.path.abspath(getattr(module, "__file__", None) or os.devnull)
+
+    def is_loaders(filename: str) -> bool:
+        path = os.path.abspath(filename)
+        return not tracebacks.is_installed(filename) and (not path.startswith(_PLUGIN_DIR) or path == loader_file)
+
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if is_loaders(f.filename)]
     return [tracebacks.where(f) for f in reversed(frames[-keep:])]
 
 

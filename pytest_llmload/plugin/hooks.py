@@ -448,6 +448,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         row = _row(item, check, report, found)
         _record(item, report, row.properties())
         item.ihook.pytest_llmload_check_result(item=item, check=check, result=row.as_dict())
+        if row.verdict == "predicted" and not (row.prediction or {}).get("gated", True):
+            report.outcome = "passed"  # reported, not failing: the repo does not gate on this runner and model
     if failed:  # any failing test, llmload's or not; a check's section reads its row's verdict
         from pytest_llmload.reports import known_failures
 
@@ -560,6 +562,15 @@ def _record(item: pytest.Item, report: pytest.TestReport, pairs: list) -> None:
     from the teardown report, which copies the item's)."""
     report.user_properties.extend(pairs)
     item.user_properties.extend(pairs)
+
+
+def pytest_report_teststatus(report: pytest.TestReport, config: pytest.Config):
+    """A PREDICTED row the repo does not gate on passed the run, and says what it is: ``P``, ``PREDICTED``."""
+    from pytest_llmload.reports.row import VERDICT_PROPERTY
+
+    if report.when == "call" and report.passed and (VERDICT_PROPERTY, "predicted") in report.user_properties:
+        return "predicted", "P", "PREDICTED (not gated)"
+    return None
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:

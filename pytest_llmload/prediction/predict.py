@@ -129,6 +129,12 @@ class Prediction(NamedTuple):
                 "device_map": device_map, "simulated": list(self.simulated)}
 
 
+def bare_record(scenario: str, runner: str, model: str, failure: Optional[str], reason: str) -> dict:
+    """The :meth:`Prediction.record` of a row that planned no map (Trainer's decision, a placement from_pretrained
+    refuses)."""
+    return Prediction(scenario, runner, model, {}, (), {}, (), failure, reason).record()
+
+
 class _Intercepted(BaseException):
     """Raised in place of loading: a BaseException so that a loader's ``except Exception`` does not swallow it."""
 

@@ -1,0 +1,177 @@
+"""A loader's own fault, diagnosed: the cause in one sentence and the fix as code, from one table (:data:`FAULTS`).
+
+A fault is known by what raised it, never by wording alone: the exception's type, the library whose frame raised it
+(the innermost installed frame: transformers' own check, torch's CUDA initialisation) and its text, in every wording
+of the stacks the project tests (transformers 4.56 and 5.x). An error row of the loader then says what to change
+(``reason``, ``fix`` in the row record: ``--json``, JUnit, the HTML report, the table); anything not in the table is
+the loader's error as raised, with ``fix`` left empty.
+
+Example::
+
+    try:
+        AutoModelForCausalLM.from_pretrained(path, load_in_8bit=True)   # transformers 5
+    except TypeError as exc:
+        diagnose(exc).fix   # 'quantization_config=BitsAndBytesConfig(load_in_8bit=True)'
+
+Only the standard library and :mod:`pytest_llmload.system.tracebacks`: the verdict reads it in the main job's parent.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import traceback
+from typing import Callable, NamedTuple, Optional
+
+from pytest_llmload.system import tracebacks
+
+
+class Diagnosis(NamedTuple):
+    """What a loader fault is: ``fault`` (the table's name for it), ``cause`` (one sentence, in the user's words),
+    ``fix`` (code to write instead)."""
+
+    fault: str
+    cause: str
+    fix: str
+
+
+class LoaderFault(NamedTuple):
+    """One known loader fault. ``raised``: the exception type names it comes as; ``raised_in``: module prefixes of
+    the innermost installed frame it is raised from (``()``: raised by torch's native code, called from any frame);
+    ``wording``: its text on every stack; ``cause`` and ``fix``: from the match, a sentence and code."""
+
+    name: str
+    raised: tuple[str, ...]
+    raised_in: tuple[str, ...]
+    wording: re.Pattern
+    cause: Callable[[re.Match], str]
+    fix: Callable[[re.Match], str]
+
+
+# Keywords transformers 5 removed from from_pretrained (4.x took them with a deprecation warning); 5.x passes them on
+# to the model's __init__, which refuses them. torch_dtype -> dtype is only deprecated on 5.x: not a fault.
+REMOVED_KEYWORDS = {
+    "load_in_8bit": "quantization_config=BitsAndBytesConfig(load_in_8bit=True)",
+    "load_in_4bit": "quantization_config=BitsAndBytesConfig(load_in_4bit=True)",
+    "use_auth_token": "token=<your token> (or nothing: the saved login is used)",
+}
+
+DEVICE_FIX = 'device_map={"": torch.cuda.current_device()} if torch.cuda.is_available() else "cpu"'
+PAD_TOKEN_FIX = "model.resize_token_embeddings(len(tokenizer))"
+# Why the runner cannot honour a CUDA pin, by torch's own words for it.
+_NO_CUDA = {
+    "Torch not compiled with CUDA enabled": "the installed torch is built without CUDA",
+    "No CUDA GPUs are available": "this runner has no CUDA GPU",
+    "Cannot access accelerator device when none is available": "this runner has no GPU (torch.device(0) needs one)",
+    "invalid device ordinal": "the GPU index is beyond the GPUs this runner has",
+}
+
+
+def _installed_transformers() -> str:
+    version = getattr(sys.modules.get("transformers"), "__version__", None)
+    return f"the installed transformers {version}" if version else "transformers 5"
+
+
+def _removed_keyword(match: re.Match) -> str:
+    keyword = match["keyword"]
+    return (f"from_pretrained(..., {keyword}=...) is a keyword transformers 5 removed (4.x accepted it with a "
+            f"deprecation warning): {_installed_transformers()} passes it on to the model's __init__, which refuses "
+            "it")
+
+
+def _tokenizer_package(match: re.Match) -> str:
+    package = (match["package"] or "sentencepiece").lower()
+    return (f"the tokenizer needs the {package} package to load (a slow, SentencePiece- or tiktoken-based tokenizer, "
+            "or one converted from it), and it is not installed in this environment")
+
+
+def _package_fix(match: re.Match) -> str:
+    package = (match["package"] or "sentencepiece").lower()
+    package = "sentencepiece tiktoken" if package == "sentencepiece or tiktoken" else package
+    return f"pip install {package}  # or AutoTokenizer.from_pretrained(path, use_fast=True) with a tokenizer.json"
+
+
+FAULTS: tuple[LoaderFault, ...] = (
+    LoaderFault(
+        "removed keyword", ("TypeError",), ("transformers.",),
+        re.compile(r"__init__\(\) got an unexpected keyword argument '(?P<keyword>"
+                   + "|".join(REMOVED_KEYWORDS) + ")'"),
+        _removed_keyword, lambda match: REMOVED_KEYWORDS[match["keyword"]]),
+    LoaderFault(
+        "device pin", ("AssertionError", "RuntimeError"), ("torch.cuda",),
+        re.compile(r"(?P<why>Torch not compiled with CUDA enabled|No CUDA GPUs are available)"),
+        lambda match: f"the loader pins the model to a CUDA device (device_map={{'': 0}}, .cuda(), .to('cuda')) and "
+                      f"{_NO_CUDA[match['why']]}",
+        lambda match: DEVICE_FIX),
+    LoaderFault(  # torch.device(0) and a bad ordinal fail in torch's native code, called from whichever frame pinned
+        "device pin", ("RuntimeError",), (),
+        re.compile(r"(?P<why>Cannot access accelerator device when none is available|invalid device ordinal)"),
+        lambda match: f"the loader pins the model to a CUDA device by index (device_map={{'': 0}}, torch.device(0), "
+                      f"cuda:N) and {_NO_CUDA[match['why']]}",
+        lambda match: DEVICE_FIX),
+    LoaderFault(
+        "pad token", ("IndexError",), ("torch.nn.functional",),
+        re.compile(r"index out of range in self"),
+        lambda match: "a token id is past the model's embedding rows: the tokenizer has a token (a pad token added "
+                      "with add_special_tokens, say) that the model's embeddings were never resized for",
+        lambda match: PAD_TOKEN_FIX),
+    LoaderFault(
+        "tokenizer package", ("ImportError",), ("transformers.utils.import_utils",),
+        re.compile(r"requires the (?P<package>SentencePiece|protobuf) library but it was not found"),
+        _tokenizer_package, _package_fix),
+    LoaderFault(  # transformers 4.x's AutoTokenizer(use_fast=False) without sentencepiece
+        "tokenizer package", ("ValueError",), ("transformers.models.auto.tokenization_auto",),
+        re.compile(r"make sure you have `(?P<package>sentencepiece)` installed"),
+        _tokenizer_package, _package_fix),
+    LoaderFault(  # no tokenizer.json, and the slow tokenizer cannot be converted (4.x fast, 5.x tokenizers backend)
+        "tokenizer package", ("ValueError",),
+        ("transformers.tokenization_utils_fast", "transformers.tokenization_utils_tokenizers"),
+        re.compile(r"You need to have (?P<package>sentencepiece or tiktoken) installed to convert a slow tokenizer"),
+        _tokenizer_package, _package_fix),
+    LoaderFault(
+        "tokenizer package", ("ValueError",), ("transformers.convert_slow_tokenizer",),
+        re.compile(r"`(?P<package>tiktoken)` is required to read a `tiktoken` file"),
+        _tokenizer_package, _package_fix),
+)
+
+# Faults a loader's model shows after the load too (a check's forward pass): the loader's, not the check's code.
+MODEL_FAULTS = ("pad token",)
+
+
+def diagnose(exc: BaseException, traceback_text: str = "") -> Optional[Diagnosis]:
+    """The known loader fault ``exc`` (or an exception it was raised from, or while handling) is, ``None`` where it is
+    none. ``traceback_text``: the frames of an exception that crossed a process boundary without its traceback."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        found = _diagnosed(exc, _raising_module(exc, traceback_text))
+        if found is not None:
+            return found
+        exc, traceback_text = exc.__cause__ or exc.__context__, ""
+    return None
+
+
+def _diagnosed(exc: BaseException, raising_module: str) -> Optional[Diagnosis]:
+    text = str(exc)
+    for fault in FAULTS:
+        if type(exc).__name__ not in fault.raised:
+            continue
+        if fault.raised_in and not raising_module.startswith(fault.raised_in):
+            continue
+        match = fault.wording.search(text)
+        if match is not None:
+            return Diagnosis(fault.name, fault.cause(match), fault.fix(match))
+    return None
+
+
+# A frame of an installed file in traceback text: its path under site-packages.
+_INSTALLED_FRAME = re.compile(r'File "[^"]*[/\\]site-packages[/\\]([^"]+)\.py", line \d+')
+
+
+def _raising_module(exc: BaseException, traceback_text: str) -> str:
+    """The module of the innermost installed frame ``exc`` was raised through (``torch.cuda.__init__``)."""
+    if exc.__traceback__ is not None:
+        modules = [tracebacks.installed_module(frame.filename) for frame in traceback.extract_tb(exc.__traceback__)]
+    else:
+        modules = [path.replace("\\", "/").replace("/", ".") for path in _INSTALLED_FRAME.findall(traceback_text)]
+    return next((module for module in reversed(modules) if module), "")

@@ -1,0 +1,189 @@
+"""A loader's own fault named with its cause and its fix (:mod:`pytest_llmload.loader.faults`), known by what raised
+it: each wording as the installed stack's own code raises it, and the same wording from the loader's own code is
+nothing known. Then :class:`~pytest_llmload.loader.seam.LoaderError` says it, and names the loader's frames only.
+
+Before (issue 46): a loader error showed the raw exception and a line, and its "in the loader's code" could name
+this plugin's spy (failures/adapter_on_offloaded.py:173).
+"""
+
+import pickle
+
+import pytest
+import torch
+import transformers
+from packaging.version import Version
+
+from fixtures.loaders import fault_cuda_current_device, fault_transformers4_keywords
+from pytest_llmload.loader.faults import DEVICE_FIX, PAD_TOKEN_FIX, diagnose
+from pytest_llmload.loader.request import LoadRequest
+from pytest_llmload.loader.seam import LoaderError, call_loader
+
+TRANSFORMERS_5 = Version(transformers.__version__).major >= 5
+needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA pin is honoured on this machine")
+
+
+def raised(call) -> BaseException:
+    with pytest.raises(Exception) as info:
+        call()
+    return info.value
+
+
+def as_raised_by(library_file: str, exc: BaseException) -> BaseException:
+    """``exc`` raised from a frame of ``library_file``, where that library raises it: for a wording this machine's
+    stack cannot produce (a CUDA build of torch without a GPU; sentencepiece missing)."""
+    code = compile("raise exc", library_file, "exec")
+    return raised(lambda: exec(code, {"exc": exc}))
+
+
+def transformers_file(name: str) -> str:
+    return f"{transformers.__path__[0]}/{name}"
+
+
+@pytest.mark.skipif(not TRANSFORMERS_5, reason="transformers 4.x takes the keyword (with a deprecation warning)")
+@pytest.mark.parametrize("keyword, value, fix", [
+    ("load_in_8bit", True, "quantization_config=BitsAndBytesConfig(load_in_8bit=True)"),
+    ("load_in_4bit", True, "quantization_config=BitsAndBytesConfig(load_in_4bit=True)"),
+    ("use_auth_token", "hf_x", "token=<your token> (or nothing: the saved login is used)"),
+])
+def test_a_keyword_transformers_5_removed_names_the_version_and_its_replacement(llmload_checkpoint, keyword, value,
+                                                                                fix):
+    exc = raised(lambda: transformers.AutoModelForCausalLM.from_pretrained(llmload_checkpoint, **{keyword: value}))
+    found = diagnose(exc)
+    assert found is not None and (found.fault, found.fix) == ("removed keyword", fix), exc
+    assert f"{keyword}=...) is a keyword transformers 5 removed" in found.cause
+    assert f"the installed transformers {transformers.__version__}" in found.cause
+
+
+@needs_no_cuda
+@pytest.mark.parametrize("pin", [
+    lambda checkpoint: torch.zeros(1).cuda(),
+    lambda checkpoint: torch.cuda.current_device(),
+    lambda checkpoint: transformers.AutoModelForCausalLM.from_pretrained(checkpoint, device_map={"": 0}),
+    lambda checkpoint: torch.device(0),
+], ids=[".cuda()", "current_device", "device_map={'': 0}", "torch.device(0)"])
+def test_a_cuda_pin_the_runner_cannot_honour_says_why_and_derives_the_device(llmload_checkpoint, pin):
+    exc = raised(lambda: pin(llmload_checkpoint))
+    found = diagnose(exc)
+    assert found is not None and (found.fault, found.fix) == ("device pin", DEVICE_FIX), exc
+    assert "pins the model to a CUDA device" in found.cause and "this runner has no GPU" in found.cause or \
+        "built without CUDA" in found.cause
+
+
+@pytest.mark.parametrize("exc, why", [
+    (RuntimeError("No CUDA GPUs are available"), "this runner has no CUDA GPU"),
+    (AssertionError("Torch not compiled with CUDA enabled"), "the installed torch is built without CUDA"),
+])
+def test_torchs_cuda_initialisation_on_a_runner_without_gpus(exc, why):
+    found = diagnose(as_raised_by(torch.cuda.__file__, exc))
+    assert found is not None and found.fault == "device pin" and found.cause.endswith(why)
+
+
+def test_a_pad_token_past_the_embedding_rows_says_resize_them():
+    embeddings = torch.nn.Embedding(8, 2)
+    found = diagnose(raised(lambda: embeddings(torch.tensor([[1, 8]]))))  # (8: a pad token added, never resized)
+    assert found is not None and (found.fault, found.fix) == ("pad token", PAD_TOKEN_FIX)
+
+
+@pytest.mark.parametrize("backend, package", [("sentencepiece", "sentencepiece"), ("protobuf", "protobuf")])
+def test_a_slow_tokenizer_without_its_package_says_install_it_or_use_the_fast_one(monkeypatch, backend, package):
+    from transformers.utils import import_utils
+
+    # transformers' own check, as it runs where the package is missing (installed here: its availability is patched)
+    monkeypatch.setitem(import_utils.BACKENDS_MAPPING, backend, (lambda: False, import_utils.BACKENDS_MAPPING[backend][1]))
+    exc = raised(lambda: import_utils.requires_backends(transformers.LlamaTokenizer, [backend]))
+    found = diagnose(exc)
+    assert found is not None and found.fault == "tokenizer package", exc
+    assert found.fix.startswith(f"pip install {package}  # or AutoTokenizer.from_pretrained(path, use_fast=True)")
+
+
+def test_a_fast_tokenizer_with_nothing_to_convert_from():
+    if TRANSFORMERS_5:
+        exc = raised(lambda: transformers.PreTrainedTokenizerFast())
+    else:  # (4.x raises it where a slow tokenizer's class exists but could not load: tries tiktoken first here)
+        exc = as_raised_by(transformers_file("tokenization_utils_fast.py"), ValueError(
+            "Couldn't instantiate the backend tokenizer from one of: \n(1) a `tokenizers` library serialization file, "
+            "\n(2) a slow tokenizer instance to convert or \n(3) an equivalent slow tokenizer class to instantiate and "
+            "convert. \nYou need to have sentencepiece or tiktoken installed to convert a slow tokenizer to a fast one."))
+    found = diagnose(exc)
+    assert found is not None and found.fix.startswith("pip install sentencepiece tiktoken"), exc
+
+
+def test_a_tiktoken_file_without_tiktoken():
+    pytest.importorskip("transformers.convert_slow_tokenizer")
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    if hasattr(TikTokenConverter, "load_tiktoken_bpe"):  # transformers 5
+        exc = raised(lambda: TikTokenConverter.load_tiktoken_bpe("tokenizer.tiktoken"))
+    else:  # 4.x
+        exc = raised(lambda: TikTokenConverter(vocab_file="x").extract_vocab_merges_from_model("tokenizer.tiktoken"))
+    found = diagnose(exc)
+    assert found is not None and found.fix.startswith("pip install tiktoken"), exc
+
+
+def test_transformers_4s_auto_tokenizer_without_sentencepiece():
+    exc = as_raised_by(transformers_file("models/auto/tokenization_auto.py"), ValueError(
+        "This tokenizer cannot be instantiated. Please make sure you have `sentencepiece` installed in order to use "
+        "this tokenizer."))
+    assert diagnose(exc).fix.startswith("pip install sentencepiece  #")
+
+
+class _Model:
+    def __init__(self):
+        pass
+
+
+@pytest.mark.parametrize("call", [
+    lambda: _Model(load_in_8bit=True),
+    lambda: (_ for _ in ()).throw(IndexError("index out of range in self")),
+    lambda: (_ for _ in ()).throw(AssertionError("Torch not compiled with CUDA enabled")),
+    lambda: (_ for _ in ()).throw(ImportError("MyTokenizer requires the SentencePiece library but it was not found")),
+], ids=["removed keyword", "pad token", "device pin", "tokenizer package"])
+def test_the_same_words_from_the_loaders_own_code_are_no_known_fault(call):
+    """Known by what raised it, not by wording: the loader's own class refusing a keyword, its own assertion."""
+    assert diagnose(raised(call)) is None
+
+
+@needs_no_cuda
+def test_a_fault_the_loader_wrapped_in_its_own_error_is_still_found():
+    def load():
+        try:
+            torch.zeros(1, device="cuda")
+        except AssertionError as exc:
+            raise RuntimeError("could not place the model") from exc
+
+    assert diagnose(raised(load)).fault == "device pin"
+
+
+@needs_no_cuda
+def test_the_loader_error_says_the_cause_and_the_fix_and_keeps_them_across_a_process_boundary(llmload_checkpoint):
+    error = raised(lambda: call_loader(fault_cuda_current_device.load, LoadRequest(llmload_checkpoint),
+                                       loader_name="fixtures.loaders.fault_cuda_current_device:load"))
+    assert isinstance(error, LoaderError) and error.fix == DEVICE_FIX
+    lines = str(error).splitlines()
+    assert lines[0].startswith("loader error: AssertionError: Torch not compiled with CUDA enabled (loader ")
+    assert lines[1].startswith("  cause: the loader pins the model to a CUDA device") and lines[2] == f"  fix: {DEVICE_FIX}"
+    assert lines[3].startswith("  in the loader's code: load (") and "fault_cuda_current_device.py:" in lines[3]
+    back = pickle.loads(pickle.dumps(error))  # (an isolated check's child hands it back so)
+    assert (type(back), back.fix, back.cause, str(back)) == (LoaderError, error.fix, error.cause, str(error))
+
+
+@pytest.mark.skipif(not TRANSFORMERS_5, reason="transformers 4.x takes the keywords")
+def test_transformers_4s_keywords_on_transformers_5_are_a_loader_error_with_the_replacement(llmload_checkpoint):
+    error = raised(lambda: call_loader(fault_transformers4_keywords.load, LoadRequest(llmload_checkpoint)))
+    assert error.fix == "quantization_config=BitsAndBytesConfig(load_in_8bit=True)", error
+
+
+def test_the_loaders_code_is_the_loaders_frames_never_this_plugins_spy(tmp_path):
+    """Before: the check's own spy (instruments/probes.py, as failures/adapter_on_offloaded.py:173 was) was named as
+    the loader's code, being outside installed libraries."""
+    from transformers import GenerationConfig
+
+    from pytest_llmload.instruments.probes import spy_classmethod
+
+    def load(request):
+        return GenerationConfig.from_pretrained(tmp_path / "no-such-model", local_files_only=True)
+
+    with spy_classmethod(GenerationConfig, "from_pretrained", []):
+        error = raised(lambda: call_loader(load, LoadRequest(tmp_path)))
+    where = str(error).partition("in the loader's code: ")[2]
+    assert where.startswith("load (") and __file__ in where and "pytest_llmload" not in where, str(error)
