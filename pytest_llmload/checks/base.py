@@ -20,6 +20,13 @@ from pytest_llmload.system.words import a
 NOT_EXERCISED = "not exercised: "
 
 
+# A row whose verdict rests on what the check assumed, neither observed nor declared, notes it (checks.contract.note)
+# in a sentence that starts so and names the declaration that settles it. The row records those notes as its
+# assumptions: the summaries under pytest's and the main job's tables list them, and `--llmload-strict` counts such
+# a row as not judged.
+ASSUMED = "assumed: "
+
+
 # A check the repo declared not to apply to it (``llmload_not_applicable``) skips with a reason that starts so.
 DECLARED_NOT_APPLICABLE = "declared not applicable: "
 

@@ -25,22 +25,25 @@ A training script's fix goes in ``prepare_args(args, model)``, called between ``
 ``Trainer``, where the write-up put ``training_args._n_gpu = 1``. Whether the repo trains with Trainer at all is
 declared (a training-args hook; ``llmload_trains_with_trainer``; ``llmload_trains_without_trainer`` or
 ``llmload_trains_under_deepspeed``, which skip) or observed (a ``transformers.Trainer`` class, trl's ``SFTTrainer``
-included, bound in the loader's own modules). Where neither says it does, the row is never FAILED: a model a stock
+and a repo's own subclass included, used in the loader's package or the modules it imports, read from their source:
+:func:`trainer_use_in_source`). Where neither says it does, the row is never FAILED: a model a stock
 Trainer would take wrongly is a skip that says what was assumed and what Trainer would do, and a model it takes
 rightly passes, with a note saying nothing was declared.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import logging
+import os
 import shutil
 import sys
 import types
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional
 
-from pytest_llmload.checks.base import NOT_EXERCISED, Check, KnownFailure, not_exercised
+from pytest_llmload.checks.base import ASSUMED, NOT_EXERCISED, Check, KnownFailure, not_exercised
 from pytest_llmload.checks import contract
 from pytest_llmload.loader.seam import LoaderModelError
 from pytest_llmload.loader.request import LoadRequest
@@ -69,9 +72,9 @@ FAILURE = KnownFailure(
         "Do not let Trainer data-parallelise a placed model: set training_args._n_gpu = 1 when the model is placed "
         "(spread by hf_device_map, or quantized: pytest_llmload.fixes.training_scripts.prepare_training_args_for_placed_model does "
         "this), or launch one process per GPU instead; name that hook to the check (--llmload-training-args-hook). "
-        "The check judges Trainer where the repo declares it (the hook, llmload_trains_with_trainer) or its loader's "
-        "modules import a Trainer class; declare llmload_trains_without_trainer where the repo never trains with "
-        "transformers.Trainer."
+        "The check judges Trainer where the repo declares it (the hook, llmload_trains_with_trainer) or its code "
+        "uses a Trainer class (the loader's package or the modules it imports, read from their source); declare "
+        "llmload_trains_without_trainer where the repo never trains with transformers.Trainer."
     ),
     occurs=("2+ GPUs seen by one process, the model placed where Trainer sees no model parallelism (on one GPU, "
             "or a spread its hf_device_map does not show); Trainer up to 4.57 wraps 4-bit models, later versions "
@@ -90,12 +93,18 @@ FAILURE = KnownFailure(
 # attribute, ini key and option (Check passes it as `trains_with_trainer`); the attribute is read here too, for a
 # caller of the check function itself.
 TRAINS_WITH_TRAINER_ATTRIBUTE = SETTING["trains_with_trainer"].ini
+# A row that rests on this says so in a note that starts with checks.base.ASSUMED and names what settles it: the
+# summaries under pytest's and the main job's tables list it, and --llmload-strict counts the row as not judged.
 ASSUMED_NO_TRAINER = (
-    "assumed: this repo's training does not hand the model to transformers.Trainer (nothing declares how it trains: "
-    "declare llmload_trains_with_trainer or name its llmload_training_args_hook to have this judged, or "
-    "llmload_trains_without_trainer to confirm)")
-ASSUMED_EITHER_WAY = (
-    "assumed: nothing declares whether this repo trains with transformers.Trainer (llmload_trains_with_trainer, "
+    f"{ASSUMED}this repo's training does not hand the model to transformers.Trainer (nothing declares how it trains, "
+    "and neither the loader's package nor the modules it imports use a Trainer class). Settle it: declare "
+    f"`load.{TRAINS_WITH_TRAINER_ATTRIBUTE} = True` (or name its llmload_training_args_hook) to have it judged, or "
+    f"`load.{SETTING['trains_without_trainer'].ini} = True` (or the ini keys, or the options --llmload-trains-with-trainer"
+    " / --llmload-trains-without-trainer)")
+# Not an assumption the verdict rests on: a stock Trainer takes the model rightly, and without Trainer there is
+# nothing to take.
+NOT_DECLARED_EITHER_WAY = (
+    "not declared: whether this repo trains with transformers.Trainer (llmload_trains_with_trainer, "
     "llmload_training_args_hook, llmload_trains_without_trainer); judged as a stock Trainer would take the model, "
     "it passes, so the verdict holds either way")
 # The simulated machine: the distributed check's GPUs (80 GiB each), a host that holds anything.
@@ -161,12 +170,19 @@ def four_bit_refusal() -> Optional[str]:
 
 
 def trainer_use_observed(function: Any) -> list[str]:
+    """Where the loader's repo hands models to ``transformers.Trainer``, as far as its code shows: the Trainer classes
+    its modules bind as imported (:func:`_bound_trainer_classes`), then the uses its package's source and the
+    modules its module imports make (:func:`trainer_use_in_source`); empty where none is seen."""
+    return _bound_trainer_classes(function) + trainer_use_in_source(function)
+
+
+def _bound_trainer_classes(function: Any) -> list[str]:
     """Trainer classes the loader's own modules bind: ``["mypkg.train.SFTTrainer (trl.trainer.sft_trainer.SFTTrainer,
     a transformers.Trainer)"]``; empty where none does.
 
-    Read from the modules as imported, never their text: the loader function's module, and the modules of the same
-    top-level package it reaches through its module-level names (modules, functions and classes imported from them),
-    at most 64. A class counts where it is ``transformers.Trainer`` or a subclass of it (trl's ``SFTTrainer``,
+    Read from the modules as imported: the loader function's module, and the modules of the same top-level package
+    it reaches through its module-level names (modules, functions and classes imported from them), at most 64. A
+    class counts where it is ``transformers.Trainer`` or a subclass of it (trl's ``SFTTrainer``,
     ``Seq2SeqTrainer``, a repo's own). This package's own modules are not a repo's."""
     from transformers import Trainer
 
@@ -198,6 +214,242 @@ def trainer_use_observed(function: Any) -> list[str]:
             if isinstance(reached, str) and reached.split(".")[0] == top and reached not in seen:
                 queue.append(reached)
     return found
+
+
+# -- Trainer use read from the repo's source (issue 46): a training script beside the loader is never imported --
+
+# Read at most this many files of a package (only those that name "Trainer" are parsed), this many modules the
+# loader's module imports (and they import, within the repo), and name this many uses.
+PACKAGE_FILES_READ, IMPORTED_MODULES_READ, USES_NAMED = 3000, 64, 8
+# The libraries that define Trainer classes: their own code is not a repo's use of them.
+TRAINER_LIBRARIES = ("transformers", "trl")
+
+
+class _Source(NamedTuple):
+    """One module of the repo, parsed: its names bound by imports (``{"T": "transformers.Trainer"}``) and its
+    classes' bases."""
+
+    module: str
+    path: Path
+    tree: ast.Module
+    imported: dict
+    classes: dict
+
+
+def trainer_use_in_source(function: Any) -> list[str]:
+    """Trainer use the loader's repo makes, read from its source with :mod:`ast` (a repo's training script may run
+    its training when imported: none is imported here): ``["mypkg/train.py:40 calls transformers.Trainer"]``.
+
+    Read: the loader's own module; its package (the outermost package of regular packages, ``__init__.py`` at
+    each level, that holds it: a namespace package or a bare folder may hold unrelated projects, as this project's
+    ``fixtures/corpus`` does), every module in it; and the modules its module imports from outside that package
+    that are not installed libraries, and theirs in turn. A use is a call, a subclass or any other reference, in
+    code, to ``transformers.Trainer`` or a subclass of it (trl's ``SFTTrainer``, ``Seq2SeqTrainer``, the repo's own
+    subclasses, followed through its imports); a mention in a string or a comment, a type annotation, an
+    ``isinstance`` test or an import alone is none, nor is a ``Trainer`` of another library (Lightning's).
+
+    A Trainer used only to evaluate counts: ``Trainer.evaluate`` and ``predict`` wrap the model as training does
+    (``_wrap_model(training=False)``: ``nn.DataParallel`` at ``n_gpu > 1``, transformers 4.56 trainer.py:4590 and
+    2081, 5.23 trainer.py:2917 and 2672), so the placed model meets the same wrap."""
+    name = getattr(function, "__module__", None)
+    module = sys.modules.get(name) if name else None
+    file = getattr(module, "__file__", None)
+    if module is None or not file or not file.endswith(".py") or name.split(".")[0] == "pytest_llmload":
+        return []
+    sources: dict[str, _Source] = {}
+    package = _outermost_regular_package(name)
+    if package is not None and package[0].split(".")[0] not in TRAINER_LIBRARIES:
+        for path, dotted in _package_files(*package):
+            _read(path, dotted, sources, needs_trainer=True)
+    queue, read = [(Path(file), name)], 0
+    while queue and read < IMPORTED_MODULES_READ:
+        path, dotted = queue.pop(0)
+        source = sources.get(dotted) or _read(path, dotted, sources, needs_trainer=False)
+        read += 1
+        for target in dict.fromkeys(source.imported.values() if source else ()):
+            for candidate in (target, target.rpartition(".")[0]):  # (`from pkg import mod` names a module)
+                found = _repo_module_file(candidate) if candidate and candidate not in sources else None
+                if found is not None and all(candidate != queued for _, queued in queue):
+                    queue.append((found, candidate))
+                    break
+    uses: list[str] = []
+    for source in sources.values():
+        uses += _trainer_uses(source, sources, package[1].parent if package else Path(file).parent)
+    return uses[:USES_NAMED]
+
+
+def _outermost_regular_package(module: str) -> Optional[tuple[str, Path]]:
+    """``(name, folder)`` of the outermost package of the chain of regular packages that ends in ``module``'s own
+    package; ``None`` where its package is none or a namespace package."""
+    parts, found = module.split("."), None
+    for size in range(len(parts) - 1, 0, -1):
+        package = sys.modules.get(".".join(parts[:size]))
+        init = getattr(package, "__file__", None)
+        if not init or Path(init).name != "__init__.py":
+            break
+        found = (".".join(parts[:size]), Path(init).parent)
+    return found
+
+
+def _package_files(package: str, folder: Path):
+    """``(path, module name)`` of the package's ``.py`` files (hidden folders and caches left out)."""
+    count = 0
+    for where, folders, files in os.walk(folder):
+        folders[:] = sorted(f for f in folders if not f.startswith(".") and f != "__pycache__")
+        relative = Path(where).relative_to(folder).parts
+        for file in sorted(f for f in files if f.endswith(".py")):
+            count += 1
+            if count > PACKAGE_FILES_READ:
+                return
+            stem = () if file == "__init__.py" else (file[:-3],)
+            yield Path(where, file), ".".join((package, *relative, *stem))
+
+
+def _repo_module_file(dotted: str) -> Optional[Path]:
+    """The source file of module ``dotted`` where it is the repo's (not an installed library's, not Python's), found
+    without importing it: from the loaded top-level package's folders, else the import path's finder."""
+    from importlib.machinery import PathFinder
+
+    from pytest_llmload.system.tracebacks import is_installed
+
+    top, *rest = dotted.split(".")
+    if top in ("pytest_llmload", *TRAINER_LIBRARIES):
+        return None
+    loaded = sys.modules.get(top)
+    if loaded is not None:
+        folders, file = list(getattr(loaded, "__path__", None) or ()), getattr(loaded, "__file__", None)
+    else:
+        spec = PathFinder.find_spec(top)
+        if spec is None:
+            return None
+        folders, file = list(spec.submodule_search_locations or ()), spec.origin
+    if rest:
+        file = next((str(candidate) for folder in folders for candidate in
+                     (Path(folder, *rest).with_suffix(".py"), Path(folder, *rest, "__init__.py"))
+                     if candidate.is_file()), None)
+    if not file or not file.endswith(".py") or is_installed(file):
+        return None
+    return Path(file)
+
+
+def _read(path: Path, module: str, sources: dict, needs_trainer: bool) -> Optional[_Source]:
+    """Parse one module of the repo into ``sources``; ``None`` where it cannot be read or parsed (or, with
+    ``needs_trainer``, never names "Trainer": no use can be in it)."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if needs_trainer and "Trainer" not in text:
+            return None
+        tree = ast.parse(text, filename=str(path))
+    except (OSError, SyntaxError, ValueError):
+        return None
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    imported, classes = {}, {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                imported[alias.asname or alias.name.split(".")[0]] = alias.name if alias.asname else \
+                    alias.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{anchor}.{base}" if base else anchor
+            imported.update({alias.asname or alias.name: f"{base}.{alias.name}" for alias in node.names
+                             if alias.name != "*"})
+        elif isinstance(node, ast.ClassDef):
+            classes[node.name] = node.bases
+    sources[module] = _Source(module, path, tree, imported, classes)
+    return sources[module]
+
+
+def _dotted(node: ast.expr, source: _Source) -> Optional[str]:
+    """What a name or attribute chain in ``source`` refers to, as a dotted name; ``None`` for anything else."""
+    if isinstance(node, ast.Name):
+        return source.imported.get(node.id) or (f"{source.module}.{node.id}" if node.id in source.classes else None)
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value, source)
+        return f"{base}.{node.attr}" if base else None
+    return None
+
+
+def _trainer_class(dotted: str, sources: dict, seen: tuple = ()) -> Optional[str]:
+    """The library Trainer class ``dotted`` is or derives from (``"transformers.trainer.Trainer"``), through the
+    repo's classes and imports; ``None`` where it is none."""
+    if dotted in seen or len(seen) > 16:
+        return None
+    module, _, name = dotted.rpartition(".")
+    source = sources.get(module)
+    if source is not None:
+        if name in source.classes:
+            return next(filter(None, (_trainer_class(base, sources, (*seen, dotted)) for base in
+                                      filter(None, (_dotted(b, source) for b in source.classes[name])))), None)
+        target = source.imported.get(name)
+        return _trainer_class(target, sources, (*seen, dotted)) if target else None
+    if not name.endswith("Trainer") or any(known == module or known.startswith(f"{module}.") for known in sources) \
+            or _repo_module_file(module):
+        return None  # a library's Trainer class is so named; a module of the repo not read names no Trainer
+    return _library_trainer_class(dotted)
+
+
+def _library_trainer_class(dotted: str) -> Optional[str]:
+    """``dotted`` as an installed library names it, where it is ``transformers.Trainer`` or a subclass. Only names
+    ending in "Trainer" are looked up (every Trainer class of transformers and trl is so named); a library that
+    is not installed here is not imported, except that trl's are taken as what they are (trl's trainers subclass
+    transformers.Trainer)."""
+    import importlib
+
+    module, _, name = dotted.rpartition(".")
+    if not name.endswith("Trainer") or not module:
+        return None
+    try:
+        from transformers import Trainer
+
+        value = getattr(importlib.import_module(module), name)
+        return f"{value.__module__}.{value.__qualname__}" if isinstance(value, type) and \
+            issubclass(value, Trainer) else None
+    except ImportError:
+        return f"{dotted} (trl is not installed here; its trainers are transformers.Trainer subclasses)" \
+            if module.split(".")[0] == "trl" else None
+    except Exception:  # noqa: BLE001 - a library whose import fails otherwise names no Trainer we can see
+        return None
+
+
+def _trainer_uses(source: _Source, sources: dict, root: Path) -> list[str]:
+    """Each reference in code of ``source`` to a Trainer class: ``"mypkg/train.py:40 calls transformers.Trainer"``."""
+    ignored: set[int] = set()  # annotations and isinstance/issubclass tests: no model is handed to Trainer there
+    for node in ast.walk(source.tree):
+        if isinstance(node, ast.arg) and node.annotation is not None:
+            ignored.update(map(id, ast.walk(node.annotation)))
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.returns is not None:
+            ignored.update(map(id, ast.walk(node.returns)))
+        elif isinstance(node, ast.AnnAssign):
+            ignored.update(map(id, ast.walk(node.annotation)))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                node.func.id in ("isinstance", "issubclass"):
+            ignored.update(id(n) for arg in node.args[1:] for n in ast.walk(arg))
+    called = {id(node.func) for node in ast.walk(source.tree) if isinstance(node, ast.Call)}
+    try:
+        where = source.path.relative_to(root)
+    except ValueError:
+        where = source.path
+    uses = []
+    for node in ast.walk(source.tree):
+        if isinstance(node, ast.ClassDef):
+            for base in node.bases:
+                dotted = _dotted(base, source)
+                found = dotted and _trainer_class(dotted, sources)
+                if found:
+                    uses.append(f"{where}:{node.lineno} defines {node.name}, a subclass of {found}")
+                ignored.update(map(id, ast.walk(base)))
+        elif isinstance(node, (ast.Name, ast.Attribute)) and isinstance(node.ctx, ast.Load) and \
+                id(node) not in ignored:
+            dotted = _dotted(node, source)
+            found = dotted and _trainer_class(dotted, sources)
+            if found:
+                ignored.update(map(id, ast.walk(node)))  # (the chain's inner names are the same reference)
+                uses.append(f"{where}:{node.lineno} {'calls' if id(node) in called else 'refers to'} "
+                            f"{ast.unparse(node)} ({found})")
+    return uses
 
 
 class Simulated(NamedTuple):
@@ -316,8 +568,9 @@ def check_trainer_does_not_wrap_placed_model(
                 or getattr(function, TRAINS_WITH_TRAINER_ATTRIBUTE, False) else None)
     observed = [] if declared else trainer_use_observed(function)
     if observed:
-        contract.note(f"observed: the loader's modules import {'; '.join(observed[:2])}: judged as a stock Trainer "
-                      "takes the model (declare llmload_trains_without_trainer where it never does)")
+        contract.note(f"observed: Trainer use in the loader's package or the modules it imports ("
+                      f"{'; '.join(observed[:2])}): judged as a stock Trainer takes the model (declare "
+                      "llmload_trains_without_trainer where it never does)")
     workdir = Path(workdir)
     stage1 = workdir / "stage1"
     if stage1.exists():
@@ -385,7 +638,7 @@ def check_trainer_does_not_wrap_placed_model(
             pytest.skip(f"{NOT_EXERCISED}{CHECK.name}: {ASSUMED_NO_TRAINER}. Were it "
                         f"handed to a stock Trainer on {simulated_n_gpu} GPUs: "
                         f"{'; '.join(problems + others)} ({reading})")
-        contract.note(ASSUMED_EITHER_WAY)
+        contract.note(NOT_DECLARED_EITHER_WAY)
         return
     if others and not problems:
         raise LoaderModelError(f"the loader's 4-bit model does not train under a stock Trainer, for a reason that is "
@@ -393,7 +646,8 @@ def check_trainer_does_not_wrap_placed_model(
     problems += others
     if problems:
         basis = (f"Trainer use declared ({declared})" if declared
-                 else f"Trainer use observed: the loader's modules import {'; '.join(observed[:2])}")
+                 else f"Trainer use observed in the loader's package or the modules it imports: "
+                      f"{'; '.join(observed[:2])}")
         hint = (
             "" if prepare_args is not None else
             " This judges a stock Trainer (no training-args hook was given). Fix it in the training script: call "

@@ -23,6 +23,7 @@ from pytest_llmload.loader.seam import ENV_VAR, LoaderSpecError, choose_loader
 from pytest_llmload.main_job.process import (
     EXIT_OK,
     EXIT_USAGE,
+    FAIL_NOT_EXERCISED,
     WAIT_AFTER_HANG,
     Interrupted,
     MainJob,
@@ -66,7 +67,6 @@ class _Parser(argparse.ArgumentParser):
 
 # The main job's --strict before issue 39: it read like pytest's old --strict (now --strict-markers). One release.
 DEPRECATED_STRICT = "--strict"
-FAIL_NOT_EXERCISED = "--fail-not-exercised"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -32,6 +32,7 @@ from pytest_llmload.config.vocabulary import (
     LOADER_OPTION,
     MODEL_OPTION,
     RUNNER_OPTION,
+    SETTING,
     WAIT_OPTION,
 )
 from pytest_llmload.main_job.terminal import columns, cut, wrapped
@@ -44,10 +45,11 @@ HEARTBEAT_SECONDS = 10.0
 STOP_GRACE_S = 10.0
 POLL_S = 0.2  # how often the progress file is read
 WAIT_AFTER_HANG = "--wait-after-hang"
+FAIL_NOT_EXERCISED = "--fail-not-exercised"  # pytest's --llmload-strict
 
 # The pytest options the main job passes on under its own names: how a message from pytest is shown here.
 _OWN_NAMES = {LOADER_OPTION: "--loader", WAIT_OPTION: WAIT_AFTER_HANG, CHECKS_OPTION: "--checks",
-              RUNNER_OPTION: "--runner", MODEL_OPTION: "--model"}
+              RUNNER_OPTION: "--runner", MODEL_OPTION: "--model", SETTING["strict"].option: FAIL_NOT_EXERCISED}
 
 
 def in_main_job_terms(text: str) -> str:

@@ -19,6 +19,7 @@ from pytest_llmload.main_job.process import (
     EXIT_NO_TESTS,
     EXIT_OK,
     EXIT_USAGE,
+    FAIL_NOT_EXERCISED,
     HOUSE_PLUGINS,
     INTERRUPTED,
     in_main_job_terms,
@@ -26,6 +27,7 @@ from pytest_llmload.main_job.process import (
 )
 from pytest_llmload.main_job.terminal import NAME_PARTS, at_most, wrap
 from pytest_llmload.placement.picture import where_the_model_goes
+from pytest_llmload.reports.row import assumption_lines
 
 if TYPE_CHECKING:
     from pytest_llmload.main_job.process import MainJob
@@ -127,6 +129,11 @@ def report(job: "MainJob", code: int) -> tuple[int, bool]:
     predictions = [(record["check"], record["prediction"]) for record in job.results if record.get("prediction")]
     for line in where_the_model_goes(predictions, "--json" if args.json_path else "--json PATH"):
         job.say(line)
+    assumed = [(record["check"], record.get("guards"), record["assumptions"]) for record in job.results
+               if record.get("assumptions")]
+    if assumed:
+        for line in assumption_lines(assumed, FAIL_NOT_EXERCISED, args.fail_not_exercised):
+            job.say(in_main_job_terms(line))  # (an assumption may name a pytest option)
     if args.json_path:
         try:
             Path(args.json_path).write_text(json.dumps(json_document(job), indent=1) + "\n", encoding="utf-8")
@@ -259,5 +266,6 @@ def json_records(results: list[dict]) -> list[dict]:
                         "failure": failure, "cause": record.get("cause"), "note": record.get("note"),
                         "notes": record.get("notes") or ([record["note"]] if record.get("note") else []),
                         "fix": record.get("fix"), "loader": record.get("loader"), "reason": record["reason"],
-                        "seconds": record["seconds"], "detail": detail, "prediction": record.get("prediction")})
+                        "seconds": record["seconds"], "detail": detail, "prediction": record.get("prediction"),
+                        "assumptions": record.get("assumptions") or []})
     return records

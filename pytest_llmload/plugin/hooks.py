@@ -444,6 +444,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         if reason.startswith(NOT_EXERCISED):
             report.outcome = "failed"
             report.longrepr = f"llmload strict: a check that exercised nothing is a failure here: {reason}"
+    elif report.passed and call.when == "call" and check is not None and item.config.stash.get(strict_key, False):
+        assumed = _assumptions(item)
+        if assumed:  # a verdict that rests on an assumption judged nothing the repo showed
+            report.outcome = "failed"
+            report.longrepr = (f"llmload strict: a verdict that rests on an assumption is not judged here: "
+                               f"{'; '.join(assumed)}")
     if check is not None and (call.when == "call" or not report.passed):
         row = _row(item, check, report, found)
         _record(item, report, row.properties())
@@ -518,6 +524,14 @@ def _check_of(item: pytest.Item):
     return check if hasattr(check, "failure") and hasattr(check, "function") else None
 
 
+def _assumptions(item: pytest.Item) -> tuple[str, ...]:
+    """The notes a check made that its verdict rests on as assumptions (:data:`~pytest_llmload.checks.base.ASSUMED`)."""
+    from pytest_llmload.checks.base import ASSUMED
+    from pytest_llmload.config.stash_keys import notes_key
+
+    return tuple(note for note in item.stash.get(notes_key, None) or () if note.startswith(ASSUMED))
+
+
 def _row(item: pytest.Item, check, report: pytest.TestReport, found) -> Row:
     """The check's row (:class:`pytest_llmload.reports.row.Row`), decided here once: the verdict judged from its exception
     (``found``), else the report's outcome and skip reason; the notes it made wherever it ran; the loader that ran
@@ -554,7 +568,7 @@ def _row(item: pytest.Item, check, report: pytest.TestReport, found) -> Row:
                sentence=sentence,
                notes=tuple(item.stash.get(notes_key, None) or ()), fix=getattr(known, "fix", None), loader=loader,
                guards_origin=failure_origin(check.failure), not_run=not_run,
-               prediction=item.stash.get(prediction_record_key, None))
+               prediction=item.stash.get(prediction_record_key, None), assumptions=_assumptions(item))
 
 
 def _record(item: pytest.Item, report: pytest.TestReport, pairs: list) -> None:

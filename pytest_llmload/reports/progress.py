@@ -132,7 +132,7 @@ class ProgressWriter:
                        else "", summary=row.sentence, seconds=round(time.perf_counter() - started, 3),
                        failure=row.failure, cause=row.cause, note=row.note or None, notes=list(row.notes),
                        fix=row.fix, loader=row.loader, guards=row.guards, guards_origin=row.guards_origin,
-                       not_run=row.not_run, prediction=row.prediction)
+                       not_run=row.not_run, prediction=row.prediction, assumptions=list(row.assumptions))
             return
         outcome, reason = report.outcome, ""  # a test that runs no check (a repo's own, a prediction's)
         if hasattr(report, "wasxfail"):

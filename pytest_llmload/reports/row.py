@@ -44,7 +44,8 @@ class Row:
     loader that really ran), ``guards`` (the failure the check guards against) and where that failure comes from,
     ``guards_origin`` (``002``: its write-up in shared/seeds; ``field``: upstream issue trackers; ``extension``: a
     repo's own), ``not_run`` (an ``error`` that did not wait: the loader under test hung in an earlier check,
-    :mod:`pytest_llmload.plugin.loader_hang`), and ``prediction`` (a prediction's row: where the model would go,
+    :mod:`pytest_llmload.plugin.loader_hang`), ``assumptions`` (the notes its verdict rests on as assumptions), and
+    ``prediction`` (a prediction's row: where the model would go,
     per device against its capacity, and the whole map; plain data, :func:`placement_lines`)."""
 
     check: str
@@ -59,13 +60,17 @@ class Row:
     guards_origin: Optional[str] = None
     not_run: bool = False
     prediction: Optional[dict] = None
+    # The notes the verdict rests on as assumptions (each starts "assumed: " and names the declaration that settles
+    # it, checks.base.ASSUMED): listed under the tables; --llmload-strict counts the row as not judged.
+    assumptions: tuple[str, ...] = ()
 
     @property
     def note(self) -> str:
         return "; ".join(self.notes)
 
     def as_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "notes": list(self.notes), "note": self.note or None}
+        return {**dataclasses.asdict(self), "notes": list(self.notes), "note": self.note or None,
+                "assumptions": list(self.assumptions)}
 
     def properties(self) -> list[tuple[str, str]]:
         """``report.user_properties``: the row as one JSON property, and the flat ones a CI dashboard groups JUnit
@@ -84,10 +89,27 @@ class Row:
             if key == ROW_PROPERTY:
                 fields = json.loads(value)
                 fields.pop("note", None)
-                return cls(**{**fields, "notes": tuple(fields.get("notes") or ())})
+                return cls(**{**fields, "notes": tuple(fields.get("notes") or ()),
+                              "assumptions": tuple(fields.get("assumptions") or ())})
         return None
 
 
 def outcome_of(row: Row) -> str:
     """The progress file's ``outcome`` for a row: pytest's words, where a skip is a skip whatever its kind."""
     return "skipped" if row.verdict in ("not exercised", "not applicable") else row.verdict
+
+
+def assumption_lines(rows: list, strict_option: str, strict: bool) -> list[str]:
+    """The lines under a run's table that list each row whose verdict rests on an assumption, each with the
+    declaration that settles it (the assumption's own sentence names it): the same for the main job and pytest's
+    terminal summary. ``rows``: ``(check, guards, assumptions)``; ``strict_option`` the option that counts such a
+    row as not judged, ``strict`` whether it was given."""
+    rows = [(check, guards, assumed) for check, guards, assumed in rows if assumed]
+    if not rows:
+        return []
+    counted = f"{strict_option}: counted as not judged" if strict else f"{strict_option} counts it as not judged"
+    lines = [f"llmload: {len(rows)} {'row rests' if len(rows) == 1 else 'rows rest'} on an assumption, not on "
+             f"what the repo declares or its code shows ({counted}); each says what settles it:"]
+    lines += [f"  {check}{f' ({guards})' if guards else ''}: {text}" for check, guards, assumed in rows
+              for text in assumed]
+    return lines

@@ -28,7 +28,7 @@ from typing import NamedTuple, Optional
 
 import pytest
 
-from pytest_llmload.reports.row import Row
+from pytest_llmload.reports.row import Row, assumption_lines
 from pytest_llmload.placement.picture import where_the_model_goes
 from pytest_llmload.instruments.device_map_summary import placement_lines
 from pytest_llmload.system.sizes import format_bytes
@@ -108,7 +108,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
     every, near = settings.value(config, "phase_progress_seconds"), settings.value(config, "near_deadline")
     config.stash[settings_key] = Settings(every or None, near, TerminalLines())
-    session = config.stash[session_key] = SessionDiagnostics(near)
+    session = config.stash[session_key] = SessionDiagnostics(near, strict=bool(settings.value(config, "strict")))
     config.pluginmanager.register(session, "llmload-diagnostics-session")
 
 
@@ -236,7 +236,7 @@ class SessionDiagnostics:
     """The session's figures; registered as a plugin per config, it collects each test's record (in the
     xdist controller, from the workers' reports)."""
 
-    def __init__(self, near_fraction: float = DEFAULT_NEAR_DEADLINE) -> None:
+    def __init__(self, near_fraction: float = DEFAULT_NEAR_DEADLINE, strict: bool = False) -> None:
         self.near_fraction = near_fraction
         self.models: list[tuple[str, dict]] = []  # (nodeid, model record)
         self.rss_peak: Optional[tuple[int, str, str]] = None  # (bytes, nodeid, phase)
@@ -244,6 +244,8 @@ class SessionDiagnostics:
         self.near: list[tuple[float, float, str, str]] = []  # (seconds, deadline, nodeid, what)
         self.torch_peak: Optional[tuple[int, str, str]] = None  # (bytes, device, nodeid)
         self.predictions: dict[str, tuple[str, dict]] = {}  # nodeid: (check, its row's prediction)
+        self.assumptions: dict[str, tuple[str, Optional[str], tuple[str, ...]]] = {}  # nodeid: (check, guards, ...)
+        self.strict = strict  # (--llmload-strict: the rows that rest on an assumption failed)
 
     def add(self, nodeid: str, record: dict) -> None:
         near_fraction = self.near_fraction
@@ -268,6 +270,8 @@ class SessionDiagnostics:
         row = Row.of_report(report)  # (a teardown report carries the call's row again: one per test)
         if row is not None and row.prediction:
             self.predictions[report.nodeid] = (row.check, row.prediction)
+        if row is not None and row.assumptions:
+            self.assumptions[report.nodeid] = (row.check, row.guards, row.assumptions)
         for device, peak in (getattr(report, "llmload_torch_peak", None) or {}).items():
             if self.torch_peak is None or peak > self.torch_peak[0]:
                 self.torch_peak = (peak, device, report.nodeid)
@@ -300,6 +304,7 @@ class SessionDiagnostics:
             for took, deadline, nodeid, what in sorted(self.near, key=lambda n: -n[0] / n[1]):
                 lines.append(f"  {took:.2f} s of {deadline:g} s ({took / deadline:.0%})  {nodeid}  ({what})")
         lines += where_the_model_goes(list(self.predictions.values()), "each row's llmload_row property")[1:]
+        lines += assumption_lines(list(self.assumptions.values()), SETTING["strict"].option, self.strict)
         return lines
 
 

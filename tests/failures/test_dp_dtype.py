@@ -55,6 +55,7 @@ import pytest
 
 from fixtures import warm_runs
 from fixtures.loaders import before_dp_dtype
+from fixtures.loaders.trainer_mentioned_only import model_loader as mentioned_only
 from pytest_llmload import LoadRequest
 from pytest_llmload.failures.dp_dtype import (
     _upstream_reading,
@@ -344,20 +345,8 @@ def _judged(function, checkpoint, workdir, **options):
 
 
 def _model_parallel_repo(request):
-    """Written like a repo that spreads the model over its GPUs on purpose (qlora's get_accelerate_model, the QLoRA
-    'naive pipeline parallelism' recipes): ``device_map="auto"`` with a budget for each of the run's GPUs, 4-bit,
-    LoRA, trained by Trainer."""
-    import torch
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    n_gpus = request.gpu_count if request.gpu_count is not None else torch.cuda.device_count()
-    model = AutoModelForCausalLM.from_pretrained(
-        request.model_path, local_files_only=True, dtype=request.torch_dtype,
-        device_map="auto", max_memory={i: "20GiB" for i in range(n_gpus)},
-        quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=request.torch_dtype))
-    model = prepare_model_for_kbit_training(model)
-    return get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    """A repo that spreads the model over its GPUs on purpose, trained by Trainer (the fixture's load_spread)."""
+    return mentioned_only.load_spread(request)
 
 
 _model_parallel_repo.llmload_trains_with_trainer = True
@@ -419,8 +408,9 @@ def test_a_4bit_model_pinned_to_one_gpu_is_what_trainer_data_parallelises(llmloa
     assert "Trainer use declared (llmload_trains_with_trainer)" in text, text
 
 
-def _declares_nothing(request):
-    return before_dp_dtype.load(request)  # the write-up's loader, without its llmload_trains_with_trainer
+# The write-up's loader without its llmload_trains_with_trainer, in a package that uses no Trainer (a loader defined
+# in this module would be observed to: the tests here run Trainer).
+_declares_nothing = mentioned_only.load
 
 
 @pytest.mark.timeout(120)
@@ -432,21 +422,23 @@ def test_a_repo_that_declares_nothing_about_trainer_is_not_failed_and_its_row_sa
     assert text.startswith("not exercised: check_trainer_does_not_wrap_placed_model: assumed: this repo's training "
                            "does not hand the model to transformers.Trainer"), text
     assert "Were it handed to a stock Trainer on 2 GPUs: " in text and "rows per device became 4" in text, text
-    assert any(n.startswith("assumed: this repo's training does not hand the model to transformers.Trainer")
-               for n in notes), notes
+    (assumed,) = [n for n in notes if n.startswith("assumed: ")]
+    assert assumed.startswith("assumed: this repo's training does not hand the model to transformers.Trainer"), notes
+    # (issue 46) what settles it, for the summaries under the tables to list
+    assert "declare `load.llmload_trains_with_trainer = True`" in assumed and \
+        "`load.llmload_trains_without_trainer = True`" in assumed, assumed
 
 
 @pytest.mark.timeout(120)
 def test_a_repo_that_declares_nothing_and_passes_says_the_verdict_holds_either_way(llmload_checkpoint, tmp_path):
     _require_4bit_here()
 
-    def spread_declaring_nothing(request):
-        return _model_parallel_repo(request)
-
-    outcome, text, notes = _judged(spread_declaring_nothing, llmload_checkpoint, tmp_path)
+    outcome, text, notes = _judged(mentioned_only.load_spread, llmload_checkpoint, tmp_path)
     assert outcome == "passed", text
-    assert any(n.startswith("assumed: nothing declares whether this repo trains with transformers.Trainer") and
+    assert any(n.startswith("not declared: whether this repo trains with transformers.Trainer") and
                "verdict holds either way" in n for n in notes), notes
+    # (issue 46) a verdict that holds either way rests on no assumption: not listed, not failed by --llmload-strict
+    assert not any(n.startswith("assumed: ") for n in notes), notes
 
 
 _TRAINING_MODULE = '''
@@ -465,11 +457,8 @@ def load(request):
 '''
 
 
-@pytest.mark.timeout(120)
-def test_trainer_use_observed_in_the_loaders_own_modules_is_judged(llmload_checkpoint, tmp_path, monkeypatch):
-    """A loader whose package imports a transformers.Trainer subclass: Trainer use is observed, so the row is
-    judged (FAILED here) without a declaration, and says what it observed."""
-    _require_4bit_here()
+def test_trainer_classes_the_loaders_modules_bind_are_observed(monkeypatch):
+    """A loader whose package's modules, as imported, bind a transformers.Trainer subclass (no source to read)."""
     import types
 
     from pytest_llmload.failures.dp_dtype import trainer_use_observed
@@ -483,12 +472,106 @@ def test_trainer_use_observed_in_the_loaders_own_modules_is_judged(llmload_check
     exec(_ADAPTER_MODULE, adapter.__dict__)
     assert trainer_use_observed(adapter.load) == [
         "llmload_probe_repo.adapter.RecipeTrainer (llmload_probe_repo.train.RecipeTrainer, a transformers.Trainer)"]
-    assert trainer_use_observed(_declares_nothing) == []  # tests.* binds no Trainer class
     assert trainer_use_observed(before_dp_dtype.load) == []
-    outcome, text, notes = _judged(adapter.load, llmload_checkpoint, tmp_path)
+
+
+# -- issue 46, point 5: Trainer use read from the source of the loader's package and the modules it imports --------
+
+
+def test_a_training_script_beside_the_loader_is_read_never_imported():
+    """Issue 46's two repos: ``train.py`` beside ``model_loader.py`` in one package, the loader importing neither
+    Trainer nor the script (which trains when imported). Before, nothing was observed and the row was an
+    assumption, exit 0."""
+    import sys
+
+    from fixtures.loaders.trainer_beside_loader import model_loader
+    from pytest_llmload.failures.dp_dtype import trainer_use_observed
+
+    assert trainer_use_observed(model_loader.load) == [
+        "trainer_beside_loader/train.py:12 defines RecipeTrainer, a subclass of transformers.trainer.Trainer",
+        "trainer_beside_loader/train.py:20 calls RecipeTrainer (transformers.trainer.Trainer)"]
+    assert "fixtures.loaders.trainer_beside_loader.train" not in sys.modules
+
+
+def test_trainer_named_but_never_used_is_not_trainer_use():
+    """Strings, comments, docstrings, annotations, an isinstance test, TrainerCallback, Lightning's Trainer: no
+    false alarm, the row stays an assumption."""
+    from fixtures.loaders.trainer_mentioned_only import model_loader
+    from pytest_llmload.failures.dp_dtype import trainer_use_observed
+
+    assert trainer_use_observed(model_loader.load) == []
+
+
+LOADER = "def load(request):\n    return request\n"
+
+
+@pytest.mark.parametrize(("files", "loader", "seen"), [
+    pytest.param({"evalpkg/__init__.py": "", "evalpkg/loading.py": LOADER, "evalpkg/evaluate.py":
+                  "import transformers as hf\n\ndef run(model, data):\n    return hf.Trainer(model=model, "
+                  "eval_dataset=data).evaluate()\n"},
+                 "evalpkg.loading", ["evalpkg/evaluate.py:4 calls hf.Trainer (transformers.trainer.Trainer)"],
+                 id="evaluation-only: Trainer.evaluate wraps the model as training does"),
+    pytest.param({"sftpkg/__init__.py": "", "sftpkg/models/__init__.py": "", "sftpkg/models/load.py": LOADER,
+                  "sftpkg/recipes/sft.py": "from trl import SFTTrainer\n\ndef train(model):\n    "
+                  "SFTTrainer(model=model).train()\n"},
+                 "sftpkg.models.load", ["sftpkg/recipes/sft.py:4 calls SFTTrainer (trl.SFTTrainer (trl is not "
+                                        "installed here; its trainers are transformers.Trainer subclasses))"],
+                 id="trl's SFTTrainer elsewhere in the top-level package"),
+    pytest.param({"chainpkg/__init__.py": "", "chainpkg/load.py": LOADER,
+                  "chainpkg/base.py": "from transformers import Seq2SeqTrainer\n\nclass Base(Seq2SeqTrainer):\n"
+                                      "    pass\n",
+                  # (a module that never names "Trainer" is not parsed: the subclass it uses is seen where defined)
+                  "chainpkg/run.py": "from .base import Base as RunTrainer\n\nRunTrainer(model=None)\n"},
+                 "chainpkg.load", [
+                     "chainpkg/base.py:3 defines Base, a subclass of transformers.trainer_seq2seq.Seq2SeqTrainer",
+                     "chainpkg/run.py:3 calls RunTrainer (transformers.trainer_seq2seq.Seq2SeqTrainer)"],
+                 id="the repo's subclass, followed through a relative import"),
+    pytest.param({"flat_loader.py": "import flat_train_config\n" + LOADER,
+                  "flat_train_config.py": "from transformers import Trainer\n\ndef train(model):\n"
+                                          "    Trainer(model=model).train()\n"},
+                 "flat_loader", ["flat_train_config.py:4 calls Trainer (transformers.trainer.Trainer)"],
+                 id="a module the loader's module imports, outside any package"),
+    pytest.param({"nsrepos/one_loader.py": LOADER,
+                  "nsrepos/other_repo.py": "from transformers import Trainer\nTrainer(model=None)\n"},
+                 "nsrepos.one_loader", [],
+                 id="a namespace package's other modules: unrelated projects (the corpus's layout)"),
+])
+def test_trainer_use_in_the_loaders_package_and_imports(tmp_path, monkeypatch, files, loader, seen):
+    import importlib
+    import sys
+
+    from pytest_llmload.failures.dp_dtype import trainer_use_in_source
+
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    monkeypatch.syspath_prepend(tmp_path)
+    before = set(sys.modules)
+    try:
+        function = importlib.import_module(loader).load
+        assert trainer_use_in_source(function) == seen
+        imported = {name for name in set(sys.modules) - before if not name.startswith(("transformers", "trl"))}
+        assert imported <= {loader, loader.split(".")[0], loader.rpartition(".")[0], "flat_train_config"}, imported
+    finally:
+        for name in set(sys.modules) - before:
+            if name.split(".")[0] in {path.split("/")[0].removesuffix(".py") for path in files}:
+                del sys.modules[name]
+
+
+@pytest.mark.timeout(120)
+def test_trainer_use_read_beside_the_loader_is_judged(llmload_checkpoint, tmp_path):
+    """Issue 46: the write-up's model from a repo whose train.py (beside its loader) runs a Trainer subclass: judged
+    (FAILED) without a declaration, the row saying what it observed and where; before, a skip "assumed: ...",
+    exit 0."""
+    _require_4bit_here()
+    from fixtures.loaders.trainer_beside_loader import model_loader
+
+    outcome, text, notes = _judged(model_loader.load, llmload_checkpoint, tmp_path)
     assert outcome == "failed", text
-    assert "Trainer use observed: the loader's modules import llmload_probe_repo.adapter.RecipeTrainer" in text, text
-    assert any(n.startswith("observed: ") for n in notes), notes
+    assert ("Trainer use observed in the loader's package or the modules it imports: trainer_beside_loader/train.py:12 "
+            "defines RecipeTrainer, a subclass of transformers.trainer.Trainer") in text, text
+    assert any(n.startswith("observed: Trainer use in the loader's package") for n in notes), notes
+    assert not any(n.startswith("assumed: ") for n in notes), notes
 
 
 @pytest.mark.timeout(120)
