@@ -37,7 +37,6 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Callable, Optional
-from unittest import mock
 
 from pytest_llmload.checks.base import Check, KnownFailure, not_exercised
 from pytest_llmload.checks import contract
@@ -126,7 +125,8 @@ def check_distributed_train_step(
     (``device_map``, ``max_memory``) is also planned with accelerate's own planner for a runner with 2 GPUs: a
     placement that would spread the model there (``"auto"``, ``"balanced"``, a multi-device map) fails with the
     planned map and accelerate's own error. A loader that pins each rank to its accelerator index
-    (``{"": LOCAL_RANK}``) is skipped on a runner without accelerators. Needs deepspeed."""
+    (``{"": LOCAL_RANK}``) loads on the cpu on a runner without accelerators, and the row says so
+    (:mod:`pytest_llmload.loader.cuda_pins`). Needs deepspeed."""
     unknown = [mode for mode in modes if mode not in MODES]
     if unknown or not modes:
         raise ValueError(f"{CHECK.name}(modes={tuple(modes)!r}): choose from {MODES}.")
@@ -138,7 +138,7 @@ def check_distributed_train_step(
     preload.preload(
         (preload.DEEPSPEED_PRELOAD if "deepspeed" in modes else preload.HF_PRELOAD) + preload.model_module(checkpoint)
     )
-    problems, unexercised, simulated, pins = [], [], [], set()
+    problems, unexercised = [], []
     groups = [ranks.RankGroup(_load_prepare_and_step,
                               (loader, os.fspath(checkpoint), os.fspath(workdir), mode, backend)) for mode in modes]
     # Each mode has its own process group, all at once: each rank's set-up (CUDA and NCCL, 1.3 s on the H200; the
@@ -148,9 +148,6 @@ def check_distributed_train_step(
     for mode, results in zip(modes, results_by_mode):  # every mode is judged: a loader may pin without a budget
         if isinstance(results, ranks.DistributedRunFailed):
             raise results
-        if any("simulated" in result.data for result in results):
-            simulated.append(mode)
-            pins.update(result.data["simulated"] for result in results if "simulated" in result.data)
         skipped = [result.reason for result in results if result.kind == "skip"]
         if skipped:
             unexercised.append(f"{skipped[0]} [mode {mode}]")
@@ -158,9 +155,6 @@ def check_distributed_train_step(
         if all(result.kind == "refusal" for result in results):
             continue  # the budget cannot hold the model, and the loader said so: not this failure
         problems += [f"{mode}: {problem}" for problem in _judge(results)]
-    if simulated:
-        contract.note(f"simulated: the ranks' pins {', '.join(sorted(pins))} loaded on the cpu, no accelerator "
-                      f"here ({', '.join(simulated)})")
     if not problems and len(unexercised) == len(modes):
         not_exercised(CHECK.name, "; ".join(unexercised), "a distributed train load")
     if problems:
@@ -234,6 +228,7 @@ def _load_prepare_and_step(loader: Loader, checkpoint: str, workdir: str, mode: 
     The step's batch differs per rank and the probe batch is the same on all: equal probe losses after the
     step show that the gradients were all-reduced and the ranks still hold the same weights.
     """
+    import pytest
     import torch
     import torch.distributed as dist
     from transformers import PreTrainedModel
@@ -252,45 +247,15 @@ def _load_prepare_and_step(loader: Loader, checkpoint: str, workdir: str, mode: 
     calls: list = []
     try:
         with spy_classmethod(PreTrainedModel, "from_pretrained", calls):
+            # (a rank pinned to its accelerator index, on a runner without one, loads on the cpu: loader.cuda_pins)
             model, request = contract.load(loader, request, check=CHECK.name).model_and_request
     except LoaderError as exc:
-        placement = _placement(calls)
-        pinned = placement.get("device_map")
-        if _pins_an_accelerator(pinned) and not torch.cuda.is_available():
-            # A runner without accelerators cannot load a rank pinned to its accelerator index. Such a pin puts the
-            # whole model on one device per rank, which accelerate accepts; what is left to judge (prepare and a
-            # synchronised step) is run with the rank's device simulated by the cpu, and the row says so.
-            simulated = f"device_map={pinned!r}"
-            calls.clear()
-            with spy_classmethod(PreTrainedModel, "from_pretrained", calls), _pins_on_cpu():
-                model, request = contract.load(loader, request, check=CHECK.name).model_and_request
-            result = _prepare_and_step(model, calls, checkpoint, request, mode, backend, rank)
-            return result.with_data(simulated=simulated)
         if mode == "ddp-budget" and refusal_problem(exc.original) is None:
             return RankResult.refusal(str(exc.original))
         raise
+    except pytest.skip.Exception as exc:  # a pin that cannot run here (loader.cuda_pins): this rank is not exercised
+        return RankResult.skip(str(exc).removeprefix("the loader "))  # (the row's sentence names the loader)
     return _prepare_and_step(model, calls, checkpoint, request, mode, backend, rank)
-
-
-def _pins_an_accelerator(device_map: Any) -> bool:
-    """``{"": 0}``, ``{"": "cuda:1"}``: every entry an accelerator index (what write-up 004's fix pins each rank to)."""
-    return isinstance(device_map, dict) and bool(device_map) and all(
-        (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, str) and v.startswith("cuda"))
-        for v in device_map.values())
-
-
-def _pins_on_cpu():
-    """``from_pretrained`` with every accelerator entry of an explicit ``device_map`` replaced by ``"cpu"``."""
-    from transformers import PreTrainedModel
-
-    original = PreTrainedModel.__dict__["from_pretrained"]
-
-    def on_cpu(klass, *args, **kwargs):
-        if _pins_an_accelerator(kwargs.get("device_map")):
-            kwargs["device_map"] = {name: "cpu" for name in kwargs["device_map"]}
-        return original.__func__(klass, *args, **kwargs)
-
-    return mock.patch.object(PreTrainedModel, "from_pretrained", classmethod(on_cpu))
 
 
 def _prepare_and_step(model, calls: list, checkpoint: str, request: LoadRequest, mode: str, backend: str,

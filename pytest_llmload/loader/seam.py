@@ -271,12 +271,15 @@ def call_loader(loader: Callable[["LoadRequest"], Any], request: "LoadRequest", 
     if isinstance(loader, LoaderUnderTest):
         return loader(request)
     from pytest_llmload.instruments.phases import phase, track_model
+    from pytest_llmload.loader import cuda_pins
 
     name = loader_name or getattr(loader, "__qualname__", None) or repr(loader)
     # What the loader leaves in the process is put back on every way out of it (returned, raised, exited): a check
     # that goes on after a loader's error (a retry, the next mode) must not inherit the loader's set-up.
+    # A CUDA pin on a runner without CUDA runs on the cpu where the check observes the same load (cuda_pins).
     with phase("load", _phase_detail(request)) as timed, _exits_refused(name, request), \
-            _accelerate_state_kept(name), _environment_kept(name), _torch_defaults_kept(name):
+            _accelerate_state_kept(name), _environment_kept(name), _torch_defaults_kept(name), \
+            cuda_pins.mapped_to_cpu(request):
         try:
             returned = loader(request)
         except Exception as exc:

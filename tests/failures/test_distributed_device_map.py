@@ -353,6 +353,8 @@ def test_pinning_each_rank_to_its_gpu_is_judged_on_the_cpu_on_a_runner_without_g
                                                                                                tmp_path):
     """Write-up 004's fix pins each rank to its accelerator index; a CPU runner cannot load that, so the rank's
     device is simulated by the cpu (the pin is whole-on-one-device either way) and the prepare and step are real."""
+    import inspect
+
     import torch
 
     from pytest_llmload.config.stash_keys import collecting_notes
@@ -361,8 +363,10 @@ def test_pinning_each_rank_to_its_gpu_is_judged_on_the_cpu_on_a_runner_without_g
         pytest.skip("on a runner with GPUs this loader is exercised for real")
     with collecting_notes() as notes:
         check.check_distributed_train_step(pins_each_rank_to_its_gpu, llmload_checkpoint, tmp_path, modes=("ddp",))
-    assert notes == ["simulated: the ranks' pins device_map={'': 0}, device_map={'': 1} loaded on the cpu, no "
-                     "accelerator here (ddp)"], notes
+    source, start = inspect.getsourcelines(pins_each_rank_to_its_gpu)
+    line = f"{os.path.relpath(__file__)}:{start + next(i for i, text in enumerate(source) if 'from_pretrained(' in text)}"
+    assert notes == [f"ran on cpu: the loader pins cuda:{rank} ({line}: device_map={{'': {rank}}}), a device this "
+                     "runner lacks; a GPU runner (`pytest -m gpu`) judges it there" for rank in (0, 1)], notes
 
 
 @pytest.mark.timeout(180)

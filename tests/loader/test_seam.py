@@ -5,6 +5,7 @@ import os
 import pytest
 
 from fixtures import warm_runs
+from pytest_llmload.system import gpus  # noqa: F401  (the skipif conditions read it)
 from pytest_llmload import LoadRequest, call_loader
 from pytest_llmload.loader.seam import REFERENCE_SPEC, LoaderContractError, LoaderSpecError
 
@@ -445,3 +446,78 @@ def test_a_harness_that_makes_its_own_accelerator_and_pins_a_rank_is_judged_not_
             row = verdict.of_exception(exc, CHECK.failure)
     assert row is None, row  # passed: a rank pin puts the whole model on one device, which accelerate prepares
     assert any("loaded on the cpu" in note or "ran on cpu" in note for note in notes), notes
+
+
+# --- a CUDA pin on a runner without CUDA (issue 46, 4): loader/cuda_pins.py ----------------------------------
+
+PINS = "fixtures/loaders/pins_cuda.py"
+needs_no_gpu = pytest.mark.skipif("gpus.visible_gpu_count() > 0", reason="on a GPU runner a pin loads where it says")
+
+
+def line_of(function, text: str) -> int:
+    """The line of ``text`` in ``function``'s source file (the sample loaders' pins, wherever edits move them)."""
+    import inspect
+
+    lines, start = inspect.getsourcelines(function)
+    return start + next(i for i, line in enumerate(lines) if text in line)
+
+
+@needs_no_gpu
+@pytest.mark.parametrize(("loader", "pinned_by"), [("load", "device_map={'': 0}"), ("load_then_cuda", ".cuda()"),
+                                                   ("load_then_to_cuda", ".to(device(type='cuda'))")])
+def test_a_cuda_pin_runs_on_the_cpu_of_a_runner_without_cuda_and_the_row_says_so(llmload_checkpoint, loader,
+                                                                                 pinned_by):
+    """Before: every check's row was the loader's error (``Torch not compiled with CUDA enabled``), a red build on a
+    runner that lacks the device the loader's users have."""
+    from fixtures.loaders import pins_cuda
+    from pytest_llmload.config.stash_keys import collecting_notes
+
+    function = getattr(pins_cuda, loader)
+    line = line_of(pins_cuda._load, "from_pretrained(") if loader == "load" else line_of(function, "return model.")
+    with collecting_notes() as notes:
+        model, _ = call_loader(function, LoadRequest(llmload_checkpoint))
+    assert {str(p.device) for p in model.parameters()} == {"cpu"}
+    assert notes == [f"ran on cpu: the loader pins cuda:0 ({PINS}:{line}: {pinned_by}), a device this runner lacks; "
+                     "a GPU runner (`pytest -m gpu`) judges it there"], notes
+    import torch
+
+    assert torch.nn.Module.to.__module__ == "torch.nn.modules.module", "the mapping ends with the loader call"
+
+
+@needs_no_gpu
+def test_a_map_over_several_gpus_skips_naming_its_line_and_the_gpu_runner(llmload_checkpoint):
+    """Mapping must not change what a check observes: where the parts of a spread map land is the offload and
+    distributed checks' mechanism, so such a map is not run on the cpu."""
+    from fixtures.loaders import pins_cuda
+
+    with pytest.raises(pytest.skip.Exception) as skipped:
+        call_loader(pins_cuda.spreads, LoadRequest(llmload_checkpoint))
+    reason = str(skipped.value)
+    assert reason.startswith(f"the loader pins cuda:0, cuda:1 ({PINS}:{line_of(pins_cuda._load, 'from_pretrained(')}: "
+                             "device_map={'model.embed_tokens': 0, "), reason
+    assert reason.endswith("(the map spreads the model, and where each part lands is what the check observes): "
+                           "a GPU runner (`pytest -m gpu`) judges it"), reason
+
+
+@needs_no_gpu
+def test_cuda_used_beyond_a_pin_is_the_loaders_error_at_its_line(llmload_checkpoint):
+    from fixtures.loaders import pins_cuda
+    from pytest_llmload.loader.seam import LoaderError
+
+    with pytest.raises(LoaderError) as raised:
+        call_loader(pins_cuda.warms_up_on_cuda, LoadRequest(llmload_checkpoint))
+    assert f"{PINS}:{line_of(pins_cuda.warms_up_on_cuda, 'device=')})" in str(raised.value)
+
+
+@needs_no_gpu
+@pytest.mark.timeout(60)
+def test_a_mapped_pin_leaves_the_check_observing_what_the_gpu_would(llmload_checkpoint, tmp_path):
+    """{"": 0} puts the whole model on one device whatever max_memory says, on the GPU as on the cpu: the offload
+    check's scenario does not happen either way, a "not exercised" skip, neither an error nor a failure."""
+    from fixtures.loaders import pins_cuda
+    from pytest_llmload.config.stash_keys import collecting_notes
+    from pytest_llmload.failures.offload_hang import OFFLOAD_INFERENCE
+
+    with collecting_notes() as notes, pytest.raises(pytest.skip.Exception, match="not exercised"):
+        OFFLOAD_INFERENCE(pins_cuda.load, llmload_checkpoint, tmp_path)
+    assert any(note.startswith("ran on cpu: the loader pins cuda:0") for note in notes), notes
