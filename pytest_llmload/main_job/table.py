@@ -119,10 +119,10 @@ def report(job: "MainJob", code: int) -> tuple[int, bool]:
             label += "" if record in failed else " (not gated)"
             text = in_main_job_terms(_summary(record)).replace("\n", "\n    ")
             job.say(f"{label} {record['check']}: {text}")
-            # What to do, where the mechanism shows: the row names its fix only where it observed (or predicted) the
-            # very failure the check guards against.
-            if record["outcome"] in ("failed", "predicted") and record.get("fix") is not None:
-                job.say(f"    fix ({record['failure']}): {in_main_job_terms(record['fix'])}")
+            # What to do: the row names a fix where it observed (or predicted) the very failure the check guards
+            # against, or where the loader's own error is a known fault (loader.faults; its text may say it already).
+            if record.get("fix") is not None and record["fix"] not in text:
+                job.say(f"    fix ({record.get('failure') or 'the loader'}): {in_main_job_terms(record['fix'])}")
     if fast:
         names = ", ".join(r["check"] for r in fast)
         job.say(f"NOT RUN {names}: {in_main_job_terms(_summary(fast[0]))}")
@@ -250,6 +250,11 @@ def json_document(job: "MainJob") -> dict:
     }
 
 
+def _whole_reason(record: dict) -> str:
+    """A row's whole reason: a skip's, or a failed or error row's whole text (the progress file's ``summary``)."""
+    return record["reason"] or (record.get("summary") or "" if record["outcome"] != "passed" else "")
+
+
 def json_records(results: list[dict]) -> list[dict]:
     """``--json``: one object per check. ``failure`` is the catalog id the row is attributed to, only where the
     check observed that failure's mechanism (the verdict decided from the exception,
@@ -265,7 +270,7 @@ def json_records(results: list[dict]) -> list[dict]:
         records.append({"check": record["check"], "outcome": outcome, "verdict": record.get("verdict", outcome),
                         "failure": failure, "cause": record.get("cause"), "note": record.get("note"),
                         "notes": record.get("notes") or ([record["note"]] if record.get("note") else []),
-                        "fix": record.get("fix"), "loader": record.get("loader"), "reason": record["reason"],
+                        "fix": record.get("fix"), "loader": record.get("loader"), "reason": _whole_reason(record),
                         "seconds": record["seconds"], "detail": detail, "prediction": record.get("prediction"),
                         "assumptions": record.get("assumptions") or []})
     return records

@@ -566,7 +566,8 @@ def _row(item: pytest.Item, check, report: pytest.TestReport, found) -> Row:
     return Row(check=name, verdict=verdict, guards=check.failure.id, failure=failure,
                cause=found.cause if found is not None else report.when if verdict == "error" else None,
                sentence=sentence,
-               notes=tuple(item.stash.get(notes_key, None) or ()), fix=getattr(known, "fix", None), loader=loader,
+               notes=tuple(item.stash.get(notes_key, None) or ()), loader=loader,
+               fix=getattr(known, "fix", None) or getattr(found, "fix", None),  # (a loader fault's: loader.faults)
                guards_origin=failure_origin(check.failure), not_run=not_run,
                prediction=item.stash.get(prediction_record_key, None), assumptions=_assumptions(item))
 

@@ -849,6 +849,9 @@ def _card(row: dict, drawn: _Pictures) -> str:
         parts.append(f'<p class="notes"><span class="label">How it was judged:</span> {esc(check_row.note)}</p>')
     if check_row and check_row.fix and check_row.failure:
         parts.append(_fix_html(check_row.failure, check_row.fix))
+    elif check_row and check_row.fix:  # the loader's own error, a known loader fault (loader.faults)
+        parts.append(f'<div class="fix"><p><span class="label">fix (the loader):</span> <code>{esc(check_row.fix)}'
+                     '</code></p></div>')
     elif row.get("known"):  # a test that runs no check: the known failure its text matched
         parts.append(f'<div class="fix"><span class="label">Known failure</span><pre>{esc(row["known"])}</pre></div>')
     if _is_prediction(check_row):

@@ -4,8 +4,9 @@ stream (``--report-log``).
 - JUnit XML: pytest writes a test that failed in its call as ``<failure>``; a row whose verdict is ``error`` (the
   loader's own error, a broken contract, a hang, a crash: nothing the check guards against,
   :mod:`pytest_llmload.reports.verdict`) is written as ``<error>``, and counted in the suite's ``errors``, as pytest
-  does for a setup that failed. Its message and text are pytest's; its properties are the row's
-  (:meth:`~pytest_llmload.reports.row.Row.properties`).
+  does for a setup that failed. Its text is pytest's; its message is the row's finding and fix (a CI summary shows the
+  message alone: pytest's would be the exception's first line, a loader's error or a line of this plugin's source);
+  its properties are the row's (:meth:`~pytest_llmload.reports.row.Row.properties`).
 - pytest-reportlog: after each check's report, its row as one record, ``{"$report_type": "LlmloadRow", "nodeid":
   ..., "outcome": ..., **row}``: the same fields as the main job's ``--json`` rows, in the stream pytest users
   already parse. Without pytest-reportlog installed, or without ``--report-log``, nothing is written.
@@ -24,6 +25,16 @@ ROW_RECORD = "LlmloadRow"  # the record's $report_type
 _LANE_SENDER = "llmload-lane-sender"  # registered in a forked lane (plugin.lanes), which hands its reports to lane 0
 
 
+MESSAGE_CHARACTERS = 400  # of the finding's first line (pytest's own budget for the whole attribute is 500)
+
+
+def junit_message(row: Row) -> str:
+    """A failed or error row's JUnit ``message``: its finding's first line, then the fix where the row names one."""
+    finding = next((line.strip() for line in row.sentence.splitlines() if line.strip()), row.verdict)
+    finding = finding if len(finding) <= MESSAGE_CHARACTERS else finding[:MESSAGE_CHARACTERS] + "..."
+    return f"{finding}\nfix: {row.fix}" if row.fix else finding
+
+
 class RowsInReportFiles:
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
@@ -37,12 +48,13 @@ class RowsInReportFiles:
         row = Row.of_report(report)
         if row is None:  # a test that runs no check
             return
-        if row.verdict == "error" and report.when == "call" and report.failed:
-            self._junit_error(report)
+        if report.when == "call" and report.failed:
+            self._junit_row(report, row)
         self._report_log(report, row)
 
-    def _junit_error(self, report: pytest.TestReport) -> None:
-        """The ``<failure>`` pytest just wrote for this call, as ``<error>``."""
+    def _junit_row(self, report: pytest.TestReport, row: Row) -> None:
+        """The ``<failure>`` pytest just wrote for this call with the row's message, and as ``<error>`` where the
+        row's verdict is an error."""
         from _pytest.junitxml import xml_key  # (pytest's own key for its LogXML: no public handle exists)
 
         xml = self.config.stash.get(xml_key, None)
@@ -50,7 +62,10 @@ class RowsInReportFiles:
             return
         testcase = xml.node_reporter(report)
         failure = next((node for node in reversed(testcase.nodes) if node.tag == "failure"), None)
-        if failure is not None:
+        if failure is None:
+            return
+        failure.set("message", junit_message(row))
+        if row.verdict == "error":
             failure.tag = "error"
             xml.stats["failure"] -= 1
             xml.stats["error"] += 1

@@ -12,6 +12,7 @@ Imports nothing heavy: the progress writer and the main job's parent use it.
 
 from __future__ import annotations
 
+import re
 import traceback
 from typing import Any, NamedTuple, Optional
 
@@ -26,6 +27,7 @@ class Verdict(NamedTuple):
     failure: Optional[str]  # the known failure's id (or "OOM" for a prediction), only with "failed" or "predicted"
     cause: str  # mechanism | loader | contract | model | hang | died | check
     sentence: str  # the row's one line
+    fix: Optional[str] = None  # the code to write instead: a loader fault's (loader.faults), or the failure's own
 
     def properties(self) -> list[tuple[str, str]]:
         return [(VERDICT_PROPERTY, self.kind), (FAILURE_PROPERTY, self.failure or ""), (CAUSE_PROPERTY, self.cause),
@@ -55,21 +57,26 @@ def _judge(exc: BaseException, failure: Any) -> Optional[Verdict]:
         cause = {"ContractGap": "contract", "LoaderContractError": "contract", "LoaderError": "loader",
                  "LoaderModelError": "model", "LoaderFailedOnRank": "model"}.get(kind)
         if cause is not None:
-            return Verdict("error", None, cause, _whole(exc).partition(": ")[2])
+            fix = _FIX_LINE.search(str(exc))
+            return Verdict("error", None, cause, _whole(exc).partition(": ")[2], fix and fix[1].strip())
     if isinstance(exc, LoaderContractError):
         return Verdict("error", None, "contract", _whole(exc))
     if isinstance(exc, LoaderError):
-        return Verdict("error", None, "loader", _whole(exc))
+        return Verdict("error", None, "loader", _whole(exc), getattr(exc, "fix", None))
     if isinstance(exc, LoaderModelError):
-        return Verdict("error", None, "model", _whole(exc))
+        return Verdict("error", None, "model", _whole(exc), getattr(exc, "fix", None))
     if tracebacks.is_passed_deadline(exc):
         in_loader = tracebacks.in_loader_call(tracebacks.exception_text(exc))
         return _hang(failure, in_loader, _first_line(exc))
     if type(exc).__name__ == "PredictedFailure":  # a prediction for a runner this machine is not: never observed
         return Verdict("predicted", getattr(exc, "failure", None), "prediction", _head(exc))
     if type(exc) is AssertionError or type(exc).__name__ == "FailureObserved":
-        return Verdict("failed", failure.id, "mechanism", _head(exc))
+        return Verdict("failed", failure.id, "mechanism", _head(exc), getattr(failure, "fix", None))
     return _check_broke(exc)
+
+
+# The fix line of a loader error's message (seam.LoaderError), read back where the exception did not pickle.
+_FIX_LINE = re.compile(r"^\s*fix: (.+)$", re.MULTILINE)
 
 
 def _same_bug(judged: Verdict, failure: Any) -> Verdict:
@@ -84,7 +91,7 @@ def _same_bug(judged: Verdict, failure: Any) -> Verdict:
     known = others[0]
     checks = sorted({check.name for check in REGISTRY if check.failure.id == known.id and not check.needs_gpus})
     return judged._replace(sentence=f"{judged.sentence}\nthe same bug as {', '.join(checks) or known.id}: "
-                                    f"{known.id} ({known.title}); fix: {known.fix}")
+                                    f"{known.id} ({known.title}); fix: {known.fix}", fix=judged.fix or known.fix)
 
 
 class ChildrenEnd(NamedTuple):
@@ -143,6 +150,12 @@ def _hang(failure: Any, in_loader: bool, line: str) -> Verdict:
 
 
 def _check_broke(exc: BaseException, traceback_text: str = "") -> Verdict:
+    from pytest_llmload.loader.faults import MODEL_FAULTS, diagnose
+
+    found = diagnose(exc, traceback_text)
+    if found is not None and found.fault in MODEL_FAULTS:  # the loader's model, not the check's code, raised it
+        return Verdict("error", None, "model", f"the loader's model raised {type(exc).__name__}: {_first_line(exc)}"
+                                               f"\n  cause: {found.cause}.\n  fix: {found.fix}", found.fix)
     frame = _own_frame(exc, traceback_text)
     return Verdict("error", None, "check",
                    f"the check itself broke (a bug in pytest-llmload, not a verdict on the loader): "
