@@ -833,11 +833,32 @@ def predict_trainer(loader, profile, config, model_name, workdir, checkpoint=Non
         dp_dtype.CHECK(loader, checkpoint, Path(workdir) / "trainer", simulated_n_gpu=profile.devices)
     except AssertionError as exc:
         failure = dp_dtype.FAILURE.id
-        raise PredictedFailure(failure, f"on {profile.name} with {model_name}, would hit {failure}: "
-                               f"{str(exc).splitlines()[0]}\n  simulated: {note}") from None
+        reason = _trainer_on_this_stack(str(exc).splitlines()[0], profile.devices)
+        raise PredictedFailure(failure, f"on {profile.name} with {model_name}, would hit {failure}: {reason}\n"
+                               f"  simulated: {note}", bare_record("predict_trainer", profile.name, model_name,
+                                                                   failure, reason)) from None
     return Prediction("predict_trainer", profile.name, model_name, {}, (), {}, (note,), None,
                       f"Trainer keeps n_gpu=1 for the loader's model on {profile.devices} GPUs",
                       time.perf_counter() - start)
+
+
+def _trainer_on_this_stack(observed: str, n_gpu: int) -> str:
+    """What Trainer does on the installed transformers with the loader's 4-bit model on ``n_gpu`` GPUs, from what the
+    Trainer check observed of it (``observed``, its finding's line). transformers 4.x's ``_wrap_model`` wraps any
+    model but an 8-bit one in ``nn.DataParallel`` where ``n_gpu > 1``, and the dtype mismatch of write-up 003 follows;
+    5.x skips ``nn.DataParallel`` for 4-bit and 8-bit models but still counts every GPU (``TrainingArguments.n_gpu``
+    is ``torch.cuda.device_count()`` outside a launcher, and only a map over several GPUs makes Trainer set it to 1)."""
+    from importlib import metadata
+
+    version = metadata.version("transformers")
+    seen = observed.split("): ", 1)[-1] if observed.startswith("seed ") else observed  # (the check's own heading)
+    if "Trainer wrapped the model in nn.DataParallel" in seen:
+        return (f"on transformers {version}, Trainer wraps the loader's 4-bit model in nn.DataParallel (n_gpu={n_gpu}: "
+                f"its _wrap_model skips only 8-bit models), and on the GPUs the replicas' first step mixes dtypes at "
+                f"the lm_head. Seen on the tiny checkpoint: {seen}")
+    return (f"on transformers {version}, Trainer does not wrap a 4-bit model in nn.DataParallel, but counts "
+            f"n_gpu={n_gpu}: each step takes {n_gpu}x the per-device batch, its loss is scaled by n_gpu, and the steps "
+            f"per epoch divide by {n_gpu}. Seen on the tiny checkpoint: {seen}")
 
 
 def rank_budget(profile: RunnerProfile, rank: int, world: int) -> dict:

@@ -236,6 +236,15 @@ def test_write_up_003s_4bit_loader_on_two_gpus_predicts_trainers_n_gpu_decision(
     with pytest.raises(predict.PredictedFailure) as caught:
         predict.predict_trainer(before_dp_dtype.load, profile, config, "llama-3-8b", tmp_path, llmload_checkpoint)
     assert caught.value.failure == "dp-dtype" and "n_gpu=2" in str(caught.value)
+    # What Trainer does on this stack (issue 46): 4.x wraps the 4-bit model in DataParallel; 5.x only counts the GPUs.
+    from importlib import metadata
+
+    on_4x = metadata.version("transformers").startswith("4.")
+    said = (", Trainer wraps the loader's 4-bit model in nn.DataParallel (n_gpu=2" if on_4x else
+            ", Trainer does not wrap a 4-bit model in nn.DataParallel, but counts n_gpu=2: each step takes 2x the "
+            "per-device batch")
+    assert f"on transformers {metadata.version('transformers')}{said}" in str(caught.value)
+    assert "seed 003" not in str(caught.value) and caught.value.prediction["failure"] == "dp-dtype"
 
 
 def test_a_70b_on_eight_gpus_with_the_reference_loader(tmp_path):
