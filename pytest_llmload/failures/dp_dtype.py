@@ -66,7 +66,7 @@ FAILURE = KnownFailure(
     root_cause=(
         "Trainer saw n_gpu > 1 and wrapped a device_map-placed (4-bit, LoRA) model in nn.DataParallel; its "
         "replicas run in worker threads and float activations reach a bf16 lm_head. The tell: the number of "
-        "steps halves (136 -> 68)."
+        "optimizer steps halves (the write-up's run on 2 GPUs took 68 steps where one GPU takes 136)."
     ),
     fix=(
         "Do not let Trainer data-parallelise a placed model: set training_args._n_gpu = 1 when the model is placed "
@@ -604,7 +604,7 @@ def check_trainer_does_not_wrap_placed_model(
                           prepare_args=prepare_args, after_decision=lambda: _own_maps_back(seen))
     _own_maps_back(seen)  # (without a simulated machine there was no decision to come back from)
     reading = _upstream_reading(obs)
-    logger.info("seed 003: %s -- %s", obs.describe(), reading)
+    logger.info("dp-dtype (Trainer over a placed model): %s -- %s", obs.describe(), reading)
 
     problems, others = [], []
     if obs.data_parallel:
@@ -613,7 +613,7 @@ def check_trainer_does_not_wrap_placed_model(
         unused = "" if obs.data_parallel else " for a model it does not replicate"
         problems.append(
             f"Trainer counts n_gpu={obs.n_gpu}{unused}: {obs.per_device_batch} rows per device became "
-            f"{obs.train_batch_size} per step, so the step count divides by {obs.n_gpu} (the write-up's 136 -> 68)"
+            f"{obs.train_batch_size} per step, so the step count divides by {obs.n_gpu} (the write-up's run: 68 steps instead of 136)"
         )
     if obs.dtype_error or obs.dtype_mismatches:
         problems.append(
@@ -657,7 +657,7 @@ def check_trainer_does_not_wrap_placed_model(
             "transformers.Trainer, declare llmload_trains_without_trainer."
         )
         raise AssertionError(
-            f"seed 003 (DataParallel over a placed model): {'; '.join(problems)}.\n"
+            f"Trainer data-parallelised a model already placed with device_map: {'; '.join(problems)}.\n"
             f"Upstream behaviour seen: {reading}.\n{obs.describe()}.\n{basis}.{hint}"
         )
 
