@@ -20,7 +20,12 @@ On CPU, ``torch.amp.GradScaler("cpu")`` (torch 2.13) raises the same text. Train
 accelerate 1.15 creates no scaler when the device is ``cpu`` (``Accelerator.__init__``: fp16 and
 ``device.type != "cpu"``), so ``fp16=True`` on CPU trains the float16 weights without a scaler, silently.
 The check therefore runs the step Trainer runs on a GPU, by hand: autocast float16, ``scaler.scale(loss)
-.backward()``, ``scaler.unscale_(optimizer)`` (Trainer's gradient clipping), ``scaler.step``::
+.backward()``, ``scaler.unscale_(optimizer)`` (Trainer's gradient clipping), ``scaler.step``. It judges only where a
+GradScaler would really see the gradients: not where the repo declares it trains half precision without one
+(``llmload_trains_fp16_without_scaler``: a pure float16 trainer that turns mixed precision off for half-precision
+weights), nor where its training-args hook turns Trainer's fp16 off or accelerate's mixed precision is not fp16
+(``ACCELERATE_MIXED_PRECISION``); where nothing says how it trains, it assumes Trainer's fp16 and a failure says
+so::
 
     from pytest_llmload.failures import fp16_unscale
 
@@ -31,11 +36,13 @@ The check therefore runs the step Trainer runs on a GPU, by hand: autocast float
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from pytest_llmload.checks.base import Check, KnownFailure, not_exercised
+from pytest_llmload.checks.base import ASSUMED, Check, KnownFailure, not_exercised
 from pytest_llmload.checks import contract
+from pytest_llmload.config.vocabulary import SETTING
 from pytest_llmload.fixes.training_scripts import upcast_trainable_parameters  # noqa: F401  (re-exported)
 from pytest_llmload.loader.request import LoadRequest
 
@@ -60,7 +67,8 @@ FAILURE = KnownFailure(
         "Keep the trainable parameters in float32: load in float32 and let autocast compute in float16, or "
         "upcast the trainable parameters after loading (pytest_llmload.fixes.training_scripts.upcast_trainable_parameters;"
         " for LoRA, keep peft's default autocast_adapter_dtype=True). Or train "
-        "in bf16 (bf16=True), which needs no GradScaler."
+        "in bf16 (bf16=True), which needs no GradScaler. Where the training turns mixed precision off for "
+        "half-precision weights (no GradScaler at all), declare llmload_trains_fp16_without_scaler."
     ),
     occurs=(
         "any torch with GradScaler (torch.cuda.amp and torch.amp); on GPU under Trainer/accelerate fp16, on CPU "
@@ -75,6 +83,62 @@ FAILURE = KnownFailure(
 )
 
 LORA_VARIANTS = (False, True)
+
+# The declaration by which a repo says it trains float16 weights without a GradScaler: vocabulary.TRAINING_DECLARATIONS'
+# loader attribute, ini key and option (Check passes it as `trains_fp16_without_scaler`).
+WITHOUT_SCALER = SETTING["trains_fp16_without_scaler"].ini
+ASSUMED_SCALER = (  # a row that fails on it says so (checks.base.ASSUMED: listed under the tables, with what settles it)
+    f"{ASSUMED}this repo trains the float16 weights under fp16 mixed precision, through a GradScaler (Trainer's "
+    "fp16=True, accelerate's mixed_precision='fp16'): nothing declares or shows how it trains (declare "
+    f"{WITHOUT_SCALER} where its training turns mixed precision off for half-precision weights, or name its "
+    "llmload_training_args_hook)")
+
+
+# accelerate's mixed precision as this run was launched (`accelerate launch --mixed_precision fp16`, a CI variable):
+# read when this module is first imported, at collection, because transformers' TrainingArguments(fp16=True/bf16=True)
+# writes the same variable into the process afterwards (a Trainer built by an earlier test would decide the row).
+LAUNCHED_MIXED_PRECISION = os.environ.get("ACCELERATE_MIXED_PRECISION", "").lower()
+
+
+def _hook_name(hook: Callable) -> str:
+    return f"{getattr(hook, '__module__', '?')}:{getattr(hook, '__qualname__', repr(hook))}"
+
+
+def scaler_in_training(model: Any, workdir, prepare_args: Callable[[Any, Any], Any] | None) -> tuple[bool | None, str]:
+    """Whether the repo's training puts the float16 gradients through a GradScaler, as far as it shows: ``(True |
+    False, what shows it)``, or ``(None, "")`` where nothing does.
+
+    The training script's hook (``prepare_args(args, model)``, between ``TrainingArguments`` and ``Trainer``) is
+    given arguments with Trainer's ``fp16=True``: one that turns it off (or turns bf16 on) trains without a
+    scaler, one that sets it trains with one. Else accelerate's mixed precision setting
+    as launched (:data:`LAUNCHED_MIXED_PRECISION`, what ``accelerate launch --mixed_precision`` sets): ``fp16``
+    makes a scaler, ``no``/``bf16``/``fp8`` none."""
+    if prepare_args is not None:
+        from transformers import TrainingArguments
+
+        args = TrainingArguments(output_dir=os.fspath(workdir), report_to=[])
+        assigned: set[str] = set()
+
+        class Recorded(type(args)):  # which arguments the hook sets, even to the value they had
+            def __setattr__(self, name, value):
+                assigned.add(name)
+                super().__setattr__(name, value)
+
+        args.fp16 = True  # (set after __post_init__, which refuses fp16 on a CPU-only machine in some versions)
+        args.__class__ = Recorded
+        prepare_args(args, model)
+        args.__class__ = TrainingArguments
+        said = f"the training-args hook {_hook_name(prepare_args)} leaves fp16={args.fp16}, bf16={args.bf16}"
+        if not args.fp16 or args.bf16:
+            return False, f"{said}: Trainer makes no GradScaler"
+        if assigned & {"fp16", "bf16"}:
+            return True, f"{said}: Trainer's fp16 mixed precision, through a GradScaler"
+    mixed = LAUNCHED_MIXED_PRECISION
+    if mixed == "fp16":
+        return True, "accelerate's mixed precision is fp16 (ACCELERATE_MIXED_PRECISION=fp16): a GradScaler"
+    if mixed in ("no", "bf16", "fp8"):
+        return False, f"accelerate's mixed precision is {mixed} (ACCELERATE_MIXED_PRECISION={mixed}): no GradScaler"
+    return None, ""
 
 
 def _numel(params: Iterable) -> int:
@@ -115,26 +179,40 @@ def _fp16_step(model, device: str) -> tuple[str | None, int, bool]:
 
 def check_fp16_train_request_keeps_fp32_master_weights(loader: Loader, checkpoint, workdir, *, device: str = "cpu",
                                                        variants: Iterable[bool] = LORA_VARIANTS,
-                                                       trains_under_deepspeed: bool = False) -> None:
+                                                       trains_under_deepspeed: bool = False,
+                                                       trains_fp16_without_scaler: bool = False,
+                                                       prepare_args: Callable[[Any, Any], Any] | None = None) -> None:
     """Guards fp16-unscale: a dtype="float16" train request (+/- LoRA) gives float32 trainable weights; one fp16 GradScaler step runs.
 
     For each LoRA switch in ``variants`` (default: without and with LoRA), the loader gets
     ``LoadRequest(checkpoint, purpose="train", dtype="float16", device=device, lora=...)``. The returned model
-    must have trainable parameters (else the check skips: nothing to train), none of them float16, and one fp16
-    mixed-precision step must run: autocast float16, ``scaler.scale(loss).backward()``,
-    ``scaler.unscale_(optimizer)``, ``scaler.step(optimizer)``. A float16 trainable parameter, or the scaler's
-    ``Attempting to unscale FP16 gradients.``, fails it with the figures. Loaders that load float32 (autocast
-    computes in float16) or upcast what they train pass. A loader's own error propagates as it is."""
+    must have trainable parameters (else the check skips: nothing to train), and one fp16 mixed-precision step must
+    run: autocast float16, ``scaler.scale(loss).backward()``, ``scaler.unscale_(optimizer)``,
+    ``scaler.step(optimizer)``. The scaler's ``Attempting to unscale FP16 gradients.`` (the gradient of a float16
+    trainable parameter) fails it, with the figures (its float16 trainable parameters). Loaders
+    that load float32 (autocast computes in float16) or upcast what they train pass. Not exercised where no
+    GradScaler would see the gradients: declared (``trains_under_deepspeed``, ``trains_fp16_without_scaler``) or
+    shown by the training-args hook ``prepare_args`` or accelerate's setting (:func:`scaler_in_training`); where
+    nothing shows it, a failure notes what it assumed. A loader's own error propagates as it is."""
     import torch
 
     if trains_under_deepspeed:  # DeepSpeed's fp16 optimizer keeps its own float32 master weights: no GradScaler
         not_exercised(CHECK.name, "is declared to train only under "
                       "DeepSpeed (llmload_trains_under_deepspeed)", "a torch GradScaler step")
+    if trains_fp16_without_scaler:  # a float16 trainable weight is then how it trains, not this failure
+        not_exercised(CHECK.name, f"is declared to train half precision without a GradScaler ({WITHOUT_SCALER}): "
+                      "no scaler unscales its float16 gradients", "a torch GradScaler step")
     failures, passed, untrainable = [], [], []
+    scaler, shown_by = None, ""
     for lora in variants:
         label = f"dtype=float16, lora={lora}"
         request = LoadRequest(checkpoint, purpose="train", dtype="float16", device=device, lora=lora)
         model = contract.load(loader, request, check=CHECK.name).model
+        if scaler is None and not shown_by:
+            scaler, shown_by = scaler_in_training(model, workdir, prepare_args)
+            if scaler is False:
+                not_exercised(CHECK.name, f"trains without a GradScaler: {shown_by}", "a torch GradScaler step")
+            shown_by = shown_by or "assumed"
         named = list(model.named_parameters())
         trainable = [(n, p) for n, p in named if p.requires_grad]
         if not trainable:
@@ -146,25 +224,30 @@ def check_fp16_train_request_keeps_fp32_master_weights(loader: Loader, checkpoin
             by_dtype[str(p.dtype).removeprefix("torch.")] = by_dtype.get(str(p.dtype).removeprefix("torch."), 0) + 1
         half = [(n, p) for n, p in trainable if p.dtype == torch.float16]
         error, fp16_grads, skipped = _fp16_step(model, device)
-        problems = []
-        if half:
-            problems.append(
-                f"{len(half)} of {len(trainable)} trainable parameters are float16 ({_numel(p for _, p in half):,} of "
-                f"{_numel(p for _, p in trainable):,} trainable elements), e.g. {[n for n, _ in half[:3]]}: "
-                "no float32 master weights")
+        problems = []  # only what the scaler refuses: a float16 weight it never sees a gradient of is not this failure
         if error is not None:
+            if half:
+                problems.append(
+                    f"{len(half)} of {len(trainable)} trainable parameters are float16 ({_numel(p for _, p in half):,} "
+                    f"of {_numel(p for _, p in trainable):,} trainable elements), e.g. {[n for n, _ in half[:3]]}: "
+                    "no float32 master weights")
             problems.append(f"GradScaler.unscale_ raised {error} ({fp16_grads} float16 gradients, on {device})")
         if problems:
             failures.append(f"[{label}; parameters by dtype {by_dtype}]\n    " + "\n    ".join(problems))
         else:
-            passed.append(f"{label}: {len(trainable)} float32 trainable parameters, step "
+            passed.append(f"{label}: {len(trainable)} trainable parameters, no float16 gradient unscaled, step "
                           f"{'skipped on inf/nan (scaler backed off)' if skipped else 'taken'}")
         del model
+    if shown_by not in ("", "assumed"):
+        contract.note(f"observed: {shown_by}")
     if failures:
+        if shown_by == "assumed":  # (a loader that passes would pass without a scaler too: nothing rests on it)
+            contract.note(ASSUMED_SCALER)
         raise AssertionError(
             f"{len(failures)} of {len(failures) + len(passed) + len(untrainable)} float16 train requests cannot "
             "take an fp16 mixed-precision step (fp16-unscale: GradScaler needs float32 trainable weights; "
-            "keep them float32, e.g. pytest_llmload.fixes.training_scripts.upcast_trainable_parameters):\n  "
+            "keep them float32, e.g. pytest_llmload.fixes.training_scripts.upcast_trainable_parameters; where the "
+            f"training turns mixed precision off for half-precision weights, declare {WITHOUT_SCALER}):\n  "
             + "\n  ".join(failures))
     if untrainable and not passed:
         not_exercised(CHECK.name, f"returned a model with no trainable "

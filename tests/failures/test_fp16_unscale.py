@@ -376,3 +376,99 @@ def test_a_repo_that_trains_only_under_deepspeed_says_so_and_the_check_is_not_ex
     (check,) = [c for c in REGISTRY if c.name == "check_fp16_train_request_keeps_fp32_master_weights"]
     with pytest.raises(pytest.skip.Exception, match=r"not exercised: .*declared to train only under DeepSpeed"):
         check(under_deepspeed, llmload_checkpoint, tmp_path)
+
+
+# --- (g) judged only where a GradScaler would unscale the gradients (issue 46) -------------------------------
+
+
+def _registered_check():
+    from pytest_llmload.failures import REGISTRY
+
+    (check,) = [c for c in REGISTRY if c.name == "check_fp16_train_request_keeps_fp32_master_weights"]
+    return check
+
+
+def test_a_repo_that_declares_half_precision_without_a_scaler_is_not_exercised(llmload_checkpoint, tmp_path):
+    """The issue's false alarm: a float16 full fine-tune whose training turns mixed precision off was FAILED."""
+    from pytest_llmload.config.vocabulary import SETTING
+
+    setting = SETTING["trains_fp16_without_scaler"]
+    assert (setting.ini, setting.option) == (fp16_unscale.WITHOUT_SCALER, "--llmload-trains-fp16-without-scaler")
+
+    def pure_half(request):
+        return before_fp16_unscale.load(request)
+
+    pure_half.llmload_trains_fp16_without_scaler = True
+    with pytest.raises(pytest.skip.Exception, match=r"not exercised: .*declared to train half precision without a "
+                                                    r"GradScaler \(llmload_trains_fp16_without_scaler\)"):
+        _registered_check()(pure_half, llmload_checkpoint, tmp_path)
+
+
+def test_a_training_args_hook_that_turns_fp16_off_for_half_weights_is_not_exercised(llmload_checkpoint, tmp_path):
+    """The loader's own hook (llmload_training_args_hook) is read: fp16=False, bf16=False after it, no scaler."""
+    from fixtures.loaders import pure_fp16_trainer
+
+    with pytest.raises(pytest.skip.Exception) as excinfo:
+        _registered_check()(pure_fp16_trainer.load, llmload_checkpoint, tmp_path)
+    assert ("trains without a GradScaler: the training-args hook fixtures.loaders.pure_fp16_trainer:prepare_args "
+            "leaves fp16=False, bf16=False: Trainer makes no GradScaler") in str(excinfo.value)
+
+
+def keeps_fp16(args, model):
+    args.fp16 = True  # the script's TrainingArguments(fp16=True), whatever the weights
+
+
+@pytest.mark.parametrize(("hook", "environment", "shown_by"), [
+    (keeps_fp16, None, "observed: the training-args hook test_fp16_unscale:keeps_fp16 leaves fp16=True, bf16=False: "
+                       "Trainer's fp16 mixed precision, through a GradScaler"),
+    (None, "fp16", "observed: accelerate's mixed precision is fp16 (ACCELERATE_MIXED_PRECISION=fp16): a GradScaler"),
+    (None, None, fp16_unscale.ASSUMED_SCALER),
+], ids=["hook-keeps-fp16", "accelerate-fp16", "nothing-said"])
+def test_where_a_scaler_unscales_the_before_loader_fails_saying_what_showed_it(hook, environment, shown_by,
+                                                                              llmload_checkpoint, tmp_path, monkeypatch):
+    from pytest_llmload.config.stash_keys import collecting_notes
+
+    monkeypatch.setattr(fp16_unscale, "LAUNCHED_MIXED_PRECISION", environment or "")
+    with collecting_notes() as notes, pytest.raises(AssertionError, match=f"GradScaler.unscale_ raised ValueError: "
+                                                                          f"{UNSCALE}"):
+        CHECK(before_fp16_unscale.load, llmload_checkpoint, tmp_path, variants=(False,), prepare_args=hook)
+    assert notes == [shown_by]
+    assert not shown_by.startswith("assumed: ") or shown_by.startswith("assumed: this repo trains the float16 weights")
+
+
+def test_accelerate_without_fp16_mixed_precision_is_not_exercised(llmload_checkpoint, tmp_path, monkeypatch):
+    """Read as the run was launched: transformers' TrainingArguments(bf16=True) writes ACCELERATE_MIXED_PRECISION into
+    the process (4.56 does; the Trainer check's own Trainer is one), which must not decide a later row."""
+    assert fp16_unscale.LAUNCHED_MIXED_PRECISION == ""  # this suite is not launched by accelerate
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # a Trainer built earlier in this process
+    with pytest.raises(AssertionError, match=UNSCALE):
+        CHECK(before_fp16_unscale.load, llmload_checkpoint, tmp_path / "left", variants=(False,))
+    monkeypatch.setattr(fp16_unscale, "LAUNCHED_MIXED_PRECISION", "bf16")  # as `accelerate launch` sets it
+    with pytest.raises(pytest.skip.Exception, match=r"accelerate's mixed precision is bf16 "
+                                                    r"\(ACCELERATE_MIXED_PRECISION=bf16\): no GradScaler"):
+        CHECK(before_fp16_unscale.load, llmload_checkpoint, tmp_path, variants=(False,))
+
+
+def test_a_passing_loader_rests_on_no_assumption(llmload_checkpoint, tmp_path, monkeypatch):
+    """Float32 trainable weights pass with or without a scaler: the row notes no assumption."""
+    from pytest_llmload.config.stash_keys import collecting_notes
+
+    monkeypatch.setattr(fp16_unscale, "LAUNCHED_MIXED_PRECISION", "")
+    with collecting_notes() as notes:
+        CHECK(reference_with_the_fix, llmload_checkpoint, tmp_path, variants=(False,))
+    assert notes == []
+
+
+def adds_an_unused_float16_weight(request):
+    """A float16 trainable parameter no forward uses (a head kept for later): the scaler never sees a gradient of
+    it, so nothing refuses; the rule "no float16 trainable weight" is not the failure."""
+    import torch
+
+    model, tokenizer = reference_with_the_fix(request)
+    if request.purpose == "train":
+        model.register_parameter("spare_head", torch.nn.Parameter(torch.zeros(4, dtype=torch.float16)))
+    return model, tokenizer
+
+
+def test_a_float16_weight_the_scaler_never_sees_is_not_the_failure(llmload_checkpoint, tmp_path):
+    CHECK(adds_an_unused_float16_weight, llmload_checkpoint, tmp_path, variants=(False,))
