@@ -210,8 +210,9 @@ def test_a_loaders_own_error_is_an_error_row_not_a_known_failure_and_its_log_is_
     (record,) = document["results"]
     assert (record["check"], record["outcome"], record["failure"]) == ("check_train_request_trains", "error", None)
     assert set(record) == {"check", "outcome", "verdict", "failure", "reason", "seconds", "detail", "cause", "note",
-                           "notes", "fix", "loader", "prediction"}
+                           "notes", "fix", "loader", "prediction", "assumptions"}
     assert record["prediction"] is None  # (a check's row: only a prediction's carries a map)
+    assert record["assumptions"] == []  # (the notes its verdict rests on as assumptions: none)
 
 
 def test_each_prediction_row_in_json_carries_its_map_and_the_table_says_where_the_model_goes(tmp_path):
