@@ -97,6 +97,13 @@ FAULTS: tuple[LoaderFault, ...] = (
         re.compile(r"__init__\(\) got an unexpected keyword argument '(?P<keyword>"
                    + "|".join(REMOVED_KEYWORDS) + ")'"),
         _removed_keyword, lambda match: REMOVED_KEYWORDS[match["keyword"]]),
+    LoaderFault(  # (transformers 5 maps llama's tokenizer by its checkpoint, no longer by the type "llama")
+        "tokenizer type", ("ValueError",), ("transformers.models.auto.tokenization_auto",),
+        re.compile(r"Passed `tokenizer_type` (?P<type>\S+) does not exist"),
+        lambda match: f"AutoTokenizer.from_pretrained(..., tokenizer_type={match['type']!r}) names a tokenizer type "
+                      f"{_installed_transformers()} does not know",
+        lambda match: "AutoTokenizer.from_pretrained(path)  # no tokenizer_type: the checkpoint's tokenizer_config.json "
+                      "names its class"),
     LoaderFault(
         "device pin", ("AssertionError", "RuntimeError"), ("torch.cuda",),
         re.compile(r"(?P<why>Torch not compiled with CUDA enabled|No CUDA GPUs are available)"),

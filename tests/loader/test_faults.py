@@ -54,6 +54,15 @@ def test_a_keyword_transformers_5_removed_names_the_version_and_its_replacement(
     assert f"the installed transformers {transformers.__version__}" in found.cause
 
 
+def test_a_tokenizer_type_the_installed_transformers_does_not_know(llmload_checkpoint):
+    """transformers 5 no longer knows "llama" (4.x does: there, a type neither knows raises the same words)."""
+    tokenizer_type = "llama" if TRANSFORMERS_5 else "llama_v0"
+    exc = raised(lambda: transformers.AutoTokenizer.from_pretrained(llmload_checkpoint, tokenizer_type=tokenizer_type))
+    found = diagnose(exc)
+    assert found is not None and found.fix.startswith("AutoTokenizer.from_pretrained(path)  # no tokenizer_type"), exc
+    assert f"tokenizer_type={tokenizer_type!r}) names a tokenizer type the installed transformers" in found.cause
+
+
 @needs_no_cuda
 @pytest.mark.parametrize("pin", [
     lambda checkpoint: torch.zeros(1).cuda(),
