@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -391,6 +392,7 @@ def _trainer_class(dotted: str, sources: dict, seen: tuple = ()) -> Optional[str
     return _library_trainer_class(dotted)
 
 
+@functools.lru_cache(maxsize=256)  # (a library's classes do not change within a process)
 def _library_trainer_class(dotted: str) -> Optional[str]:
     """``dotted`` as an installed library names it, where it is ``transformers.Trainer`` or a subclass. Only names
     ending in "Trainer" are looked up (every Trainer class of transformers and trl is so named); a library that
