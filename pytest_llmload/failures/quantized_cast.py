@@ -85,8 +85,9 @@ FAILURE = KnownFailure(
     ),
     occurs=("any device, any transformers since the guard (huggingface/transformers#20409, 2022); reported on GPUs "
             "(8-bit and 4-bit); reproduced on CPU with transformers 5.23 and bitsandbytes 0.50 (4-bit and 8-bit) and "
-            "with transformers 4.56 and bitsandbytes 0.47 (same texts; 4.x loads the other weights in float16 "
-            "without dtype=, so a swallowed cast leaves a float16 request right and a bfloat16 one float16)."),
+            "with transformers 4.56 and bitsandbytes 0.47 (same texts, and a refusal of any .to() of an 8-bit model; 4.x "
+            "loads the other weights in float16 without dtype=, so a swallowed cast leaves a float16 request right "
+            "and a bfloat16 one float16)."),
     symptom=("a bitsandbytes 4-bit/8-bit model cast after loading (`.half()`, `.to(dtype)`): ``ValueError: You "
              "cannot cast a bitsandbytes model in a new `dtype` `` / ``ValueError: `.half()` is not supported for "
              "quantized model``"),
