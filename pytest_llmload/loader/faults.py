@@ -97,6 +97,13 @@ FAULTS: tuple[LoaderFault, ...] = (
         re.compile(r"__init__\(\) got an unexpected keyword argument '(?P<keyword>"
                    + "|".join(REMOVED_KEYWORDS) + ")'"),
         _removed_keyword, lambda match: REMOVED_KEYWORDS[match["keyword"]]),
+    LoaderFault(  # transformers 4.x, where the keywords were only deprecated
+        "removed keyword", ("ValueError",), ("transformers.modeling_utils",),
+        re.compile(r"You can't pass `load_in_4bit`\s*or `load_in_8bit` as a kwarg when passing `quantization_config`"),
+        lambda match: "from_pretrained got load_in_4bit=/load_in_8bit= and quantization_config= together: "
+                      f"{_installed_transformers()} refuses both at once (and transformers 5 removed the keywords)",
+        lambda match: "quantization_config=BitsAndBytesConfig(load_in_4bit=True, ...) alone: drop load_in_4bit= and "
+                      "load_in_8bit="),
     LoaderFault(  # (transformers 5 maps llama's tokenizer by its checkpoint, no longer by the type "llama")
         "tokenizer type", ("ValueError",), ("transformers.models.auto.tokenization_auto",),
         re.compile(r"Passed `tokenizer_type` (?P<type>\S+) does not exist"),

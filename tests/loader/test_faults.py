@@ -54,6 +54,16 @@ def test_a_keyword_transformers_5_removed_names_the_version_and_its_replacement(
     assert f"the installed transformers {transformers.__version__}" in found.cause
 
 
+def test_both_keyword_styles_at_once_say_keep_the_quantization_config(llmload_checkpoint):
+    """longqlora's style: load_in_4bit= beside quantization_config=. 4.x refuses the pair, 5.x the keyword."""
+    config = transformers.BitsAndBytesConfig(load_in_4bit=True)
+    exc = raised(lambda: transformers.AutoModelForCausalLM.from_pretrained(
+        llmload_checkpoint, load_in_4bit=True, quantization_config=config))
+    found = diagnose(exc)
+    assert found is not None and found.fault == "removed keyword", exc
+    assert found.fix.startswith("quantization_config=BitsAndBytesConfig(load_in_4bit=True")
+
+
 def test_a_tokenizer_type_the_installed_transformers_does_not_know(llmload_checkpoint):
     """transformers 5 no longer knows "llama" (4.x does: there, a type neither knows raises the same words)."""
     tokenizer_type = "llama" if TRANSFORMERS_5 else "llama_v0"
