@@ -147,11 +147,14 @@ class _Stopped(_Intercepted):
 class Call(NamedTuple):
     """One ``from_pretrained`` call of the loader (``kwargs`` ``None``: it never called it): where in the loader's
     code it was made (``at``, ``path:line``), and transformers' refusal of it where the runner's own set-up refuses
-    it (``refusal``: a ``device_map`` under ZeRO-3), which the loader got raised as from_pretrained raises it."""
+    it (``refusal``: a ``device_map`` under ZeRO-3), which the loader got raised as from_pretrained raises it. Or a
+    placement accelerate makes of a model the loader built itself (``model``: ``load_checkpoint_and_dispatch``,
+    ``dispatch_model``), ``kwargs`` then holding the map accelerate made and the dtype it loads in."""
 
     kwargs: Optional[dict]
     at: str = ""
     refusal: Optional[str] = None
+    model: Any = None
 
 
 def _shown(filename: str) -> str:
@@ -207,6 +210,51 @@ def _from_pretrained_intercepted(calls: list, stand_in: Optional[Callable[[dict]
     return mock.patch.object(PreTrainedModel, "from_pretrained", classmethod(stop))
 
 
+def _dtype_of(model: Any, asked: Any = None) -> Any:
+    """The dtype ``model``'s weights are placed in: ``asked`` (load_checkpoint_and_dispatch's ``dtype``), else its own
+    floating parameters'."""
+    import torch
+
+    if asked is not None:
+        return getattr(torch, asked) if isinstance(asked, str) else asked
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
+def _placed_by_accelerate(calls: list, stand_in: Optional["_StandIn"]):
+    """A placement made after the model is built, as from_pretrained's ``device_map`` is: the loader's
+    ``load_checkpoint_and_dispatch`` plans with accelerate's own code (``get_balanced_memory``,
+    ``infer_auto_device_map``) on the runner's devices, and is recorded where it would read the checkpoint
+    (``load_checkpoint_in_model``: nothing is read); a ``dispatch_model`` the loader calls with a map of its own is
+    recorded with that map. Each is the loader's :class:`Call` (with its ``model``), and stops it there; with
+    ``stand_in``, the map becomes the stand-in's placement and the loader runs on (``dispatch_model`` is then the
+    after-loading recorder's, :func:`_after_loading_recorded`)."""
+    import accelerate
+    import accelerate.big_modeling as big_modeling
+
+    def placed(model, device_map, dtype=None) -> None:
+        device_map = {name: str(where) for name, where in (device_map or {"": "cpu"}).items()}
+        if stand_in is not None:
+            stand_in.dispatched(model, device_map, _dtype_of(model, dtype), _loader_line())
+            return
+        calls.append(Call({"class": type(model).__name__, "device_map": device_map, "dtype": _dtype_of(model, dtype)},
+                          _loader_line(), model=model))
+        raise _Intercepted()
+
+    def load_checkpoint_in_model(model, checkpoint, device_map=None, dtype=None, *args, **kwargs):
+        placed(model, device_map, dtype)
+
+    def dispatch_model(model, device_map, *args, **kwargs):
+        placed(model, device_map)
+        return model
+
+    patches = contextlib.ExitStack()
+    patches.enter_context(mock.patch.object(big_modeling, "load_checkpoint_in_model", load_checkpoint_in_model))
+    if stand_in is None:
+        for module in (accelerate, big_modeling):
+            patches.enter_context(mock.patch.object(module, "dispatch_model", dispatch_model))
+    return patches
+
+
 def offloaded(device_map: dict) -> list[str]:
     """The modules ``device_map`` offloads: those it sends to disk, and those it sends to the cpu where it also puts
     modules on an accelerator (accelerate's hooks then bring them to it at each forward). A model whole on the host
@@ -245,7 +293,7 @@ def _left_as_allocated(tensor: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _after_loading_recorded(seen: list):
+def _after_loading_recorded(seen: list, on_dispatch: Optional[Callable] = None):
     """What the loader does to the stand-in (a model on meta) after loading, recorded in ``seen`` as :class:`Event`:
     moves and casts of the model (the stand-in, or peft's model around it; of its blocks, skipped), ``dispatch_model``
     (the map kept as ``hf_device_map``, nothing placed), adapters, test generations; none of them done. peft's objects
@@ -300,6 +348,8 @@ def _after_loading_recorded(seen: list):
     def dispatch_model(model, device_map, *args, **kwargs):  # the map kept, nothing placed (the weights are meta)
         seen.append(Event("dispatch_model", at=_loader_line()))
         model.hf_device_map = {name: str(where) for name, where in dict(device_map).items()}
+        if on_dispatch is not None:
+            on_dispatch(model, model.hf_device_map, _dtype_of(model), seen[-1].at)
         return model
 
     from pytest_llmload.instruments import device_map_summary
@@ -461,9 +511,11 @@ def run_loader(loader: Callable, request: LoadRequest, profile: RunnerProfile, *
     _preload_outside_the_simulation()
     calls: list[Call] = []
     context = _zero3_enabled() if zero3 else contextlib.nullcontext()
-    recorded = _after_loading_recorded(after) if after is not None else contextlib.nullcontext()
+    recorded = _after_loading_recorded(after, getattr(stand_in, "dispatched", None)) if after is not None \
+        else contextlib.nullcontext()
     environment = mock.patch.dict(os.environ, {key: str(value) for key, value in (env or {}).items()})
-    with environment, context, _cuda_as_on(profile), _from_pretrained_intercepted(calls, stand_in), recorded:
+    with environment, context, _cuda_as_on(profile), _from_pretrained_intercepted(calls, stand_in), \
+            _placed_by_accelerate(calls, stand_in), recorded:
         try:
             loader(request)
         except _Intercepted:
@@ -521,6 +573,15 @@ class _StandIn:
         self.placement: dict = {}
         self.devices: tuple[DevicePrediction, ...] = ()
         self.quantized = False
+        self.dispatched_at = ""  # the loader's line that placed the model after loading, where one did
+
+    def dispatched(self, model: Any, device_map: dict, dtype: Any, at: str) -> None:
+        """The loader placed ``model`` after loading (``dispatch_model``, ``load_checkpoint_and_dispatch``): where it
+        goes now, its bytes counted on it as the planner counts them."""
+        self.placement = dict(device_map)
+        self.devices = _devices(model, device_map, self.profile, dtype=dtype,
+                                quantizer=getattr(model, "hf_quantizer", None))
+        self.dispatched_at = at
 
     def __call__(self, kwargs: dict) -> Any:
         from pytest_llmload.loader.transformers_compat import leaves_hf_device_map
@@ -558,13 +619,20 @@ def predict_placement(scenario: str, loader: Callable, request: LoadRequest, pro
         return Prediction(scenario, profile.name, model_name, {}, (), {}, notes, None,
                           "the loader never called from_pretrained: nothing to predict", time.perf_counter() - start)
     kwargs = call.kwargs
+    stand_in = ran_on.get("stand_in")
+    if stand_in is not None and stand_in.dispatched_at:  # the loader placed the model itself after loading
+        kwargs, call = {**kwargs, "device_map": dict(stand_in.placement)}, call._replace(at=stand_in.dispatched_at)
     asked = {key: kwargs.get(key) for key in ("device_map", "max_memory", "quantization_config", "offload_state_dict")
              if kwargs.get(key)}
     zero3 = None if call.refusal is None else (
         f"from_pretrained(device_map={kwargs.get('device_map')!r}) at {call.at} under ZeRO-3: transformers raises "
         f"{call.refusal!r}, and the loader lets it through")
     try:
-        model, device_map, quantizer, dtype = planned.place(config, kwargs, request, profile)
+        if call.model is not None:  # accelerate placed the loader's own model: its map, on that model
+            model, device_map, dtype = call.model, kwargs["device_map"], kwargs["dtype"]
+            quantizer = getattr(model, "hf_quantizer", None)
+        else:
+            model, device_map, quantizer, dtype = planned.place(config, kwargs, request, profile)
     except planned.PlacementRefused as refused:
         if zero3 is not None:  # from_pretrained's first check refuses it before any placement is tried
             return Prediction(scenario, profile.name, model_name, {}, (), asked, notes, "zero3-device-map", zero3,
@@ -770,6 +838,11 @@ def predict_inference_load(loader, profile, config, model_name, workdir, checkpo
     request = _request(model_dir(config, workdir), profile, loader, purpose="inference",
                        max_memory=profile.max_memory, offload_folder=Path(workdir) / "offload")
     prediction = predict_placement("predict_inference_load", loader, request, profile, config, model_name)
+    if prediction.failure is None and prediction.placement == {"": "cpu"}:  # whole on the host: a served model
+        # may be placed after loading (accelerate's dispatch_model), which the row then predicts as from_pretrained's
+        placed_after = predict_placement("predict_inference_load", loader, request, profile, config, model_name,
+                                         to_the_end=True)
+        prediction = placed_after if placed_after.placement != prediction.placement else prediction
     honours = Version(metadata.version("transformers")).release < (4, 57)
     if (prediction.failure is None and offloaded(prediction.placement) and honours
             and prediction.asked.get("offload_state_dict", False)):
