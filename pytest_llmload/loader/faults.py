@@ -123,6 +123,14 @@ FAULTS: tuple[LoaderFault, ...] = (
         lambda match: f"the loader pins the model to a CUDA device by index (device_map={{'': 0}}, torch.device(0), "
                       f"cuda:N) and {_NO_CUDA[match['why']]}",
         lambda match: DEVICE_FIX),
+    LoaderFault(  # attn_implementation="flash_attention_2" hard-coded: needs the flash-attn package and a CUDA GPU
+        "attention kernel", ("ImportError", "ValueError"), ("transformers.modeling_utils",),
+        re.compile(r"FlashAttention(?P<version>\d*) has been toggled on, but it cannot be used due to the following "
+                   r"error: (?P<why>[^.]*)"),
+        lambda match: f"the loader asks for attn_implementation='flash_attention_{match['version'] or 2}', which "
+                      f"this runner cannot run ({match['why'].strip()})",
+        lambda match: f'attn_implementation="flash_attention_{match["version"] or 2}" if '
+                      'importlib.util.find_spec("flash_attn") and torch.cuda.is_available() else "sdpa"'),
     LoaderFault(
         "pad token", ("IndexError",), ("torch.nn.functional",),
         re.compile(r"index out of range in self"),

@@ -57,7 +57,8 @@ class LoaderError(Portable, Exception):
     own mechanism; anything else is the loader's own error, reported as an ``error`` row. ``original`` is the
     loader's exception (also chained as ``__cause__``, so the full traceback is in the log). Where it is a known
     loader fault (:mod:`pytest_llmload.loader.faults`), ``cause`` says it in one sentence and ``fix`` is the code to
-    write instead (``None`` otherwise); both are in the message too, before the loader's frames."""
+    write instead (``None`` otherwise); both are in the message too, before the loader's frames and the source line
+    of the innermost one (the pin, the keyword: what to change)."""
 
     def __init__(self, original: BaseException, loader_name: str, request: "LoadRequest") -> None:
         from pytest_llmload.loader.faults import diagnose
@@ -68,7 +69,8 @@ class LoaderError(Portable, Exception):
         self.fix = diagnosis.fix if diagnosis else None
         said = f"\n  cause: {self.cause}.\n  fix: {self.fix}" if diagnosis else ""
         frames = _own_frames(original, loader_name)
-        where = f"\n  in the loader's code: {' <- '.join(frames)}" if frames else ""
+        where = f"\n  in the loader's code: {' <- '.join(map(tracebacks.where, frames))}" if frames else ""
+        where += f"\n    {frames[0].line}" if frames and frames[0].line else ""
         super().__init__(f"loader error: {type(original).__name__}: {original} (loader {loader_name}, "
                          f"{_phase_detail(request)}){said}{where}")
 
@@ -87,7 +89,7 @@ class LoaderModelError(Portable, Exception):
 _PLUGIN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
-def _own_frames(exc: BaseException, loader_name: str = "", keep: int = 3) -> list[str]:
+def _own_frames(exc: BaseException, loader_name: str = "", keep: int = 3) -> list:
     """The innermost frames of the traceback in the loader's own code, innermost first: outside installed libraries
     and this package (the reference loader's module excepted, where it is the loader)."""
     import traceback
@@ -100,7 +102,7 @@ def _own_frames(exc: BaseException, loader_name: str = "", keep: int = 3) -> lis
         return not tracebacks.is_installed(filename) and (not path.startswith(_PLUGIN_DIR) or path == loader_file)
 
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if is_loaders(f.filename)]
-    return [tracebacks.where(f) for f in reversed(frames[-keep:])]
+    return list(reversed(frames[-keep:]))  # (traceback.FrameSummary: where, and its source line)
 
 
 class LoaderChoice(NamedTuple):

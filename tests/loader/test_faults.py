@@ -6,6 +6,7 @@ Before (issue 46): a loader error showed the raw exception and a line, and its "
 this plugin's spy (failures/adapter_on_offloaded.py:173).
 """
 
+import importlib.util
 import pickle
 
 import pytest
@@ -97,6 +98,19 @@ def test_torchs_cuda_initialisation_on_a_runner_without_gpus(exc, why):
     assert found is not None and found.fault == "device pin" and found.cause.endswith(why)
 
 
+def test_flash_attention_hard_coded_on_a_runner_without_it_falls_back_to_sdpa(llmload_checkpoint):
+    if torch.cuda.is_available() and importlib.util.find_spec("flash_attn"):
+        pytest.skip("flash-attn runs on this machine")
+    exc = raised(lambda: transformers.AutoModelForCausalLM.from_pretrained(
+        llmload_checkpoint, attn_implementation="flash_attention_2", torch_dtype=torch.float16))
+    found = diagnose(exc)
+    assert found is not None and found.fault == "attention kernel", exc
+    assert found.fix == ('attn_implementation="flash_attention_2" if importlib.util.find_spec("flash_attn") and '
+                         'torch.cuda.is_available() else "sdpa"')
+    assert found.cause.startswith("the loader asks for attn_implementation='flash_attention_2', which this runner "
+                                  "cannot run (")
+
+
 def test_a_pad_token_past_the_embedding_rows_says_resize_them():
     embeddings = torch.nn.Embedding(8, 2)
     found = diagnose(raised(lambda: embeddings(torch.tensor([[1, 8]]))))  # (8: a pad token added, never resized)
@@ -182,6 +196,7 @@ def test_the_loader_error_says_the_cause_and_the_fix_and_keeps_them_across_a_pro
     assert lines[0].startswith("loader error: AssertionError: Torch not compiled with CUDA enabled (loader ")
     assert lines[1].startswith("  cause: the loader pins the model to a CUDA device") and lines[2] == f"  fix: {DEVICE_FIX}"
     assert lines[3].startswith("  in the loader's code: load (") and "fault_cuda_current_device.py:" in lines[3]
+    assert lines[4] == '    device_map={"": torch.cuda.current_device()})'  # the loader's line: what to change
     back = pickle.loads(pickle.dumps(error))  # (an isolated check's child hands it back so)
     assert (type(back), back.fix, back.cause, str(back)) == (LoaderError, error.fix, error.cause, str(error))
 
