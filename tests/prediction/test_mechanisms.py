@@ -148,8 +148,9 @@ def test_a_model_whole_on_the_host_is_not_offloaded(runner, tmp_path):
     profile, "1 module on cpu/disk, e.g. ['']")."""
     profile, config = _runner(runner), _model("llama-3-8b")
     train = predict.predict_train_load(whole_on_the_host, profile, config, "llama-3-8b", tmp_path / "t")
-    assert train.failure is None and train.placement == {"": "cpu"}
-    assert "no device_map: from_pretrained loads the model whole on the host" in train.reason
+    # (to be trained, it is then moved whole to its GPU, where it fits: issue 46)
+    assert train.failure is None and train.placement == {"": "cuda:0"}
+    assert "no device_map: loaded whole on the host, then moved whole to cuda:0 to be trained" in train.reason
     moved = predict.predict_moved_after_loading(whole_on_the_host_then_moved, profile, config, "llama-3-8b",
                                                 tmp_path / "m")
     assert moved.failure is None and "no offload" in moved.reason
@@ -162,7 +163,7 @@ def test_a_model_whole_on_the_host_is_not_offloaded(runner, tmp_path):
 def test_corpus_training_loads_without_a_device_map_are_not_predicted_meta_backward(name, tmp_path):
     profile, config = _runner("2xH100-80GB"), _model("llama-3-8b")
     prediction = predict.predict_train_load(_corpus(name), profile, config, "llama-3-8b", tmp_path)
-    assert prediction.failure is None and prediction.placement == {"": "cpu"}
+    assert prediction.failure is None and prediction.placement == {"": "cuda:0"}  # (moved whole to its GPU)
 
 
 def test_offload_is_a_map_with_an_accelerator_sending_modules_to_cpu_or_disk():
