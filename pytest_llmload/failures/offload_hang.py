@@ -165,16 +165,23 @@ def _holds_weight_files(folder: str, limit: int = 200) -> bool:
     return False
 
 
-def weight_writes(writes, offload_folder, workdir) -> tuple[list, list]:
+def weight_writes(writes, offload_folder, workdir, *, offloaded: bool = True) -> tuple[list, list]:
     """``(counted, not counted)``: of the ``writes`` a load made outside ``offload_folder`` (none made while a module
-    was imported), those that are weight data, and the others (caches, logs)."""
+    was imported), those that are weight data, and the others (caches, logs).
+
+    Where nothing was ``offloaded``, only the weight data the loading libraries' own code wrote counts:
+    transformers <= 4.56 honours ``offload_state_dict`` by staging every CPU-bound weight in a temporary dir even
+    for a model that ends whole on the cpu (``device_map="auto"`` on a machine without a GPU), write-up 000's silence
+    with no offload to show for it; a loader's own copies of its weights (a merged model saved) are not that."""
     outside = [w for w in writes if not w.at_import and not _under(w.path, str(offload_folder))]
     candidates = [w for w in outside if not is_cache_write(w, workdir)]
     weight_files = {w.path for w in candidates if w.path.endswith(WEIGHT_SUFFIXES)}
     folders = {w.path for w in candidates if w.event in ("os.mkdir", "os.rmdir", "shutil.rmtree")}
     holding = {f for f in folders if any(_under(path, f) for path in weight_files) or _holds_weight_files(f)}
-    counted = [w for w in candidates
-               if w.path in weight_files or w.path in holding or _in_module(w.by, OFFLOADING_CODE)]
+    weight_data = [w for w in candidates if w.path in weight_files or w.path in holding]
+    by_offloading_code = [w for w in candidates if _in_module(w.by, OFFLOADING_CODE)]
+    counted = ([w for w in candidates if w in weight_data or w in by_offloading_code] if offloaded
+               else [w for w in weight_data if w in by_offloading_code])
     return counted, [w for w in outside if w not in counted]
 
 
@@ -187,10 +194,11 @@ def check_load_writes_only_offload_folder(loader: Loader, checkpoint, workdir, *
     """Guards 000 (offload-hang): an offloading load writes no weight data outside its offload_folder (no temp round-trip).
 
     ``offload_state_dict=True`` on transformers <= 4.56 silently round-trips every CPU-bound weight through
-    the system temp dir. Judged only where the load offloaded something; then the writes of weight data (weight
-    files, the directories holding them, what the loading libraries' offloading code makes) outside the offload
-    folder fail it, seen through Python's audit events and a temp dir substituted for the system one. A compiler's
-    or a library's cache (``torch.compile``'s inductor dir) is not weight data: the row notes it, uncounted."""
+    the system temp dir. Writes of weight data (weight files, the directories holding them, what the loading
+    libraries' offloading code makes) outside the offload folder fail it, seen through Python's audit events and a
+    temp dir substituted for the system one; where nothing was offloaded, only the weights from_pretrained itself
+    staged count (:func:`weight_writes`), and with none the check is not exercised. A compiler's or a library's
+    cache (``torch.compile``'s inductor dir) is not weight data: the row notes it, uncounted."""
     workdir = Path(workdir)
     offload_folder = workdir / "offload"
     system_tmp = workdir / "system-tmp"
@@ -201,20 +209,23 @@ def check_load_writes_only_offload_folder(loader: Loader, checkpoint, workdir, *
     with system_tempdir(system_tmp), record_writes() as writes:
         loaded = contract.load(loader, request, check=WRITES_ONLY_OFFLOAD_FOLDER.name)
     model, request = loaded.model, loaded.request
-    if not offloaded_parts(model):  # first: without an offload there is no offloading write to judge
+    offloaded = bool(offloaded_parts(model))  # first: what counts depends on it (weight_writes)
+    counted, uncounted = weight_writes(writes, offload_folder, workdir, offloaded=offloaded)
+    if not offloaded and not counted:  # no offload, and no staging of the weights by from_pretrained either
         not_exercised(WRITES_ONLY_OFFLOAD_FOLDER.name, f"loaded the model {where_loaded(model)} under "
                       f"max_memory={request.max_memory}: nothing was offloaded", "an offloading load")
-    counted, uncounted = weight_writes(writes, offload_folder, workdir)
     touched_tmp = os.stat(system_tmp).st_mtime_ns != before
     # a temp dir changed by code the audit hook does not see (native code), with no write seen there to explain it
-    unseen_in_tmp = touched_tmp and not any(_under(w.path, str(system_tmp)) for w in writes)
+    unseen_in_tmp = offloaded and touched_tmp and not any(_under(w.path, str(system_tmp)) for w in writes)
     if counted or unseen_in_tmp:
         in_tmp = [w for w in counted if _under(w.path, str(system_tmp))]
         shown = "\n  ".join(f"{w.event} {w.path} (by {w.by or '?'})" for w in counted[:12])
         loads = "" if request.dtype == "float32" or getattr(loader, "dtypes", None) else (
             f" (over this check's two loads: asked in float32, then again in the {request.dtype} the loader loads)")
+        ended = "" if offloaded else (f", though it ended {where_loaded(model)} with nothing offloaded "
+                                      "(from_pretrained staged its weights all the same)")
         raise AssertionError(
-            f"the offloading load wrote weight data outside its offload folder {offload_folder}{loads}: "
+            f"the offloading load wrote weight data outside its offload folder {offload_folder}{loads}{ended}: "
             f"{len(counted)} write(s) ({_tally(counted) or 'none seen'}), {len(in_tmp)} of them in the system temp "
             f"dir (redirected to {system_tmp}); the temp dir {'was' if touched_tmp else 'was not'} modified"
             f"{' by code the audit hook does not see' if unseen_in_tmp else ''}. A silent temporary round-trip of "

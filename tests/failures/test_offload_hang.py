@@ -163,6 +163,31 @@ def test_writes_check_judges_whether_anything_was_offloaded_first(llmload_checkp
         offload_hang.check_load_writes_only_offload_folder(never_offloads_then_compiles, llmload_checkpoint, tmp_path)
 
 
+def stages_with_nothing_offloaded(request):
+    """LMFlow's ram-optimized load (fixtures/corpus/lmflow_hf_decoder.py): device_map="auto" and
+    offload_state_dict=True with no budget, so on a machine without a GPU the model ends whole on the cpu."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(request.model_path, device_map="auto", local_files_only=True,
+                                                 offload_folder=request.offload_folder, offload_state_dict=True)
+    return model, None
+
+
+@pytest.mark.timeout(60)
+def test_writes_check_fails_from_pretrained_s_own_staging_even_with_nothing_offloaded(llmload_checkpoint, tmp_path):
+    """transformers <= 4.56 stages every CPU-bound weight in a temporary dir whether or not anything ends offloaded:
+    the mechanism is the round-trip, judged where it happens; 4.57+ drops the keyword, and nothing is offloaded."""
+    check = offload_hang.check_load_writes_only_offload_folder
+    if not honours_offload_state_dict():
+        with pytest.raises(pytest.skip.Exception, match=r"loaded the model whole on cpu .*: nothing was offloaded"):
+            check(stages_with_nothing_offloaded, llmload_checkpoint, tmp_path)
+        return
+    with pytest.raises(AssertionError, match=r"(?s)wrote weight data outside its offload folder .*, though it ended "
+                                             r"whole on cpu with nothing offloaded \(from_pretrained staged its "
+                                             r"weights all the same\): \d+ write\(s\) .*by numpy"):
+        check(stages_with_nothing_offloaded, llmload_checkpoint, tmp_path)
+
+
 def logs_beside_its_folder(request):
     """Not weight data: a loader that writes its own log file outside the offload folder."""
     (Path(request.offload_folder).parent / "load.log").write_text(f"loading {request.model_path}\n")
