@@ -40,7 +40,8 @@ class Row:
     """A check's row: ``verdict`` (one of :data:`VERDICTS`), ``failure`` (the known failure observed or predicted,
     only with ``failed``/``predicted``), ``cause`` (what an ``error`` is: loader, contract, model, hang, died, check),
     ``sentence`` (the whole reason: the finding, the error, the skip reason), ``notes`` (how the check judged:
-    ``judged in float16 ...``, ``simulated: ...``), ``fix`` (the failure's fix, where it was named), ``loader`` (the
+    ``judged in float16 ...``, ``simulated: ...``), ``fix`` (the code to write instead: the failure's fix, where it was
+    named, or an ``error`` row's known loader fault's, :mod:`pytest_llmload.loader.faults`), ``loader`` (the
     loader that really ran), ``guards`` (the failure the check guards against) and where that failure comes from,
     ``guards_origin`` (``002``: its write-up in shared/seeds; ``field``: upstream issue trackers; ``extension``: a
     repo's own), ``not_run`` (an ``error`` that did not wait: the loader under test hung in an earlier check,
