@@ -8,11 +8,13 @@ every check but the ``_cuda`` variants asks) is answered inside the loader call
 - mapped to the cpu, and the row says so: a ``from_pretrained`` ``device_map`` that puts the whole model on one CUDA
   device (``{"": 0}``, ``0``, ``"cuda"``, ``"cuda:0"``, ``torch.device("cuda")``, a map whose every entry is that
   device) becomes the same map on ``"cpu"``; ``module.cuda()`` and ``module.to("cuda")`` (any form torch parses)
-  become a move to the cpu. What a check observes is unchanged: an explicit map is not planned (no ``max_memory`` is
-  read), so on the cpu as on the GPU the whole model lands on one device, nothing offloaded; a quantized load whole
-  on the cpu has the same bitsandbytes layers as the unpinned one the checks' quantized requests get here (both
-  stacks, measured); a model's own ``to``/``cuda`` (an 8-bit model's refusal, accelerate's for an offloaded one)
-  runs first, as called, as on the GPU.
+  become a move to the cpu. Only where the call as the loader made it fails for want of CUDA: a check that simulates
+  GPUs beneath (the Trainer check plans a pin on its simulated machine) sees the loader's own map. What a check
+  observes is unchanged: an explicit map is not planned (no ``max_memory`` is read), so on the cpu as on the GPU
+  the whole model lands on one device, nothing offloaded; a quantized load whole on the cpu has the same
+  bitsandbytes layers as the unpinned one the checks' quantized requests get here (both stacks, measured); a
+  model's own ``to``/``cuda`` (an 8-bit model's refusal, accelerate's for an offloaded one) runs first, as called,
+  as on the GPU.
 - a skip naming the loader's line, where mapping would change what the check observes: a map that spreads the model
   over several CUDA devices or mixes one with the cpu or disk (where each part lands, by each device's budget, is
   what the offload and distributed checks observe). A GPU runner (``pytest -m gpu``) judges it.
@@ -112,9 +114,19 @@ def mapped_to_cpu(request: Any) -> Iterator[list]:
             add_note(f"ran on cpu: the loader pins {pins}, a device this runner lacks; {GPU_RUNNER} judges it there")
 
 
+def _failed_for_want_of_cuda(exc: BaseException) -> bool:
+    """Whether ``exc`` is a CUDA device this runner lacks (:mod:`.faults`' "device pin", by what raised it)."""
+    from pytest_llmload.loader.faults import diagnose
+
+    diagnosis = diagnose(exc)
+    return diagnosis is not None and diagnosis.fault == "device pin"
+
+
 def _from_pretrained_patch(mapped_or_skipped):
-    """``PreTrainedModel.from_pretrained`` with a whole-model CUDA ``device_map`` on the cpu (``None``: transformers
-    is not imported; a loader that imports it itself is not mapped)."""
+    """``PreTrainedModel.from_pretrained`` that, where the call as the loader made it fails for want of CUDA and its
+    ``device_map`` pins the whole model to one CUDA device, loads it again with the map on the cpu. The call as made
+    comes first: a check that simulates GPUs below this (the Trainer check plans the pin on its simulated machine)
+    sees the loader's own map and needs no mapping. ``None``: transformers is not imported."""
     modeling_utils = sys.modules.get("transformers.modeling_utils")
     pretrained = getattr(modeling_utils, "PreTrainedModel", None)
     if pretrained is None:
@@ -125,37 +137,50 @@ def _from_pretrained_patch(mapped_or_skipped):
 
     def from_pretrained(klass, *args, **kwargs):
         device_map = kwargs.get("device_map")
-        devices = cuda_devices(device_map)
-        if devices:
-            mapped_or_skipped(Pin(f"device_map={device_map!r}", ", ".join(devices), loaders_line()),
-                              spreads=len(devices) > 1)
-            kwargs["device_map"] = {name: "cpu" for name in device_map} if isinstance(device_map, dict) else "cpu"
-        return original.__func__(klass, *args, **kwargs)
+        try:
+            return original.__func__(klass, *args, **kwargs)
+        except Exception as exc:
+            devices = cuda_devices(device_map)
+            if not devices or not _failed_for_want_of_cuda(exc):
+                raise
+        mapped_or_skipped(Pin(f"device_map={device_map!r}", ", ".join(devices), loaders_line()),
+                          spreads=len(devices) > 1)
+        on_cpu = {name: "cpu" for name in device_map} if isinstance(device_map, dict) else "cpu"
+        return original.__func__(klass, *args, **{**kwargs, "device_map": on_cpu})
 
     return mock.patch.object(pretrained, "from_pretrained", classmethod(from_pretrained))
 
 
 def _module_patches(torch, mapped_or_skipped) -> list:
-    """``nn.Module.to`` and ``nn.Module.cuda`` with a CUDA device moved to the cpu. A model's own override
+    """``nn.Module.to`` and ``nn.Module.cuda`` that, where the move as called fails for want of CUDA, move to the cpu
+    (nothing moved before it failed: torch initialises CUDA at the first tensor). A model's own override
     (``PreTrainedModel.to``/``.cuda``: an 8-bit model's refusal) runs first, as called, as it would on a GPU."""
     from unittest import mock
 
     module = torch.nn.Module
-    real_to = module.to
+    real_to, real_cuda = module.to, module.cuda
 
     def to(self, *args, **kwargs):
-        device = torch._C._nn._parse_to(*args, **kwargs)[0]
-        if device is not None and device.type == "cuda":
-            shown = ", ".join([repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()])
-            mapped_or_skipped(Pin(f".to({shown})", _device_name(device), loaders_line()))
-            args = tuple("cpu" if _is_cuda(torch, a) else a for a in args)
-            kwargs = {k: "cpu" if k == "device" else v for k, v in kwargs.items()}
-        return real_to(self, *args, **kwargs)
+        try:
+            return real_to(self, *args, **kwargs)
+        except Exception as exc:
+            device = torch._C._nn._parse_to(*args, **kwargs)[0]
+            if device is None or device.type != "cuda" or not _failed_for_want_of_cuda(exc):
+                raise
+        shown = ", ".join([repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()])
+        mapped_or_skipped(Pin(f".to({shown})", _device_name(device), loaders_line()))
+        args = tuple("cpu" if _is_cuda(torch, a) else a for a in args)
+        return real_to(self, *args, **{k: "cpu" if k == "device" else v for k, v in kwargs.items()})
 
     def cuda(self, device=None):
+        try:
+            return real_cuda(self, device)
+        except Exception as exc:
+            if not _failed_for_want_of_cuda(exc):
+                raise
         mapped_or_skipped(Pin(".cuda()" if device is None else f".cuda({device!r})",
                               _device_name(0 if device is None else device), loaders_line()))
-        return real_to(self, "cpu")  # (the model's own cuda() ran first, with its refusals, as on a GPU)
+        return real_to(self, "cpu")
 
     return [mock.patch.object(module, "to", to), mock.patch.object(module, "cuda", cuda)]
 
