@@ -74,9 +74,8 @@ def _installed_transformers() -> str:
 
 def _removed_keyword(match: re.Match) -> str:
     keyword = match["keyword"]
-    return (f"from_pretrained(..., {keyword}=...) is a keyword transformers 5 removed (4.x accepted it with a "
-            f"deprecation warning): {_installed_transformers()} passes it on to the model's __init__, which refuses "
-            "it")
+    return (f"{keyword}= is a from_pretrained keyword transformers 5 removed (4.x took it with a deprecation "
+            f"warning): {_installed_transformers()} hands it on to the model's __init__, which refuses it")
 
 
 def _tokenizer_package(match: re.Match) -> str:

@@ -70,7 +70,7 @@ class LoaderError(Portable, Exception):
         said = f"\n  cause: {self.cause}.\n  fix: {self.fix}" if diagnosis else ""
         frames = _own_frames(original, loader_name)
         where = f"\n  in the loader's code: {' <- '.join(map(tracebacks.where, frames))}" if frames else ""
-        where += f"\n    {frames[0].line}" if frames and frames[0].line else ""
+        where += "".join(f"\n    {line}" for line in _statement(frames[0])) if frames else ""
         super().__init__(f"loader error: {type(original).__name__}: {original} (loader {loader_name}, "
                          f"{_phase_detail(request)}){said}{where}")
 
@@ -103,6 +103,20 @@ def _own_frames(exc: BaseException, loader_name: str = "", keep: int = 3) -> lis
 
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if is_loaders(f.filename)]
     return list(reversed(frames[-keep:]))  # (traceback.FrameSummary: where, and its source line)
+
+
+STATEMENT_LINES = 4  # of the loader's innermost statement, shown under its frame: a call over several lines whole
+
+
+def _statement(frame) -> list[str]:
+    """The source lines of the statement ``frame`` (a ``traceback.FrameSummary``) was running, dedented: a call
+    written over several lines whole (its keyword is on one of them), up to :data:`STATEMENT_LINES`."""
+    import linecache
+    import textwrap
+
+    last = min(getattr(frame, "end_lineno", None) or frame.lineno, frame.lineno + STATEMENT_LINES - 1)
+    text = "".join(linecache.getline(frame.filename, n) for n in range(frame.lineno, last + 1))
+    return [line for line in textwrap.dedent(text).splitlines() if line.strip()]
 
 
 class LoaderChoice(NamedTuple):
