@@ -62,6 +62,7 @@ PAD_TOKEN_FIX = "model.resize_token_embeddings(len(tokenizer))"
 _NO_CUDA = {
     "Torch not compiled with CUDA enabled": "the installed torch is built without CUDA",
     "No CUDA GPUs are available": "this runner has no CUDA GPU",
+    "Found no NVIDIA driver on your system": "this runner has no NVIDIA driver (no GPU)",
     "Cannot access accelerator device when none is available": "this runner has no GPU (torch.device(0) needs one)",
     "invalid device ordinal": "the GPU index is beyond the GPUs this runner has",
 }
@@ -112,7 +113,8 @@ FAULTS: tuple[LoaderFault, ...] = (
                       "names its class"),
     LoaderFault(
         "device pin", ("AssertionError", "RuntimeError"), ("torch.cuda",),
-        re.compile(r"(?P<why>Torch not compiled with CUDA enabled|No CUDA GPUs are available)"),
+        re.compile(r"(?P<why>Torch not compiled with CUDA enabled|No CUDA GPUs are available|"
+                   r"Found no NVIDIA driver on your system)"),
         lambda match: f"the loader pins the model to a CUDA device (device_map={{'': 0}}, .cuda(), .to('cuda')) and "
                       f"{_NO_CUDA[match['why']]}",
         lambda match: DEVICE_FIX),

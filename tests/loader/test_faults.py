@@ -92,6 +92,8 @@ def test_a_cuda_pin_the_runner_cannot_honour_says_why_and_derives_the_device(llm
 @pytest.mark.parametrize("exc, why", [
     (RuntimeError("No CUDA GPUs are available"), "this runner has no CUDA GPU"),
     (AssertionError("Torch not compiled with CUDA enabled"), "the installed torch is built without CUDA"),
+    (RuntimeError("Found no NVIDIA driver on your system. Please check that you have an NVIDIA GPU and installed a "
+                  "driver from http://www.nvidia.com/Download/index.aspx"), "this runner has no NVIDIA driver (no GPU)"),
 ])
 def test_torchs_cuda_initialisation_on_a_runner_without_gpus(exc, why):
     found = diagnose(as_raised_by(torch.cuda.__file__, exc))
