@@ -12,7 +12,7 @@ import pytest
 from fixtures import warm_runs
 from pytest_llmload.failures import CATALOG
 from pytest_llmload.loader.seam import LoaderChoice, as_loader_under_test, import_loader
-from pytest_llmload.placement import architectures, profiles
+from pytest_llmload.placement import architectures, planner, profiles
 from pytest_llmload.prediction import predict
 
 pytestmark = [pytest.mark.llmload_deepspeed, pytest.mark.timeout(300)]
@@ -254,13 +254,18 @@ def test_each_launcher_rank_gets_its_own_budget():
 
 
 def test_write_up_004_for_a_loader_that_places_by_its_budget(tmp_path):
-    """With no budget it loads whole on the host; with its rank's budget, "auto" spreads a 70B model over its GPU
-    and the host: accelerate refuses it under the launcher. Never tried before issue 38 (no rank had a budget)."""
+    """With no budget it loads whole on the host, and DDP moves a 70B model whole to the rank's 80 GB GPU: an OOM
+    there (issue 46; before, the row checked the host only). With its rank's budget, "auto" spreads it over its GPU
+    and the host: accelerate refuses that under the launcher. Never tried before issue 38 (no rank had a budget)."""
     profile, config = _runner("2xH100-80GB"), _model("llama-3-70b")
     with pytest.raises(predict.PredictedFailure) as caught:
         predict.predict_launcher_ddp(places_by_its_budget, profile, config, "llama-3-70b", tmp_path)
-    assert caught.value.failure == "distributed-device-map"
-    assert "its budget max_memory={0: " in str(caught.value)
+    assert caught.value.failure == "OOM" and "the model moved whole to cuda:0" in str(caught.value)
+    request = predict._request(predict.model_dir(config, tmp_path), profile, places_by_its_budget, purpose="train",
+                               max_memory=predict.rank_budget(profile, 0, 2))
+    spread = predict.predict_placement("predict_launcher_ddp", places_by_its_budget, request, profile, config,
+                                       "llama-3-70b", env=predict.launcher_env(0, 2))
+    assert planner.spreads(spread.placement)  # (what accelerate refuses in any distributed mode)
     fits = predict.predict_launcher_ddp(places_by_its_budget, profile, _model("llama-3-8b"), "llama-3-8b",
                                         tmp_path / "8b")
     assert fits.failure is None
