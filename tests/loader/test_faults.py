@@ -119,6 +119,18 @@ def test_a_pad_token_past_the_embedding_rows_says_resize_them():
     assert found is not None and (found.fault, found.fix) == ("pad token", PAD_TOKEN_FIX)
 
 
+def test_a_fault_raised_in_a_child_is_known_by_the_frames_of_its_traceback_text():
+    """An exception a child handed back has no traceback of its own: its frames are the child's traceback text."""
+    import traceback
+
+    embeddings = torch.nn.Embedding(8, 2)
+    exc = raised(lambda: embeddings(torch.tensor([[8]])))
+    text = "".join(traceback.format_exception(exc))
+    back = pickle.loads(pickle.dumps(exc))  # (as it comes back: no __traceback__)
+    assert back.__traceback__ is None and diagnose(back) is None
+    assert diagnose(back, text).fix == PAD_TOKEN_FIX
+
+
 @pytest.mark.parametrize("backend, package", [("sentencepiece", "sentencepiece"), ("protobuf", "protobuf")])
 def test_a_slow_tokenizer_without_its_package_says_install_it_or_use_the_fast_one(monkeypatch, backend, package):
     from transformers.utils import import_utils
