@@ -16,8 +16,9 @@ every check but the ``_cuda`` variants asks) is answered inside the loader call
   model's own ``to``/``cuda`` (an 8-bit model's refusal, accelerate's for an offloaded one) runs first, as called,
   as on the GPU.
 - a skip naming the loader's line, where mapping would change what the check observes: a map that spreads the model
-  over several CUDA devices or mixes one with the cpu or disk (where each part lands, by each device's budget, is
-  what the offload and distributed checks observe). A GPU runner (``pytest -m gpu``) judges it.
+  over several CUDA devices or mixes one with the cpu or disk, or a ``max_memory`` budget for GPUs that
+  ``"auto"``/``"balanced"`` plans by (where each part lands, by each device's budget, is what the offload and
+  distributed checks observe). A GPU runner (``pytest -m gpu``) judges it.
 - the loader's error, with its cause and fix (:mod:`pytest_llmload.loader.faults`' "device pin"), where it needs
   CUDA in a way no mapping covers (a tensor made on ``"cuda"``, ``torch.cuda.current_device()``): the runner cannot
   run that code at all.
@@ -72,6 +73,12 @@ def cuda_devices(device_map: Any) -> tuple[str, ...]:
     return tuple(named) if any(name.startswith("cuda") for name in named) else ()
 
 
+def _budgeted_gpus(max_memory: Any) -> tuple[str, ...]:
+    """The CUDA devices a ``max_memory`` budget names (``{0: "20GiB", "cpu": ...}``), as ``"cuda:0"``."""
+    keys = [_device_name(int(key) if str(key).isdigit() else key) for key in (max_memory or {})]
+    return tuple(key for key in keys if key.startswith("cuda"))
+
+
 def _device_name(value: Any) -> str:
     if isinstance(value, int) and not isinstance(value, bool):
         return f"cuda:{value}"
@@ -83,7 +90,8 @@ def _device_name(value: Any) -> str:
 def mapped_to_cpu(request: Any) -> Iterator[list]:
     """Within the block, the loader's CUDA pins are mapped to the cpu, or the row skips, as the module says; yields
     the list of :class:`Pin` mapped. Nothing changes on a runner with CUDA, for a request on an accelerator, or where
-    torch is not imported. The skip is a BaseException (pytest's): no ``except Exception`` of the loader's catches it."""
+    torch is not imported. The skip is a BaseException (pytest's): no ``except Exception`` of the loader's catches
+    it."""
     torch = sys.modules.get("torch")
     mapped: list[Pin] = []
     # (the count is NVML's: torch.cuda.is_available() may initialise CUDA, after which this process cannot fork)
@@ -95,9 +103,9 @@ def mapped_to_cpu(request: Any) -> Iterator[list]:
         if spreads:
             import pytest
 
-            pytest.skip(f"the loader pins {pin}, devices this runner lacks (no CUDA device); mapped to the cpu it "
-                        "would not be the same load (the map spreads the model, and where each part lands is what "
-                        f"the check observes): {GPU_RUNNER} judges it")
+            pytest.skip(f"the loader places the model on {pin}, devices this runner lacks (no CUDA device); mapped "
+                        "to the cpu it would not be the same load (where each part lands, by each device's budget, "
+                        f"is what the check observes): {GPU_RUNNER} judges it")
         mapped.append(pin)
 
     try:
@@ -123,10 +131,11 @@ def _failed_for_want_of_cuda(exc: BaseException) -> bool:
 
 
 def _from_pretrained_patch(mapped_or_skipped):
-    """``PreTrainedModel.from_pretrained`` that, where the call as the loader made it fails for want of CUDA and its
-    ``device_map`` pins the whole model to one CUDA device, loads it again with the map on the cpu. The call as made
-    comes first: a check that simulates GPUs below this (the Trainer check plans the pin on its simulated machine)
-    sees the loader's own map and needs no mapping. ``None``: transformers is not imported."""
+    """``PreTrainedModel.from_pretrained`` that, where the call as the loader made it fails for want of CUDA, loads it
+    again on the cpu if its ``device_map`` pins the whole model to one CUDA device, and skips if the placement spreads
+    over GPUs (a map, a budget). The call as made comes first: a check that simulates GPUs below this (the Trainer
+    check plans the pin on its simulated machine) sees the loader's own map and needs no mapping. ``None``:
+    transformers is not imported."""
     modeling_utils = sys.modules.get("transformers.modeling_utils")
     pretrained = getattr(modeling_utils, "PreTrainedModel", None)
     if pretrained is None:
@@ -137,16 +146,20 @@ def _from_pretrained_patch(mapped_or_skipped):
 
     def from_pretrained(klass, *args, **kwargs):
         device_map = kwargs.get("device_map")
+        max_memory = dict(kwargs.get("max_memory") or {})  # (as asked: accelerate converts its sizes in place)
         try:
             return original.__func__(klass, *args, **kwargs)
         except Exception as exc:
-            devices = cuda_devices(device_map)
-            if not devices or not _failed_for_want_of_cuda(exc):
+            devices, budgeted = cuda_devices(device_map), _budgeted_gpus(max_memory)
+            if not (devices or budgeted) or not _failed_for_want_of_cuda(exc):
                 raise
-        mapped_or_skipped(Pin(f"device_map={device_map!r}", ", ".join(devices), loaders_line()),
-                          spreads=len(devices) > 1)
-        on_cpu = {name: "cpu" for name in device_map} if isinstance(device_map, dict) else "cpu"
-        return original.__func__(klass, *args, **{**kwargs, "device_map": on_cpu})
+        if len(devices) == 1:  # the whole model on one GPU: an explicit map, which no budget changes
+            mapped_or_skipped(Pin(f"device_map={device_map!r}", devices[0], loaders_line()))
+            on_cpu = {name: "cpu" for name in device_map} if isinstance(device_map, dict) else "cpu"
+            kwargs = {key: value for key, value in kwargs.items() if not (key == "max_memory" and budgeted)}
+            return original.__func__(klass, *args, **{**kwargs, "device_map": on_cpu})
+        asked = f"device_map={device_map!r}" + (f", max_memory={max_memory!r}" if budgeted else "")
+        mapped_or_skipped(Pin(asked, ", ".join(dict.fromkeys(devices + budgeted)), loaders_line()), spreads=True)
 
     return mock.patch.object(pretrained, "from_pretrained", classmethod(from_pretrained))
 

@@ -485,17 +485,20 @@ def test_a_cuda_pin_runs_on_the_cpu_of_a_runner_without_cuda_and_the_row_says_so
 
 
 @needs_no_gpu
-def test_a_map_over_several_gpus_skips_naming_its_line_and_the_gpu_runner(llmload_checkpoint):
-    """Mapping must not change what a check observes: where the parts of a spread map land is the offload and
-    distributed checks' mechanism, so such a map is not run on the cpu."""
+@pytest.mark.parametrize(("loader", "devices", "asked"), [
+    ("spreads", "cuda:0, cuda:1", "device_map={'model.embed_tokens': 0, "),
+    ("budgets_gpus", "cuda:0", "device_map='auto', max_memory={0: '20GiB', 'cpu': '60GiB'}")])
+def test_a_placement_over_gpus_skips_naming_its_line_and_the_gpu_runner(llmload_checkpoint, loader, devices, asked):
+    """Mapping must not change what a check observes: where the parts of a spread map, or of a budget per GPU, land
+    is the offload and distributed checks' mechanism, so such a placement is not run on the cpu."""
     from fixtures.loaders import pins_cuda
 
     with pytest.raises(pytest.skip.Exception) as skipped:
-        call_loader(pins_cuda.spreads, LoadRequest(llmload_checkpoint))
+        call_loader(getattr(pins_cuda, loader), LoadRequest(llmload_checkpoint))
     reason = str(skipped.value)
-    assert reason.startswith(f"the loader pins cuda:0, cuda:1 ({PINS}:{line_of(pins_cuda._load, 'from_pretrained(')}: "
-                             "device_map={'model.embed_tokens': 0, "), reason
-    assert reason.endswith("(the map spreads the model, and where each part lands is what the check observes): "
+    assert reason.startswith(f"the loader places the model on {devices} "
+                             f"({PINS}:{line_of(pins_cuda._load, 'from_pretrained(')}: {asked}"), reason
+    assert reason.endswith("(where each part lands, by each device's budget, is what the check observes): "
                            "a GPU runner (`pytest -m gpu`) judges it"), reason
 
 
