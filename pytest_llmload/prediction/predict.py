@@ -210,14 +210,16 @@ def _from_pretrained_intercepted(calls: list, stand_in: Optional[Callable[[dict]
     return mock.patch.object(PreTrainedModel, "from_pretrained", classmethod(stop))
 
 
-def _dtype_of(model: Any, asked: Any = None) -> Any:
-    """The dtype ``model``'s weights are placed in: ``asked`` (load_checkpoint_and_dispatch's ``dtype``), else its own
-    floating parameters'."""
+def _placed_after_loading(model: Any, device_map: Optional[dict], dtype: Any = None) -> Call:
+    """The loader's :class:`Call` for a placement accelerate makes of ``model`` after it is built (``dtype``:
+    load_checkpoint_and_dispatch's, else the model's own floating parameters')."""
     import torch
 
-    if asked is not None:
-        return getattr(torch, asked) if isinstance(asked, str) else asked
-    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    dtype = dtype or next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    device_map = {name: str(where) for name, where in (device_map or {"": "cpu"}).items()}
+    return Call({"class": type(model).__name__, "device_map": device_map, "dtype": dtype}, _loader_line(), model=model)
 
 
 def _placed_by_accelerate(calls: list, stand_in: Optional["_StandIn"]):
@@ -232,12 +234,11 @@ def _placed_by_accelerate(calls: list, stand_in: Optional["_StandIn"]):
     import accelerate.big_modeling as big_modeling
 
     def placed(model, device_map, dtype=None) -> None:
-        device_map = {name: str(where) for name, where in (device_map or {"": "cpu"}).items()}
+        call = _placed_after_loading(model, device_map, dtype)
         if stand_in is not None:
-            stand_in.dispatched(model, device_map, _dtype_of(model, dtype), _loader_line())
+            stand_in.dispatched(call)
             return
-        calls.append(Call({"class": type(model).__name__, "device_map": device_map, "dtype": _dtype_of(model, dtype)},
-                          _loader_line(), model=model))
+        calls.append(call)
         raise _Intercepted()
 
     def load_checkpoint_in_model(model, checkpoint, device_map=None, dtype=None, *args, **kwargs):
@@ -349,7 +350,7 @@ def _after_loading_recorded(seen: list, on_dispatch: Optional[Callable] = None):
         seen.append(Event("dispatch_model", at=_loader_line()))
         model.hf_device_map = {name: str(where) for name, where in dict(device_map).items()}
         if on_dispatch is not None:
-            on_dispatch(model, model.hf_device_map, _dtype_of(model), seen[-1].at)
+            on_dispatch(_placed_after_loading(model, model.hf_device_map))
         return model
 
     from pytest_llmload.instruments import device_map_summary
@@ -573,15 +574,14 @@ class _StandIn:
         self.placement: dict = {}
         self.devices: tuple[DevicePrediction, ...] = ()
         self.quantized = False
-        self.dispatched_at = ""  # the loader's line that placed the model after loading, where one did
+        self.dispatch: Optional[Call] = None  # the loader's own placement of the model after loading, where it made one
 
-    def dispatched(self, model: Any, device_map: dict, dtype: Any, at: str) -> None:
-        """The loader placed ``model`` after loading (``dispatch_model``, ``load_checkpoint_and_dispatch``): where it
-        goes now, its bytes counted on it as the planner counts them."""
-        self.placement = dict(device_map)
-        self.devices = _devices(model, device_map, self.profile, dtype=dtype,
-                                quantizer=getattr(model, "hf_quantizer", None))
-        self.dispatched_at = at
+    def dispatched(self, call: Call) -> None:
+        """The loader placed the model after loading (``dispatch_model``, ``load_checkpoint_and_dispatch``: ``call``):
+        where it goes now, its bytes counted on the model it placed, as the planner counts them."""
+        self.dispatch, self.placement = call, dict(call.kwargs["device_map"])
+        self.devices = _devices(call.model, self.placement, self.profile, dtype=call.kwargs["dtype"],
+                                quantizer=getattr(call.model, "hf_quantizer", None))
 
     def __call__(self, kwargs: dict) -> Any:
         from pytest_llmload.loader.transformers_compat import leaves_hf_device_map
@@ -619,9 +619,10 @@ def predict_placement(scenario: str, loader: Callable, request: LoadRequest, pro
         return Prediction(scenario, profile.name, model_name, {}, (), {}, notes, None,
                           "the loader never called from_pretrained: nothing to predict", time.perf_counter() - start)
     kwargs = call.kwargs
-    stand_in = ran_on.get("stand_in")
-    if stand_in is not None and stand_in.dispatched_at:  # the loader placed the model itself after loading
-        kwargs, call = {**kwargs, "device_map": dict(stand_in.placement)}, call._replace(at=stand_in.dispatched_at)
+    dispatch = getattr(ran_on.get("stand_in"), "dispatch", None)
+    if dispatch is not None:  # the loader placed the model itself after loading: that placement is the row's
+        call = dispatch._replace(kwargs={**kwargs, **dispatch.kwargs})
+        kwargs = call.kwargs
     asked = {key: kwargs.get(key) for key in ("device_map", "max_memory", "quantization_config", "offload_state_dict")
              if kwargs.get(key)}
     zero3 = None if call.refusal is None else (
