@@ -149,7 +149,8 @@ SLOW_TESTS = {
         "test_the_failing_row_comes_first_and_each_picture_is_drawn_once"),
     "tests/test_docs.py": ("test_the_site_builds_with_warnings_as_errors",),
     "tests/failures/test_homes.py": ("test_a_gpu_variant_runs_in_a_forkserver_child_on_cuda_0",),
-    "tests/loader/test_seam.py": ("test_a_shorter_timeout_than_a_checks_own_deadline_wins",),
+    "tests/loader/test_seam.py": ("test_a_shorter_timeout_than_a_checks_own_deadline_wins",
+                                  "test_a_cuda_pin_is_a_row_that_says_it_ran_on_the_cpu_and_a_spread_one_skips"),
     "tests/system/test_offline.py": ("test_offline_only_while_llmload_tests_run_under_xdist",),
     "tests/prediction/test_mechanisms.py": (
         "test_a_correct_loader_exits_0_with_runner", "test_a_correct_loader_is_predicted_no_known_failure",

@@ -524,3 +524,35 @@ def test_a_mapped_pin_leaves_the_check_observing_what_the_gpu_would(llmload_chec
     with collecting_notes() as notes, pytest.raises(pytest.skip.Exception, match="not exercised"):
         OFFLOAD_INFERENCE(pins_cuda.load, llmload_checkpoint, tmp_path)
     assert any(note.startswith("ran on cpu: the loader pins cuda:0") for note in notes), notes
+
+
+@needs_no_gpu
+def test_a_cuda_pin_is_a_row_that_says_it_ran_on_the_cpu_and_a_spread_one_skips(pytester, request):
+    """The rows a repo's CI reads (the plugin's hook, as --json and JUnit): not a red build for a device it lacks."""
+    import json
+
+    pytester.makeconftest("""
+        import json
+
+        def pytest_llmload_check_result(item, check, result):
+            with open("results.jsonl", "a") as out:
+                out.write(json.dumps(result) + "\\n")
+    """)
+    pytester.makepyfile("""
+        from fixtures.loaders import pins_cuda
+        from pytest_llmload.plugin.parametrize import parametrize_with_loader_checks
+
+        @parametrize_with_loader_checks([pins_cuda.load, pins_cuda.spreads])
+        def test_loader(loader, check, llmload_checkpoint, tmp_path):
+            check(loader, llmload_checkpoint, tmp_path)
+    """)
+    pytester.syspathinsert(request.config.rootpath)  # fixtures.loaders
+    result = warm_runs.runpytest(pytester, "-k", "pad_token", "-p", "no:cacheprovider")  # (no _cuda variant)
+    result.assert_outcomes(passed=1, skipped=1)
+    rows = {row["loader"].rpartition(":")[2]: row for row in map(json.loads, (pytester.path / "results.jsonl")
+                                                                 .read_text().splitlines())}
+    assert rows["load"]["verdict"] == "passed" and rows["load"]["note"].startswith(
+        f"ran on cpu: the loader pins cuda:0 ({request.config.rootpath / PINS}:"), rows["load"]  # (outside its cwd)
+    assert rows["spreads"]["verdict"] == "skipped", rows["spreads"]
+    assert "the loader places the model on cuda:0, cuda:1" in json.dumps(rows["spreads"]), rows["spreads"]
+    assert "a GPU runner (`pytest -m gpu`) judges it" in json.dumps(rows["spreads"]), rows["spreads"]
