@@ -171,7 +171,8 @@ SLOW_TESTS = {
     "tests/reports/test_header.py": ("test_the_header_is_there_under_xdist",),
     "tests/reports/test_loader_fault_rows.py": (
         "test_junit_carries_the_finding_and_the_fix_of_each_row", "test_the_pad_token_checks_model_error_carries_its_fix",
-        "test_the_main_jobs_json_and_table_say_the_fault_of_a_loader_run_in_an_isolated_child"),
+        "test_the_main_jobs_json_and_table_say_the_fault_of_a_loader_run_in_an_isolated_child",
+        "test_a_lora_model_checkpointed_reentrantly_cannot_train_and_its_row_says_enable_input_require_grads"),
     "tests/plugin/test_fixtures.py": ("test_gpu_tests_skip_on_a_cpu_runner_before_anything_heavy_is_imported",),
     "tests/prediction/test_predict.py": (
         "test_a_runner_that_is_not_a_profile_is_a_usage_error",

@@ -115,8 +115,11 @@ def train_step_problems(model, device: str) -> list[str]:
             loss = model(input_ids=ids, labels=ids).loss
             finite_loss = bool(torch.isfinite(loss).all())
             loss.backward()
-    except Exception as exc:  # the failure under test: report it with its text
-        return [f"forward+backward raised {type(exc).__name__}: {exc}"]
+    except Exception as exc:  # the failure under test: report it with its text (and a known loader fault's fix)
+        from pytest_llmload.loader.faults import diagnose, said
+
+        found = diagnose(exc)
+        return [f"forward+backward raised {type(exc).__name__}: {exc}{said(found) if found else ''}"]
     problems = [] if finite_loss else [f"the loss is {loss.item()}"]
     missing = [n for n, p in trainable if p.grad is None]
     on_meta = [n for n, p in trainable if p.grad is not None and p.grad.device.type == "meta"]

@@ -138,6 +138,14 @@ FAULTS: tuple[LoaderFault, ...] = (
         lambda match: "a token id is past the model's embedding rows: the tokenizer has a token (a pad token added "
                       "with add_special_tokens, say) that the model's embeddings were never resized for",
         lambda match: PAD_TOKEN_FIX),
+    LoaderFault(  # LoRA over frozen embeddings, checkpointed reentrantly (transformers 4.x's default for the model)
+        "no gradient path", ("RuntimeError",), ("torch.autograd",),
+        re.compile(r"element 0 of tensors does not require grad and does not have a grad_fn"),
+        lambda match: "the loss has no gradient path to a trainable weight: reentrant gradient checkpointing "
+                      "(transformers 4.x's default) over frozen input embeddings (a LoRA model's) cuts it, unless "
+                      "the forward ran with gradients off",
+        lambda match: "model.enable_input_require_grads()  # after loading, before training with gradient "
+                      "checkpointing; or gradient_checkpointing_kwargs={'use_reentrant': False}"),
     LoaderFault(
         "tokenizer package", ("ImportError",), ("transformers.utils.import_utils",),
         re.compile(r"requires the (?P<package>SentencePiece|protobuf) library but it was not found"),
@@ -157,8 +165,22 @@ FAULTS: tuple[LoaderFault, ...] = (
         _tokenizer_package, _package_fix),
 )
 
-# Faults a loader's model shows after the load too (a check's forward pass): the loader's, not the check's code.
-MODEL_FAULTS = ("pad token",)
+# Faults a loader's model shows after the load too (a check's forward or backward): the loader's, not the check's.
+MODEL_FAULTS = ("pad token", "no gradient path")
+
+
+def said(diagnosis: Diagnosis) -> str:
+    """The lines a message adds for a diagnosed fault, its cause and its fix (read back by :func:`fix_in`)."""
+    return f"\n  cause: {diagnosis.cause}.\n  fix: {diagnosis.fix}"
+
+
+_FIX_LINE = re.compile(r"^\s*fix: (.+)$", re.MULTILINE)
+
+
+def fix_in(text: str) -> Optional[str]:
+    """The fix a message says (:func:`said`), where the exception that carried it did not come back as itself."""
+    found = _FIX_LINE.search(text)
+    return found[1].strip() if found else None
 
 
 def diagnose(exc: BaseException, traceback_text: str = "") -> Optional[Diagnosis]:

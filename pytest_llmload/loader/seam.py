@@ -61,18 +61,17 @@ class LoaderError(Portable, Exception):
     of the innermost one (the pin, the keyword: what to change)."""
 
     def __init__(self, original: BaseException, loader_name: str, request: "LoadRequest") -> None:
-        from pytest_llmload.loader.faults import diagnose
+        from pytest_llmload.loader.faults import diagnose, said
 
         self.original = original
         diagnosis = diagnose(original)
         self.cause = diagnosis.cause if diagnosis else None
         self.fix = diagnosis.fix if diagnosis else None
-        said = f"\n  cause: {self.cause}.\n  fix: {self.fix}" if diagnosis else ""
         frames = _own_frames(original, loader_name)
         where = f"\n  in the loader's code: {' <- '.join(map(tracebacks.where, frames))}" if frames else ""
         where += "".join(f"\n    {line}" for line in _statement(frames[0])) if frames else ""
         super().__init__(f"loader error: {type(original).__name__}: {original} (loader {loader_name}, "
-                         f"{_phase_detail(request)}){said}{where}")
+                         f"{_phase_detail(request)}){said(diagnosis) if diagnosis else ''}{where}")
 
 
 class LoaderModelError(Portable, Exception):

@@ -12,7 +12,6 @@ Imports nothing heavy: the progress writer and the main job's parent use it.
 
 from __future__ import annotations
 
-import re
 import traceback
 from typing import Any, NamedTuple, Optional
 
@@ -46,6 +45,7 @@ def of_exception(exc: BaseException, failure: Any) -> Optional[Verdict]:
 
 
 def _judge(exc: BaseException, failure: Any) -> Optional[Verdict]:
+    from pytest_llmload.loader.faults import fix_in
     from pytest_llmload.loader.seam import LoaderContractError, LoaderError, LoaderModelError
     from pytest_llmload.runners.isolation import child_outcomes
 
@@ -57,14 +57,13 @@ def _judge(exc: BaseException, failure: Any) -> Optional[Verdict]:
         cause = {"ContractGap": "contract", "LoaderContractError": "contract", "LoaderError": "loader",
                  "LoaderModelError": "model", "LoaderFailedOnRank": "model"}.get(kind)
         if cause is not None:
-            fix = _FIX_LINE.search(str(exc))
-            return Verdict("error", None, cause, _whole(exc).partition(": ")[2], fix and fix[1].strip())
+            return Verdict("error", None, cause, _whole(exc).partition(": ")[2], fix_in(str(exc)))
     if isinstance(exc, LoaderContractError):
         return Verdict("error", None, "contract", _whole(exc))
     if isinstance(exc, LoaderError):
         return Verdict("error", None, "loader", _whole(exc), getattr(exc, "fix", None))
     if isinstance(exc, LoaderModelError):
-        return Verdict("error", None, "model", _whole(exc), getattr(exc, "fix", None))
+        return Verdict("error", None, "model", _whole(exc), getattr(exc, "fix", None) or fix_in(str(exc)))
     if tracebacks.is_passed_deadline(exc):
         in_loader = tracebacks.in_loader_call(tracebacks.exception_text(exc))
         return _hang(failure, in_loader, _first_line(exc))
@@ -73,10 +72,6 @@ def _judge(exc: BaseException, failure: Any) -> Optional[Verdict]:
     if type(exc) is AssertionError or type(exc).__name__ == "FailureObserved":
         return Verdict("failed", failure.id, "mechanism", _head(exc), getattr(failure, "fix", None))
     return _check_broke(exc)
-
-
-# The fix line of a loader error's message (seam.LoaderError), read back where the exception did not pickle.
-_FIX_LINE = re.compile(r"^\s*fix: (.+)$", re.MULTILINE)
 
 
 def _same_bug(judged: Verdict, failure: Any) -> Verdict:
@@ -150,12 +145,12 @@ def _hang(failure: Any, in_loader: bool, line: str) -> Verdict:
 
 
 def _check_broke(exc: BaseException, traceback_text: str = "") -> Verdict:
-    from pytest_llmload.loader.faults import MODEL_FAULTS, diagnose
+    from pytest_llmload.loader.faults import MODEL_FAULTS, diagnose, said
 
     found = diagnose(exc, traceback_text)
     if found is not None and found.fault in MODEL_FAULTS:  # the loader's model, not the check's code, raised it
         return Verdict("error", None, "model", f"the loader's model raised {type(exc).__name__}: {_first_line(exc)}"
-                                               f"\n  cause: {found.cause}.\n  fix: {found.fix}", found.fix)
+                                               f"{said(found)}", found.fix)
     frame = _own_frame(exc, traceback_text)
     return Verdict("error", None, "check",
                    f"the check itself broke (a bug in pytest-llmload, not a verdict on the loader): "

@@ -131,6 +131,13 @@ def test_a_fault_raised_in_a_child_is_known_by_the_frames_of_its_traceback_text(
     assert diagnose(back, text).fix == PAD_TOKEN_FIX
 
 
+def test_a_backward_with_no_gradient_path_says_enable_input_require_grads():
+    """torch's own refusal, raised where it raises it (torch.autograd); the LoRA case itself: tests/reports."""
+    found = diagnose(raised(lambda: (torch.ones(2) * 2).sum().backward()))
+    assert found is not None and found.fault == "no gradient path"
+    assert found.fix.startswith("model.enable_input_require_grads()")
+
+
 @pytest.mark.parametrize("backend, package", [("sentencepiece", "sentencepiece"), ("protobuf", "protobuf")])
 def test_a_slow_tokenizer_without_its_package_says_install_it_or_use_the_fast_one(monkeypatch, backend, package):
     from transformers.utils import import_utils

@@ -11,9 +11,11 @@ import xml.etree.ElementTree as ET
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 
 from fixtures import warm_runs
-from fixtures.loaders import fault_cuda_current_device, fault_pad_token
+from fixtures.loaders import fault_cuda_current_device, fault_pad_token, fault_reentrant_checkpointing
 from pytest_llmload.failures import BY_ID
 from pytest_llmload.loader.faults import DEVICE_FIX, PAD_TOKEN_FIX
 from pytest_llmload.loader.request import LoadRequest
@@ -24,6 +26,7 @@ from pytest_llmload.runners.isolation import ChildError
 pytestmark = pytest.mark.timeout(180)
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA pin is honoured on this machine")
 FAILURE = BY_ID["offload-hang"]
+TRANSFORMERS_5 = Version(transformers.__version__).major >= 5
 
 
 def raised(call) -> BaseException:
@@ -65,6 +68,23 @@ def test_the_pad_token_checks_model_error_carries_its_fix(llmload_checkpoint, tm
                                                        tmp_path))
     assert isinstance(error, LoaderModelError) and error.fix == PAD_TOKEN_FIX, error
     assert verdict.of_exception(error, FAILURE).fix == PAD_TOKEN_FIX
+
+
+def test_a_lora_model_checkpointed_reentrantly_cannot_train_and_its_row_says_enable_input_require_grads(
+        llmload_checkpoint, tmp_path):
+    """The fault is transformers 4.x's (reentrant by default there); transformers 5 with its peft trains it."""
+    from pytest_llmload.failures.meta_backward import check_train_request_trains
+
+    loader = as_loader_under_test(fault_reentrant_checkpointing.load)
+    if TRANSFORMERS_5:
+        check_train_request_trains(loader, llmload_checkpoint, tmp_path, variants=[(None, True, True)])
+        return
+    error = raised(lambda: check_train_request_trains(loader, llmload_checkpoint, tmp_path,
+                                                      variants=[(None, True, True)]))
+    judged = verdict.of_exception(error, BY_ID["meta-backward"])
+    assert (judged.kind, judged.cause) == ("error", "model"), judged
+    assert judged.fix.startswith("model.enable_input_require_grads()  # after loading"), judged
+    assert "cause: the loss has no gradient path to a trainable weight" in judged.sentence
 
 
 def test_a_failed_verdict_carries_its_known_failures_fix():
