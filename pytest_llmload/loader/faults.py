@@ -2,7 +2,8 @@
 
 A fault is known by what raised it, never by wording alone: the exception's type, the library whose frame raised it
 (the innermost installed frame: transformers' own check, torch's CUDA initialisation) and its text, in every wording
-of the stacks the project tests (transformers 4.56 and 5.x). An error row of the loader then says what to change
+of the stacks the project tests (transformers 4.56 and 5.x); and, beside the table, a name the loader's own code binds
+only under an ``if`` about a GPU (its source read). An error row of the loader then says what to change
 (``reason``, ``fix`` in the row record: ``--json``, JUnit, the HTML report, the table); anything not in the table is
 the loader's error as raised, with ``fix`` left empty.
 
@@ -18,8 +19,10 @@ Only the standard library and :mod:`pytest_llmload.system.tracebacks`: the verdi
 
 from __future__ import annotations
 
+import ast
 import re
 import sys
+import textwrap
 import traceback
 from typing import Callable, NamedTuple, Optional
 
@@ -189,7 +192,7 @@ def diagnose(exc: BaseException, traceback_text: str = "") -> Optional[Diagnosis
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        found = _diagnosed(exc, _raising_module(exc, traceback_text))
+        found = _diagnosed(exc, _raising_module(exc, traceback_text)) or _bound_only_where_a_gpu_is(exc)
         if found is not None:
             return found
         exc, traceback_text = exc.__cause__ or exc.__context__, ""
@@ -220,3 +223,51 @@ def _raising_module(exc: BaseException, traceback_text: str) -> str:
     else:
         modules = [path.replace("\\", "/").replace("/", ".") for path in _INSTALLED_FRAME.findall(traceback_text)]
     return next((module for module in reversed(modules) if module), "")
+
+
+# A local the loader read before binding it (3.11's words, then older Pythons'), and an `if` about a GPU.
+_UNBOUND = re.compile(r"(?:cannot access local variable|local variable) '(?P<name>\w+)'")
+_ABOUT_A_GPU = re.compile(r"cuda|xpu|gpu", re.IGNORECASE)
+
+
+def _bound_only_where_a_gpu_is(exc: BaseException) -> Optional[Diagnosis]:
+    """A name the loader's own code binds only under an ``if`` about a GPU, then reads on a runner without one
+    (qlora's ``if torch.cuda.is_available(): n_gpus = ...`` and then ``range(n_gpus)``): known by the
+    ``UnboundLocalError`` raised in the loader's own frame and by that function's source, every assignment of the
+    name under such an ``if``."""
+    import inspect
+
+    match = _UNBOUND.search(str(exc)) if isinstance(exc, UnboundLocalError) else None
+    if match is None or exc.__traceback__ is None:
+        return None
+    *_, (frame, _line) = traceback.walk_tb(exc.__traceback__)
+    if tracebacks.is_installed(frame.f_code.co_filename):
+        return None  # (a library's own bug)
+    try:
+        lines, first = inspect.getsourcelines(frame.f_code)
+        function = ast.parse(textwrap.dedent("".join(lines)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    guards = _guards_of(function, match["name"])
+    if not guards or not all(guard is not None and _ABOUT_A_GPU.search(guard[0]) for guard in guards):
+        return None
+    test, line = guards[0]
+    return Diagnosis(
+        "device pin",
+        f"the loader binds {match['name']} only where a GPU is (`if {test}:`, line {first + line - 1}) and then reads "
+        "it: on this runner without one it has no value",
+        f"{match['name']} = ...  # before `if {test}:`, its value where no GPU is (0 GPUs, \"cpu\")")
+
+
+def _guards_of(tree: ast.AST, name: str) -> list:
+    """For each assignment of ``name`` in ``tree``: ``(the test of its innermost enclosing if, that if's line)``, or
+    ``None`` where it is bound unconditionally."""
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    guards = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id == name and isinstance(node.ctx, ast.Store):
+            enclosing = parents.get(node)
+            while enclosing is not None and not isinstance(enclosing, (ast.If, ast.FunctionDef)):
+                enclosing = parents.get(enclosing)
+            guards.append((ast.unparse(enclosing.test), enclosing.lineno) if isinstance(enclosing, ast.If) else None)
+    return guards

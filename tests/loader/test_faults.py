@@ -181,6 +181,28 @@ def test_transformers_4s_auto_tokenizer_without_sentencepiece():
     assert diagnose(exc).fix.startswith("pip install sentencepiece  #")
 
 
+def test_a_name_the_loader_binds_only_where_a_gpu_is_says_to_bind_it_before(llmload_checkpoint):
+    """qlora's get_accelerate_model: `if torch.cuda.is_available(): n_gpus = ...`, then `range(n_gpus)`."""
+    from fixtures.corpus import qlora_accelerate_model
+
+    error = raised(lambda: call_loader(qlora_accelerate_model.load, LoadRequest(llmload_checkpoint)))
+    assert error.fix == 'n_gpus = ...  # before `if cuda_available:`, its value where no GPU is (0 GPUs, "cpu")', error
+    assert error.cause.startswith("the loader binds n_gpus only where a GPU is (`if cuda_available:`, line ")
+
+
+def _gpus_read_unbound(verbose: bool, gpus_elsewhere: bool):
+    if verbose:
+        n_gpus = 1
+    if gpus_elsewhere and torch.cuda.is_available():
+        n_gpus = torch.cuda.device_count()
+    return n_gpus
+
+
+@pytest.mark.parametrize("verbose, gpus_elsewhere", [(False, False), (False, True)])
+def test_a_name_bound_under_another_if_too_is_the_loaders_own_bug(verbose, gpus_elsewhere):
+    assert diagnose(raised(lambda: _gpus_read_unbound(verbose, gpus_elsewhere))) is None
+
+
 class _Model:
     def __init__(self):
         pass
