@@ -54,8 +54,10 @@ class LoaderFault(NamedTuple):
 # Keywords transformers 5 removed from from_pretrained (4.x took them with a deprecation warning); 5.x passes them on
 # to the model's __init__, which refuses them. torch_dtype -> dtype is only deprecated on 5.x: not a fault.
 REMOVED_KEYWORDS = {
-    "load_in_8bit": "quantization_config=BitsAndBytesConfig(load_in_8bit=True)",
-    "load_in_4bit": "quantization_config=BitsAndBytesConfig(load_in_4bit=True)",
+    "load_in_8bit": "quantization_config=BitsAndBytesConfig(load_in_8bit=True)  # in place of load_in_8bit=True; "
+                    "where the call already passes quantization_config=, only drop load_in_8bit=",
+    "load_in_4bit": "quantization_config=BitsAndBytesConfig(load_in_4bit=True)  # in place of load_in_4bit=True; "
+                    "where the call already passes quantization_config=, only drop load_in_4bit=",
     "use_auth_token": "token=<your token> (or nothing: the saved login is used)",
 }
 
@@ -135,6 +137,13 @@ FAULTS: tuple[LoaderFault, ...] = (
                       f"this runner cannot run ({match['why'].strip()})",
         lambda match: f'attn_implementation="flash_attention_{match["version"] or 2}" if '
                       'importlib.util.find_spec("flash_attn") and torch.cuda.is_available() else "sdpa"'),
+    LoaderFault(  # transformers 4.x's pipeline() builds its generation config from the model's: a second one refused
+        "pipeline keyword", ("TypeError",), ("transformers.pipelines",),
+        re.compile(r"got multiple values for keyword argument 'generation_config'"),
+        lambda match: f"pipeline(..., generation_config=...) is refused by {_installed_transformers()}: its pipeline "
+                      "passes a generation config of its own, built from the model's",
+        lambda match: "model.generation_config = generation_config  # before pipeline(...), and no generation_config= "
+                      "in the pipeline call"),
     LoaderFault(
         "pad token", ("IndexError",), ("torch.nn.functional",),
         re.compile(r"index out of range in self"),

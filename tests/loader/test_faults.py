@@ -15,7 +15,7 @@ import transformers
 from packaging.version import Version
 
 from fixtures.loaders import fault_cuda_current_device, fault_transformers4_keywords
-from pytest_llmload.loader.faults import DEVICE_FIX, PAD_TOKEN_FIX, diagnose
+from pytest_llmload.loader.faults import DEVICE_FIX, PAD_TOKEN_FIX, REMOVED_KEYWORDS, diagnose
 from pytest_llmload.loader.request import LoadRequest
 from pytest_llmload.loader.seam import LoaderError, call_loader
 
@@ -42,8 +42,8 @@ def transformers_file(name: str) -> str:
 
 @pytest.mark.skipif(not TRANSFORMERS_5, reason="transformers 4.x takes the keyword (with a deprecation warning)")
 @pytest.mark.parametrize("keyword, value, fix", [
-    ("load_in_8bit", True, "quantization_config=BitsAndBytesConfig(load_in_8bit=True)"),
-    ("load_in_4bit", True, "quantization_config=BitsAndBytesConfig(load_in_4bit=True)"),
+    ("load_in_8bit", True, REMOVED_KEYWORDS["load_in_8bit"]),
+    ("load_in_4bit", True, REMOVED_KEYWORDS["load_in_4bit"]),
     ("use_auth_token", "hf_x", "token=<your token> (or nothing: the saved login is used)"),
 ])
 def test_a_keyword_transformers_5_removed_names_the_version_and_its_replacement(llmload_checkpoint, keyword, value,
@@ -63,6 +63,25 @@ def test_both_keyword_styles_at_once_say_keep_the_quantization_config(llmload_ch
     found = diagnose(exc)
     assert found is not None and found.fault == "removed keyword", exc
     assert found.fix.startswith("quantization_config=BitsAndBytesConfig(load_in_4bit=True")
+    assert "drop load_in_4bit=" in found.fix  # (it already passes a quantization_config: keep it)
+
+
+def test_a_second_generation_config_handed_to_transformers_4s_pipeline(llmload_checkpoint):
+    """localGPT's style: pipeline(model=..., generation_config=GenerationConfig.from_pretrained(...)); 4.56's pipeline
+    passes its own and Python refuses the second (pipelines/base.py); 5.x takes it."""
+    message = ("GenerationMixin._prepare_generation_config() got multiple values for keyword argument "
+               "'generation_config'")
+    if TRANSFORMERS_5:
+        exc = as_raised_by(transformers_file("pipelines/base.py"), TypeError(message))
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(llmload_checkpoint)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(llmload_checkpoint)
+        config = transformers.GenerationConfig.from_pretrained(llmload_checkpoint)
+        exc = raised(lambda: transformers.pipeline("text-generation", model=model, tokenizer=tokenizer,
+                                                   generation_config=config))
+    found = diagnose(exc)
+    assert found is not None and found.fault == "pipeline keyword", exc
+    assert found.fix.startswith("model.generation_config = generation_config")
 
 
 def test_a_tokenizer_type_the_installed_transformers_does_not_know(llmload_checkpoint):
@@ -247,7 +266,7 @@ def test_the_loader_error_says_the_cause_and_the_fix_and_keeps_them_across_a_pro
 @pytest.mark.skipif(not TRANSFORMERS_5, reason="transformers 4.x takes the keywords")
 def test_transformers_4s_keywords_on_transformers_5_are_a_loader_error_with_the_replacement(llmload_checkpoint):
     error = raised(lambda: call_loader(fault_transformers4_keywords.load, LoadRequest(llmload_checkpoint)))
-    assert error.fix == "quantization_config=BitsAndBytesConfig(load_in_8bit=True)", error
+    assert error.fix == REMOVED_KEYWORDS["load_in_8bit"], error
     # the loader's statement whole, written over three lines: the keyword to change is on the last
     assert str(error).endswith('\n    model = AutoModelForCausalLM.from_pretrained(\n    '
                                '    request.model_path, local_files_only=True, torch_dtype=request.torch_dtype, '
