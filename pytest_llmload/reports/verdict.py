@@ -16,7 +16,7 @@ import traceback
 from typing import Any, NamedTuple, Optional
 
 # Report properties (report.user_properties; JUnit XML writes them as <property>), named once with the row's record.
-from pytest_llmload.reports.row import CAUSE_PROPERTY, FAILURE_PROPERTY, SENTENCE_PROPERTY, VERDICT_PROPERTY
+from pytest_llmload.reports.row import CAUSE_PROPERTY, FAILURE_PROPERTY, SENTENCE_PROPERTY, VERDICT_PROPERTY, Row
 from pytest_llmload.config.distribution import bug_report_address
 from pytest_llmload.system import tracebacks
 
@@ -33,25 +33,71 @@ class Verdict(NamedTuple):
                 (SENTENCE_PROPERTY, self.sentence)]
 
 
-def of_exception(exc: BaseException, failure: Any) -> Optional[Verdict]:
+def of_exception(exc: BaseException, failure: Any, check: Any = None) -> Optional[Verdict]:
     """The verdict of a check guarding ``failure`` (a :class:`~.base.KnownFailure`) that raised ``exc``; ``None``
-    for an outcome that is not a failure (a skip)."""
+    for an outcome that is not a failure (a skip). ``check`` (the :class:`~pytest_llmload.checks.base.Check` that
+    raised it): a crash in a repo's own check names that check's frame, not this project's."""
     if _is_skip(exc):
         return None
-    judged = _judge(exc, failure)
+    judged = _judge(exc, failure, check)
     if judged is not None and judged.kind == "error" and judged.cause in ("loader", "model"):
         return _same_bug(judged, failure)
     return judged
 
 
-def _judge(exc: BaseException, failure: Any) -> Optional[Verdict]:
+def row_of(check: Any, *, raised: Optional[BaseException] = None, skipped: Optional[str] = None,
+           xfail: Optional[tuple[bool, str]] = None, failed: Optional[str] = None, failed_in: str = "call",
+           died: Optional[str] = None, loader: Optional[str] = None, notes: tuple[str, ...] = (),
+           assumptions: tuple[str, ...] = (), prediction: Optional[dict] = None, not_run: bool = False) -> Row:
+    """The row of ``check`` (a :class:`~pytest_llmload.checks.base.Check`), built here once from what happened: it
+    returned (nothing given: ``passed``); it ``raised`` (judged here, :func:`of_exception`, also what its isolated
+    child or its ranks raised); it ``skipped`` (the skip reason: its kind from its words); ``xfail`` (whether it
+    failed, pytest's reason); it ``failed`` with no exception of its own to judge (a setup that failed,
+    ``failed_in``; a failure ``--llmload-strict`` made of a skip or an assumption); or its process ``died`` with
+    no answer (a lane: the sentence that says how). The rest is what the check's run carries: the loader that ran,
+    the notes it made wherever it ran, the assumptions among them, a prediction's record; ``not_run``: an ``error``
+    that did not wait (the loader under test hung in an earlier check).
+
+    >>> row_of(check, died="pytest's lane 1 ended (killed by SIGKILL) while this test ran").cause
+    'died'
+    """
+    from pytest_llmload.checks.base import DECLARED_NOT_APPLICABLE, NOT_EXERCISED
+    from pytest_llmload.reports.progress import failure_origin
+
+    judged = of_exception(raised, check.failure, check) if raised is not None else None
+    cause = None
+    if died is not None:
+        judged = Verdict("error", None, "died", died)
+    if xfail is not None:
+        verdict, sentence = ("xpassed" if xfail[0] else "xfailed"), xfail[1]
+    elif skipped is not None:
+        verdict = "not exercised" if skipped.startswith(NOT_EXERCISED) else \
+            "not applicable" if skipped.startswith(DECLARED_NOT_APPLICABLE) else "skipped"
+        sentence = skipped
+    elif judged is not None:
+        verdict, sentence, cause = judged.kind, judged.sentence, judged.cause
+    elif failed is not None:  # a setup or teardown that failed is an error, as pytest says
+        verdict, sentence = ("failed", failed) if failed_in == "call" else ("error", failed)
+        cause = failed_in if verdict == "error" else None
+    else:
+        verdict, sentence = "passed", ""
+    failure = judged.failure if judged is not None and verdict in ("failed", "predicted") else None
+    known = check.failure if failure == check.failure.id else None
+    return Row(check=check.name, verdict=verdict, guards=check.failure.id, failure=failure, cause=cause,
+               sentence=sentence, notes=tuple(notes), loader=loader,
+               fix=getattr(known, "fix", None) or getattr(judged, "fix", None),  # (a loader fault's: loader.faults)
+               guards_origin=failure_origin(check.failure), not_run=not_run and verdict == "error",
+               prediction=prediction, assumptions=tuple(assumptions))
+
+
+def _judge(exc: BaseException, failure: Any, check: Any = None) -> Optional[Verdict]:
     from pytest_llmload.loader.faults import fix_in
     from pytest_llmload.loader.seam import LoaderContractError, LoaderError, LoaderModelError
     from pytest_llmload.runners.isolation import child_outcomes
 
     outcomes = child_outcomes(exc)
     if outcomes is not None:  # an isolated child or the ranks: judge what they raised, then how they ended
-        return _of_children(exc, outcomes, failure)
+        return _of_children(exc, outcomes, failure, check)
     if type(exc).__name__ == "ChildError":  # raised in a child, did not pickle: its type is the message's head
         kind = str(exc).partition(":")[0]
         cause = {"ContractGap": "contract", "LoaderContractError": "contract", "LoaderError": "loader",
@@ -71,7 +117,7 @@ def _judge(exc: BaseException, failure: Any) -> Optional[Verdict]:
         return Verdict("predicted", getattr(exc, "failure", None), "prediction", _head(exc))
     if type(exc) is AssertionError or type(exc).__name__ == "FailureObserved":
         return Verdict("failed", failure.id, "mechanism", _head(exc), getattr(failure, "fix", None))
-    return _check_broke(exc)
+    return _check_broke(exc, check=check)
 
 
 def _same_bug(judged: Verdict, failure: Any) -> Verdict:
@@ -116,7 +162,7 @@ def children_end(outcomes: list) -> ChildrenEnd:
     return ChildrenEnd("died")
 
 
-def _of_children(exc: BaseException, outcomes: list, failure: Any) -> Verdict:
+def _of_children(exc: BaseException, outcomes: list, failure: Any, check: Any = None) -> Verdict:
     ending = children_end(outcomes)
     if ending.how == "hung":
         return _hang(failure, ending.in_loader, _first_line(exc))
@@ -125,9 +171,9 @@ def _of_children(exc: BaseException, outcomes: list, failure: Any) -> Verdict:
     verdicts = []
     for o in outcomes:
         if o.status == "raised" and isinstance(o.exception, BaseException) and not _is_skip(o.exception):
-            verdict = _judge(o.exception, failure)  # (the same-bug line is added once, to the row's verdict)
+            verdict = _judge(o.exception, failure, check)  # (the same-bug line is added once, to the row's verdict)
             if verdict is not None and verdict.cause == "check":  # its frames are in the rank's traceback text
-                verdict = _check_broke(o.exception, o.traceback or "")
+                verdict = _check_broke(o.exception, o.traceback or "", check)
             verdicts.append(verdict)
     verdicts = [v for v in verdicts if v is not None]
     for cause in ("mechanism", "contract", "loader", "model", "hang", "check"):  # the most telling first
@@ -144,26 +190,55 @@ def _hang(failure: Any, in_loader: bool, line: str) -> Verdict:
     return Verdict("error", None, "hang", f"{where}: {line}")
 
 
-def _check_broke(exc: BaseException, traceback_text: str = "") -> Verdict:
+def _check_broke(exc: BaseException, traceback_text: str = "", check: Any = None) -> Verdict:
     from pytest_llmload.loader.faults import MODEL_FAULTS, diagnose, said
 
     found = diagnose(exc, traceback_text)
     if found is not None and found.fault in MODEL_FAULTS:  # the loader's model, not the check's code, raised it
         return Verdict("error", None, "model", f"the loader's model raised {type(exc).__name__}: {_first_line(exc)}"
                                                f"{said(found)}", found.fix)
-    frame = _own_frame(exc, traceback_text)
+    text = _traceback_text(exc, traceback_text)
+    repos_frame = _repos_check_frame(check, text)
+    if repos_frame:  # a repo's own check (an extension): its code, not this project's, is what to fix
+        return Verdict("error", None, "check",
+                       f"the check {check.name} itself broke (a bug in the repo's own check, not a verdict on the "
+                       f"loader): {type(exc).__name__}: {_first_line(exc)} at {repos_frame}")
+    frame = tracebacks.innermost_own_frame(text)
     return Verdict("error", None, "check",
                    f"the check itself broke (a bug in pytest-llmload, not a verdict on the loader): "
                    f"{type(exc).__name__}: {_first_line(exc)}{' at ' + frame if frame else ''}; please report it "
                    f"with this traceback: {bug_report_address()}")
 
 
-def _own_frame(exc: BaseException, text: str = "") -> str:
-    """The innermost pytest_llmload frame of ``exc`` (raised in a child: of the child's traceback text)."""
-    if not text:
-        cause = exc.__cause__
-        text = str(cause) if type(cause).__name__ == "ChildTraceback" else "".join(traceback.format_tb(exc.__traceback__))
-    return tracebacks.innermost_own_frame(text)
+def _traceback_text(exc: BaseException, text: str = "") -> str:
+    """``exc``'s frames as printed (raised in a child: the child's traceback text)."""
+    if text:
+        return text
+    cause = exc.__cause__
+    return str(cause) if type(cause).__name__ == "ChildTraceback" else "".join(traceback.format_tb(exc.__traceback__))
+
+
+def _repos_check_frame(check: Any, text: str) -> str:
+    """The innermost frame of traceback ``text`` in the file of ``check``'s function, as ``name (path:line)``, where
+    that file is a repo's own (not this package's); ``''`` otherwise."""
+    import inspect
+    import os
+    import re
+
+    function = getattr(check, "function", None)
+    function = getattr(function, "func", function)  # (a partial: a GPU variant)
+    try:
+        path = inspect.getsourcefile(function) if function is not None else None
+    except TypeError:
+        return ""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not path or os.path.abspath(path).startswith(package + os.sep):
+        return ""
+    found = re.findall(rf'File "{re.escape(path)}", line (\d+), in (\S+)', text)
+    if not found:
+        return f"{check.name} ({path})"
+    line, name = found[-1]
+    return f"{name} ({path}:{line})"
 
 
 def _is_skip(exc: BaseException) -> bool:
