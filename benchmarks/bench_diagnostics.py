@@ -35,7 +35,8 @@ def main(runs: int = 15, phases: int = 2000) -> dict:
     from pytest_llmload import LoadRequest
     from pytest_llmload.loader.seam import call_loader
     from pytest_llmload.plugin.memory_limit import _CpuAllocations
-    from pytest_llmload.instruments.phases import PhaseRecorder, phase, recording, track_model
+    from pytest_llmload.instruments.phases import phase, recording, track_model
+    from pytest_llmload.instruments.recorder import PhaseRecorder
     from pytest_llmload.fixes.reference_loader import load_model_and_tokenizer
     from pytest_llmload.loader.tiny_models import build_tiny_checkpoint
 

@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from _timing import print_table, repo_env, time_test_runs  # noqa: E402
 
-from pytest_llmload.main_job import usable_cpus  # noqa: E402
+from pytest_llmload.main_job.process import usable_cpus  # noqa: E402
 
 BASE = [sys.executable, "-m", "pytest", "-n", "2", "-q", "-p", "no:randomly"]
 VARIANTS = {"whole": BASE, "inner": [*BASE, "-m", "not slow"]}

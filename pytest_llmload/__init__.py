@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import importlib
 
-from pytest_llmload import _old_paths
-
 _PUBLIC = {
     "LoadRequest": "pytest_llmload.loader.request",
     "LoadResult": "pytest_llmload.loader.seam",
@@ -25,8 +23,6 @@ _PUBLIC = {
     "contract": "pytest_llmload.checks",
 }
 __all__ = [*_PUBLIC, "__version__"]
-
-_old_paths.install()
 
 
 def __getattr__(name: str):

@@ -4,7 +4,7 @@ import sys
 
 
 def main() -> None:
-    from pytest_llmload.main_job import run
+    from pytest_llmload.main_job.cli import run
 
     sys.exit(run())
 

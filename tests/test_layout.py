@@ -1,25 +1,26 @@
 """The package's house rules (issue 37), read from its own files: folders by layer, no import from a lower layer up to
 a higher one (at module level or inside a function), no circle of imports, a docstring on every folder, every module
-named on docs/layout.md, and every import path the package had before its folders still working."""
+named on docs/layout.md, and no import hook of ours in the processes that load the plugin."""
 
 from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import re
+import sys
 from pathlib import Path
 
 import pytest
 
 import pytest_llmload
-from pytest_llmload import _old_paths
 
 PACKAGE = Path(pytest_llmload.__file__).parent
 REPO = PACKAGE.parent
 LAYOUT_PAGE = REPO / "docs" / "layout.md"
 
-# Lowest first: a module imports from its own layer or a lower one. The package's top (its __init__, __main__,
-# the old paths' aliases) and the shipped suite stand above every layer.
+# Lowest first: a module imports from its own layer or a lower one. The package's top (its __init__, __main__)
+# and the shipped suite stand above every layer.
 LAYERS = ("config", "system", "instruments", "runners", "loader", "fixes", "placement", "checks", "failures",
           "prediction", "reports", "plugin", "main_job")
 TOP = len(LAYERS)
@@ -114,7 +115,7 @@ def test_every_layer_is_a_folder_whose_init_says_what_it_holds():
         doc = ast.get_docstring(ast.parse(init.read_text()))
         assert doc and len(doc.split()) >= 8, f"{layer}/__init__.py has no docstring saying what the layer holds"
     loose = sorted(path.name for path in PACKAGE.glob("*.py")
-                   if path.name not in {"__init__.py", "__main__.py", "_old_paths.py"})
+                   if path.name not in {"__init__.py", "__main__.py"})
     assert not loose, f"modules outside the layers' folders: {loose}"
 
 
@@ -128,12 +129,14 @@ def test_the_layout_page_names_every_module_and_the_layers_in_order():
     assert re.findall(r"`(\w+)/`", order.group(1)) == list(LAYERS)
 
 
-@pytest.mark.parametrize("old", sorted(_old_paths.OLD_TO_NEW))
-def test_an_old_import_path_gives_the_module_at_its_new_home(old):
-    new = importlib.import_module(f"pytest_llmload.{_old_paths.OLD_TO_NEW[old]}")
-    assert importlib.import_module(f"pytest_llmload.{old}") is new
-    parent, _, leaf = f"pytest_llmload.{old}".rpartition(".")
-    assert getattr(importlib.import_module(parent), leaf) is new  # `from pytest_llmload import loading` too
+def test_no_import_hook_of_ours_is_on_sys_meta_path():
+    # This process imported pytest_llmload and loaded the plugin (its entry point): every pytest process of every repo
+    # that installs it does the same, so a finder of ours would sit in front of all their imports. No release had
+    # the paths one served (issue 47).
+    assert importlib.import_module("pytest_llmload.plugin")
+    ours = [finder for finder in sys.meta_path if type(finder).__module__.startswith("pytest_llmload")]
+    assert not ours, ours
+    assert importlib.util.find_spec("pytest_llmload.loading") is None  # a path from before the folders
 
 
 @pytest.mark.parametrize("name", sorted(pytest_llmload.__all__))

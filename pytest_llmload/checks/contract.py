@@ -87,7 +87,7 @@ class Facts(NamedTuple):
     compute_dtypes: tuple[str, ...]  # of the 4-bit layers (bnb_4bit_compute_dtype)
     adapter_weights: int  # adapter parameters (peft) present
     adapter_on_meta: int
-    offloaded: tuple[str, ...]  # ground_truth.offloaded_parts
+    offloaded: tuple[str, ...]  # device_map_summary.offloaded_parts
     devices: tuple[str, ...]
     vocab: Optional[int]  # rows of the input embeddings
     checkpoint_vocab: Optional[int]
@@ -182,7 +182,7 @@ def _answered_dtype(facts: Facts, request: LoadRequest) -> Optional[str]:
 
 def observe(model: Any, request: Optional[LoadRequest] = None) -> Facts:
     """The :class:`Facts` of ``model`` (``request``: where its checkpoint is, for the vocabulary)."""
-    from pytest_llmload.checks.ground_truth import offloaded_parts
+    from pytest_llmload.instruments.device_map_summary import offloaded_parts
 
     params = list(model.named_parameters())
     by_dtype: dict[str, int] = {}

@@ -19,7 +19,6 @@ from typing import Optional
 from pytest_llmload.instruments.phases import phase
 from pytest_llmload.instruments.recorder import track_model
 from pytest_llmload.fixes.training_memory import checkpoint_tensors
-from pytest_llmload.instruments.device_map_summary import offloaded_parts  # noqa: F401  (re-exported)
 from pytest_llmload.system import tracebacks
 
 

@@ -34,7 +34,7 @@ fail earlier and louder:
 
 The fix that worked in the field (tloen/alpaca-lora#368): one device, no offload -- load the base whole
 (``device_map={"": device}``), then the adapter; :mod:`pytest_llmload.fixes.adapters` does that
-(``adapter_placement_kwargs``, ``put_adapter``: also importable from here). The check's verdicts and the fix's
+(``adapter_placement_kwargs``, ``put_adapter``). The check's verdicts and the fix's
 refusals all carry the id (``TAG``).
 
 The check (see :mod:`pytest_llmload.failures.meta_backward` for the calling convention)::
@@ -59,14 +59,7 @@ from typing import Any
 
 from pytest_llmload.checks.base import Check, KnownFailure, not_exercised
 from pytest_llmload.checks import contract
-from pytest_llmload.fixes.adapters import (  # noqa: F401  (the fix; re-exported from its old home)
-    TAG,
-    AdapterBudgetError,
-    adapter_bytes,
-    adapter_placement_kwargs,
-    merge_and_dispatch,
-    put_adapter,
-)
+from pytest_llmload.fixes.adapters import TAG
 from pytest_llmload.loader.request import LoadRequest
 from pytest_llmload.loader.tiny_models import copy_tokenizer
 from pytest_llmload.checks.ground_truth import input_ids, offload_budget, plain_model, refusal_problem
@@ -109,7 +102,7 @@ FAILURE = KnownFailure(
         "Do not put an adapter on an offloaded base: load the base whole on one device (device_map={'': device}) "
         "and then the adapter (tloen/alpaca-lora#368); where the device's budget cannot hold it, load it whole on "
         "the host, merge_and_unload there and dispatch the merged model under the budget, or refuse the budget "
-        "before loading (pytest_llmload.failures.adapter_on_offloaded.adapter_placement_kwargs / put_adapter)."
+        "before loading (pytest_llmload.fixes.adapters.adapter_placement_kwargs / put_adapter)."
     ),
     occurs=("peft 0.x with accelerate offload (reproduced: peft 0.21, accelerate 1.15, transformers 5.23, "
             "torch 2.13, CPU with disk offload; and peft 0.17.1, accelerate 1.10.1, transformers 4.56.2 as a "

@@ -40,7 +40,7 @@ from typing import Any, Callable, Optional
 
 from pytest_llmload.checks.base import Check, KnownFailure, not_exercised
 from pytest_llmload.checks import contract
-from pytest_llmload.fixes.training_scripts import DISTRIBUTED_ENV_VARS, is_distributed, local_rank  # noqa: F401  (re-exported)
+from pytest_llmload.fixes.training_scripts import local_rank
 from pytest_llmload.loader.seam import LoaderModelError
 from pytest_llmload.instruments.probes import spy_classmethod
 from pytest_llmload.loader.request import LoadRequest

@@ -43,7 +43,6 @@ from typing import Any
 from pytest_llmload.checks.base import ASSUMED, Check, KnownFailure, not_exercised
 from pytest_llmload.checks import contract
 from pytest_llmload.config.vocabulary import SETTING
-from pytest_llmload.fixes.training_scripts import upcast_trainable_parameters  # noqa: F401  (re-exported)
 from pytest_llmload.loader.request import LoadRequest
 
 Loader = Callable[[LoadRequest], Any]

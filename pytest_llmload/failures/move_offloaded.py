@@ -39,7 +39,8 @@ from pytest_llmload.checks.base import Check, KnownFailure, not_exercised
 from pytest_llmload.checks import contract
 from pytest_llmload.loader.seam import LoaderError
 from pytest_llmload.loader.request import LoadRequest
-from pytest_llmload.checks.ground_truth import input_ids, offload_budget, offloaded_parts, where_loaded
+from pytest_llmload.checks.ground_truth import input_ids, offload_budget, where_loaded
+from pytest_llmload.instruments.device_map_summary import offloaded_parts
 from pytest_llmload.instruments.recorder import track_model
 from pytest_llmload.system.tracebacks import LOADING_LIBRARIES, is_library, module_of
 

@@ -29,7 +29,8 @@ from pytest_llmload.loader.faults import PAD_TOKEN_FIX
 from pytest_llmload.loader.seam import LoaderModelError
 from pytest_llmload.instruments.probes import deadline, record_network, record_writes, spy_classmethod, system_tempdir
 from pytest_llmload.loader.request import LoadRequest
-from pytest_llmload.checks.ground_truth import input_ids, offload_budget, offloaded_parts, plain_model, where_loaded
+from pytest_llmload.checks.ground_truth import input_ids, offload_budget, plain_model, where_loaded
+from pytest_llmload.instruments.device_map_summary import offloaded_parts
 from pytest_llmload.system.tracebacks import HANG_SIGNATURES
 
 Loader = Callable[[LoadRequest], Any]

@@ -37,17 +37,9 @@ from typing import Any, Optional
 
 from pytest_llmload.instruments import memory_probe
 from pytest_llmload.instruments.heartbeat import Clock
-# The record phases go to, and the heartbeat; imported from here too, where they lived before their own modules.
-from pytest_llmload.instruments.heartbeat import Heartbeat, heartbeat, stderr_line as _stderr_line  # noqa: F401
-from pytest_llmload.instruments.recorder import (  # noqa: F401
-    LoadedModel,
-    PhaseRecorder,
-    current_recorder,
-    note_deadline,
-    phase_table,
-    recording,
-    track_model,
-)
+from pytest_llmload.instruments.recorder import PhaseRecorder, current_recorder
+# The documented entry points (reference/api.md, docs/diagnostics.md) beside phase(): defined in recorder.
+from pytest_llmload.instruments.recorder import recording, track_model  # noqa: F401  (public here)
 from pytest_llmload.system.sizes import format_bytes
 
 

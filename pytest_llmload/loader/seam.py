@@ -15,16 +15,13 @@ import sys
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
 from pytest_llmload.system import tracebacks
-# The frame of call_loader below, as tracebacks and faulthandler print it (defined there, by this file's name).
-from pytest_llmload.system.tracebacks import LOADER_FRAME  # noqa: F401
-from pytest_llmload.config.vocabulary import (  # noqa: F401  (the names the plugin declares; read here)
+from pytest_llmload.config.vocabulary import (  # (the names the plugin declares; read here)
     HOOK_ATTRIBUTE,
     HOOK_INI,
     HOOK_OPTION,
     DTYPES_ATTRIBUTE,
     NOT_APPLICABLE_ATTRIBUTE,
     PURPOSES_ATTRIBUTE,
-    PURPOSES_INI,
     LOADER_ENV as ENV_VAR,
     LOADER_INI as INI_KEY,
     LOADER_OPTION as OPTION,

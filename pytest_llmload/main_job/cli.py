@@ -65,10 +65,6 @@ class _Parser(argparse.ArgumentParser):
             self.description, self.epilog = plain
 
 
-# The main job's --strict before issue 39: it read like pytest's old --strict (now --strict-markers). One release.
-DEPRECATED_STRICT = "--strict"
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="llmload",
@@ -85,7 +81,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(FAIL_NOT_EXERCISED, action="store_true",
                         help="count a check that could not judge the loader (skipped 'not exercised') as failed "
                         "(pytest: --llmload-strict)")
-    parser.add_argument(DEPRECATED_STRICT, action="store_true", dest="deprecated_strict", help=argparse.SUPPRESS)
     parser.add_argument(WAIT_AFTER_HANG, action="store_true",
                         help="after the loader hangs in one check, run every other check to its deadline too "
                         "(default: they fail at once, naming the hang)")
@@ -211,10 +206,6 @@ def run(argv: Optional[list[str]] = None, out=None, popen=None) -> int:
     """The main job: its exit code. ``popen`` starts its pytest child (:class:`~.process.MainJob`)."""
     out = out or sys.stdout
     args = build_parser().parse_args(argv)
-    if args.deprecated_strict:
-        print(f"llmload: warning: {DEPRECATED_STRICT} is deprecated and will be removed in the next release: it is "
-              f"{FAIL_NOT_EXERCISED} now (a name that cannot be taken for pytest's old --strict).", file=sys.stderr)
-        args.fail_not_exercised = True
     if args.print_constraints:
         from pytest_llmload.config.distribution import tested_constraints
 

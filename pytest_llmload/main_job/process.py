@@ -296,7 +296,7 @@ class MainJob:
     def crash_rows(self, code: int, what: str = "pytest itself ended") -> list[dict]:
         """The rows of the checks that were running when pytest itself ended abnormally (a signal, an internal
         error), or ended with no result for a check it had started: one, or one a lane."""
-        from pytest_llmload.runners.isolation import describe_exitcode
+        from pytest_llmload.runners.children import describe_exitcode
 
         how = describe_exitcode(code) if code < 0 else f"exit code {code}"
         return self._running_rows(f"{what} ({how}) while this check ran; its output: {self.log_path}")

@@ -300,7 +300,7 @@ class Lanes:
         if nodeid is None or nodeid in self.finished:
             return
         from pytest_llmload.reports import verdict
-        from pytest_llmload.runners.isolation import describe_exitcode
+        from pytest_llmload.runners.children import describe_exitcode
 
         item = next(i for i in self.items if i.nodeid == nodeid)
         how = describe_exitcode(code) if code < 0 else f"exit code {code}"

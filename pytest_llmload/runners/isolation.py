@@ -24,9 +24,8 @@ never touches CUDA, and ``fn``, its arguments and its result go by pickle. Keep 
 isolated calls and the test process stays forkable.
 
 This module holds one isolated call: its deadline, and how its child's end is raised here. Starting the child and
-hearing back from it is :mod:`.children`'s, the one path the ranks (:mod:`.ranks`) take too; its names that callers
-import from here are re-exported. This module imports nothing heavy: the pytest plugin imports it on every run
-that isolates a test.
+hearing back from it is :mod:`.children`'s, the one path the ranks (:mod:`.ranks`) take too. This module imports
+nothing heavy: the pytest plugin imports it on every run that isolates a test.
 """
 
 from __future__ import annotations
@@ -38,16 +37,7 @@ import sys
 from pytest_llmload.runners import children
 from pytest_llmload.system import tracebacks
 from pytest_llmload.runners.child_output import LOG_TAIL_LINES, STACK_WAIT_S, trim_stacks
-# Names importers read here, from before the child's start moved to children (the main job, the lanes, the
-# tests' forked runs): re-exported.
-from pytest_llmload.runners.children import (  # noqa: F401
-    ChildOutcome,
-    cuda_initialised,
-    describe_exitcode,
-    forking_quietly,
-    start_child,
-    start_method,
-)
+from pytest_llmload.runners.children import ChildOutcome
 
 # Room, inside an outer deadline (pytest-timeout's alarm), for taking the child's stacks and reaping it.
 DEADLINE_MARGIN_S = STACK_WAIT_S + 1.0

@@ -38,7 +38,7 @@ from typing import Any, Callable, NamedTuple, Optional
 from pytest_llmload.system import gpus, tracebacks
 from pytest_llmload.runners import children, isolation, wire
 from pytest_llmload.runners.child_output import LOG_TAIL_LINES
-from pytest_llmload.runners.children import ChildOutcome, describe_exitcode  # noqa: F401  (part of this API)
+from pytest_llmload.runners.children import ChildOutcome
 
 # ---------------------------------------------------------------------------------------------------------
 # Running a function on N ranks

@@ -106,7 +106,8 @@ calls: list = []
 
 def test_a_loader_of_one_dtype_is_asked_again_in_it_with_its_budget_resized(llmload_checkpoint, tmp_path):
     from pytest_llmload.config.stash_keys import collecting_notes
-    from pytest_llmload.checks.ground_truth import offload_budget, offloaded_parts
+    from pytest_llmload.checks.ground_truth import offload_budget
+    from pytest_llmload.instruments.device_map_summary import offloaded_parts
 
     calls.clear()
     contract._ANSWERED_DTYPE.clear()

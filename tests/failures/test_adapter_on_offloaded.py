@@ -22,7 +22,9 @@ from fixtures.loaders import before_adapter_on_offloaded
 from pytest_llmload import LoadRequest, call_loader
 from pytest_llmload.checks import ground_truth
 from pytest_llmload.failures import adapter_on_offloaded as aoo
+from pytest_llmload.fixes import adapters
 from pytest_llmload.fixes.reference_loader import load_model_and_tokenizer as reference_loader
+from pytest_llmload.instruments.device_map_summary import offloaded_parts
 from pytest_llmload.loader.transformers_compat import dtype_kwarg
 
 pytestmark = pytest.mark.timeout(120)
@@ -255,11 +257,11 @@ def fixed_loader(request):
 
     placement = placement_kwargs(request)
     if request.adapter_path is not None:
-        placement = aoo.adapter_placement_kwargs(request, placement)
+        placement = adapters.adapter_placement_kwargs(request, placement)
     model = AutoModelForCausalLM.from_pretrained(request.model_path, local_files_only=True,
                                                  **dtype_kwarg(request.torch_dtype), **placement)
     if request.adapter_path is not None:
-        model = aoo.put_adapter(model, request)
+        model = adapters.put_adapter(model, request)
     return model.eval()
 
 
@@ -274,7 +276,7 @@ def test_the_fix_refuses_an_offloading_budget_before_loading(llmload_checkpoint,
         raise AssertionError("from_pretrained was called: the refusal came after loading started")
 
     monkeypatch.setattr(PreTrainedModel, "from_pretrained", classmethod(no_load))
-    with pytest.raises(aoo.AdapterBudgetError) as excinfo:
+    with pytest.raises(adapters.AdapterBudgetError) as excinfo:
         fixed_loader(offloading_request(llmload_checkpoint, tmp_path, adapter))
     message = str(excinfo.value)
     assert "base + adapter need 766.2 KiB but max_memory={'cpu': 377984} gives cpu 369.1 KiB" in message
@@ -289,15 +291,15 @@ def test_the_fix_serves_the_adapter_whole_when_it_fits(llmload_checkpoint, adapt
 
     request = offloading_request(llmload_checkpoint, tmp_path, adapter).replace(max_memory=max_memory)
     model = fixed_loader(request)
-    assert isinstance(model, PeftModel) and ground_truth.offloaded_parts(model) == []
+    assert isinstance(model, PeftModel) and offloaded_parts(model) == []
     assert greedy(model) == greedy(merged_whole(llmload_checkpoint, adapter))
 
 
 def test_put_adapter_refuses_an_already_offloaded_base(llmload_checkpoint, adapter, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     request = offloading_request(llmload_checkpoint, tmp_path, adapter)
-    with pytest.raises(aoo.AdapterBudgetError, match=r"adapter-on-offloaded: the base model is offloaded \(29 of 39"):
-        aoo.put_adapter(offloaded_base(request), request)
+    with pytest.raises(adapters.AdapterBudgetError, match=r"adapter-on-offloaded: the base model is offloaded \(29 of 39"):
+        adapters.put_adapter(offloaded_base(request), request)
 
 
 def test_check_passes_on_the_reference_loader(llmload_checkpoint, tmp_path):
@@ -323,7 +325,7 @@ def merged_then_offloaded(request):
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(request.model_path, device_map={"": "cpu"}, local_files_only=True)
-    return aoo.merge_and_dispatch(PeftModel.from_pretrained(base, request.adapter_path), request.max_memory_dict,
+    return adapters.merge_and_dispatch(PeftModel.from_pretrained(base, request.adapter_path), request.max_memory_dict,
                                   request.offload_folder)
 
 
@@ -335,7 +337,7 @@ def test_check_passes_on_other_correct_loaders(loader, llmload_checkpoint, tmp_p
 def test_the_merged_model_really_is_offloaded(llmload_checkpoint, adapter, tmp_path):
     model = merged_then_offloaded(offloading_request(llmload_checkpoint, tmp_path, adapter))
     assert "disk" in set(map(str, model.hf_device_map.values()))
-    assert ground_truth.offloaded_parts(model)
+    assert offloaded_parts(model)
     assert greedy(model) == greedy(merged_whole(llmload_checkpoint, adapter))
 
 

@@ -19,7 +19,7 @@ from fixtures.loaders import before_distributed_device_map
 from pytest_llmload import LoadRequest, call_loader
 from pytest_llmload.system import gpus
 from pytest_llmload.failures import distributed_device_map as check
-from pytest_llmload.failures.distributed_device_map import is_distributed
+from pytest_llmload.fixes.training_scripts import is_distributed
 from pytest_llmload.fixes.reference_loader import load_model_and_tokenizer as reference_loader
 from pytest_llmload.fixes.reference_loader import placement_kwargs
 

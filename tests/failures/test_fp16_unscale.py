@@ -17,6 +17,7 @@ from pytest_llmload import LoadRequest, call_loader
 from pytest_llmload import failures as catalog
 from pytest_llmload.failures import fp16_unscale
 from pytest_llmload.fixes.reference_loader import load_model_and_tokenizer as reference_loader
+from pytest_llmload.fixes.training_scripts import upcast_trainable_parameters
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -151,7 +152,7 @@ def reference_with_the_fix(request):
     """The reference loader with the wiring it needs: upcast what will be trained."""
     model, tokenizer = reference_loader(request)
     if request.purpose == "train":
-        fp16_unscale.upcast_trainable_parameters(model)
+        upcast_trainable_parameters(model)
     return model, tokenizer
 
 
@@ -164,17 +165,17 @@ def test_upcast_keeps_frozen_weights_float16_and_tied_weights_tied(llmload_check
 
     model = call_loader(before_fp16_unscale.load, fp16_train_request(llmload_checkpoint, lora=True)).model
     frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
-    names = fp16_unscale.upcast_trainable_parameters(model)
+    names = upcast_trainable_parameters(model)
     assert len(names) == tiny_llama.LORA_WEIGHTS and all("lora_" in n for n in names)
     params = dict(model.named_parameters())
     assert {params[n].dtype for n in names} == {torch.float32}
     assert {params[n].dtype for n in frozen} == {torch.float16}
-    assert fp16_unscale.upcast_trainable_parameters(model) == []  # idempotent
+    assert upcast_trainable_parameters(model) == []  # idempotent
 
     full = call_loader(before_fp16_unscale.load, fp16_train_request(llmload_checkpoint, lora=False)).model
     full.lm_head.weight = full.model.embed_tokens.weight  # tie them, as tie_word_embeddings does
     before = full.lm_head.weight
-    fp16_unscale.upcast_trainable_parameters(full)
+    upcast_trainable_parameters(full)
     assert full.lm_head.weight is full.model.embed_tokens.weight is before
     assert before.dtype == torch.float32
 

@@ -258,38 +258,19 @@ def test_a_check_that_exercised_nothing_skips_and_fail_not_exercised_fails_it(od
     assert strict.stderr == "", strict.stderr
 
 
-class _EndedAtOnce:
-    """A pytest child that has ended with ``code`` before writing anything (for what the parent decides alone)."""
-
-    def __init__(self, command, code):
-        self.command, self.code, self.pid = command, code, 0
-
-    def poll(self):
-        return self.code
-
-    def wait(self, timeout=None):
-        return self.code
-
-
-def test_the_old_strict_spelling_still_works_for_a_release_and_says_so(capsys):
-    """``--strict`` read like pytest's own old ``--strict`` (issue 39): it is ``--fail-not-exercised`` now, the old
-    spelling kept one release with a sentence saying so."""
-    from pytest_llmload.main_job import run
-
-    started = []
+def test_strict_is_not_an_option_of_the_main_job(capsys):
+    """``--strict`` read like pytest's own old ``--strict`` (issue 39); no release had it: ``--fail-not-exercised``
+    is the one spelling, and ``--strict`` a usage error that starts nothing (issue 47)."""
+    from pytest_llmload.main_job.cli import build_parser, run
 
     def popen(command, **kwargs):
-        started.append(_EndedAtOnce(command, 4))
-        return started[-1]
+        pytest.fail(f"a usage error started pytest: {command}")
 
-    assert run(["--strict", "-k", "pad_token"], popen=popen) == 4  # (the child's usage error: passed on as it is)
-    assert "--llmload-strict" in started[0].command
-    err = capsys.readouterr().err
-    assert err.startswith("llmload: warning: --strict is deprecated and will be removed in the next release: it is "
-                          "--fail-not-exercised now"), err
-    from pytest_llmload.main_job import build_parser
-
-    assert "--fail-not-exercised" in build_parser().format_help() and "--strict " not in build_parser().format_help()
+    with pytest.raises(SystemExit) as exited:
+        run(["--strict", "-k", "pad_token"], popen=popen)
+    assert exited.value.code == 4
+    assert "llmload: error: unrecognized arguments: --strict" in capsys.readouterr().err
+    assert "--fail-not-exercised" in build_parser().format_help()
 
 
 def test_a_loaders_keyboard_interrupt_is_an_interruption_with_the_rows_so_far(odd_loaders):
@@ -583,7 +564,7 @@ ROWS = [  # the progress file's records, as the parent reads them
 
 @pytest.mark.parametrize("columns", [40, 80, 120, 200])
 def test_the_table_fits_any_width_and_loses_no_name(columns):
-    from pytest_llmload.main_job import summary_table
+    from pytest_llmload.main_job.table import summary_table
     from pytest_llmload.main_job.process import progress_row
 
     lines = summary_table(ROWS, columns)
@@ -627,7 +608,7 @@ def test_prose_breaks_at_spaces_a_tables_names_inside_too():
 
 
 def test_the_table_keeps_one_line_a_row_where_that_fits():
-    from pytest_llmload.main_job import summary_table
+    from pytest_llmload.main_job.table import summary_table
 
     whole = summary_table(ROWS)  # (the log's copy: no width)
     assert len(whole) == len(ROWS) + 2 and whole[3].endswith(f"  skipped ({ROWS[1]['reason']})     0.20s"), whole
@@ -636,7 +617,7 @@ def test_the_table_keeps_one_line_a_row_where_that_fits():
 
 
 def test_the_main_job_turns_off_the_house_plugins_unless_asked_after_the_double_dash():
-    from pytest_llmload.main_job import pytest_command
+    from pytest_llmload.main_job.process import pytest_command
 
     plain = pytest_command(None, None, Path("progress"), [])
     assert {"no:randomly", "no:pytest_cov", "no:xdist", "no:anyio", "no:html", "no:metadata"} <= set(plain)
@@ -651,7 +632,7 @@ def test_the_main_job_turns_off_the_house_plugins_unless_asked_after_the_double_
 def test_the_main_job_loads_no_conftest_from_the_folders_above_the_shipped_suite():
     # From a checkout (an editable install, a venv inside a repo) pytest loaded the repo's own conftest.py: this repo's
     # made the GPU-less server cold, and every gloo rank of the H200's main job imported the stack (issue 40).
-    from pytest_llmload.main_job import pytest_command
+    from pytest_llmload.main_job.process import pytest_command
     from pytest_llmload.main_job.process import SUITE_DIR
 
     argv = pytest_command(None, None, Path("progress"), [])
@@ -776,7 +757,8 @@ def test_a_check_that_started_and_has_no_result_gets_a_row_saying_so(tmp_path):
     import io
     import time as clock
 
-    from pytest_llmload.main_job import MainJob, table
+    from pytest_llmload.main_job import table
+    from pytest_llmload.main_job.process import MainJob
 
     log = tmp_path / "pytest.log"
     log.write_text("...")

@@ -68,7 +68,7 @@ def test_a_run_that_never_uses_the_plugin_imports_only_its_vocabulary_and_fixtur
     pytester.makepyfile("def test_plain(): pass\n")
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "llmload", *args)
     result.assert_outcomes(passed=1)
-    expected = sorted({"pytest_llmload", "pytest_llmload._old_paths", "pytest_llmload.config", "pytest_llmload.plugin", "pytest_llmload.plugin.fixtures", "pytest_llmload.plugin.hookspecs", "pytest_llmload.config.stash_keys",
+    expected = sorted({"pytest_llmload", "pytest_llmload.config", "pytest_llmload.plugin", "pytest_llmload.plugin.fixtures", "pytest_llmload.plugin.hookspecs", "pytest_llmload.config.stash_keys",
                        "pytest_llmload.plugin.hooks", "pytest_llmload.config.settings", "pytest_llmload.config.vocabulary",
                        *(f"pytest_llmload.{name}" for name in header)})
     result.stdout.fnmatch_lines([f"PACKAGE IMPORTED: {expected}".replace("[", "[[]")])

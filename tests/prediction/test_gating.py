@@ -84,7 +84,8 @@ def test_the_main_job_shows_a_prediction_it_does_not_gate_on_and_exits_0(gated, 
     import argparse
     import io
 
-    from pytest_llmload.main_job import MainJob, table
+    from pytest_llmload.main_job import table
+    from pytest_llmload.main_job.process import MainJob
     from pytest_llmload.prediction.predict import bare_record
 
     (tmp_path / "pytest.log").write_text("...")

@@ -105,11 +105,11 @@ def test_the_shipped_architectures_build(tmp_path):
 
 def test_the_main_job_refuses_a_config_transformers_refuses_as_a_usage_error_naming_its_own_option(tmp_path):
     """Through the main job: its pytest refuses the config at configure; no row runs, no row says 'bug'."""
-    from pytest_llmload import main_job
+    from pytest_llmload.main_job import process
 
     directory = _config(tmp_path, hidden_act="nope")
     run = warm_runs.main_job("--runner", "1xH100-80GB", "--model", directory, "-k", "predict_inference_load",
                              cwd=tmp_path)
-    assert run.returncode == main_job.EXIT_USAGE, run.stdout + run.stderr
+    assert run.returncode == process.EXIT_USAGE, run.stdout + run.stderr
     assert f"--model {directory!r}: {tmp_path / 'config.json'}: transformers" in run.stderr, run.stderr
     assert "the field hidden_act='nope'" in run.stderr and "please report" not in run.stdout + run.stderr

@@ -308,15 +308,15 @@ def test_a_runner_that_is_not_a_profile_is_a_usage_error(pytester):
 
 
 def test_the_main_job_lists_runners_and_models_and_refuses_a_bad_one(capsys):
-    from pytest_llmload import main_job
+    from pytest_llmload.main_job import cli, process
 
-    assert main_job.run(["--list-runners"]) == main_job.EXIT_OK
+    assert cli.run(["--list-runners"]) == process.EXIT_OK
     assert "8xH100-80GB: 8 x NVIDIA H100 80GB HBM3 (79.6 GiB each)" in capsys.readouterr().out
-    assert main_job.run(["--list-models"]) == main_job.EXIT_OK
+    assert cli.run(["--list-models"]) == process.EXIT_OK
     assert "llama-3-70b (llama, 80 layers)" in capsys.readouterr().out
-    assert main_job.run(["--runner", "8xH100"]) == main_job.EXIT_USAGE
+    assert cli.run(["--runner", "8xH100"]) == process.EXIT_USAGE
     assert "--runner '8xH100' is neither a shipped runner profile" in capsys.readouterr().err
-    assert main_job.run(["--model", "llama-3-70b"]) == main_job.EXIT_USAGE
+    assert cli.run(["--model", "llama-3-70b"]) == process.EXIT_USAGE
     assert "add --runner" in capsys.readouterr().err
 
 
