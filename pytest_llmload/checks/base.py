@@ -145,39 +145,41 @@ class Check(NamedTuple):
     def __call__(self, loader: Any, checkpoint: Path, workdir: Path, **options: Any) -> None:
         """Run the check. ``options`` go to the check function where it takes them (``prepare_args``: the
         training script's hook for the Trainer check); others are ignored, so one set fits every check."""
-        from pytest_llmload.config.stash_keys import configured_check_options
-        from pytest_llmload.loader.seam import as_loader_under_test, training_args_hook
-        from pytest_llmload.config.vocabulary import SETTING, TRAINING_DECLARATIONS
+        from pytest_llmload.loader.seam import as_loader_under_test
 
         args = (as_loader_under_test(loader), Path(checkpoint), Path(workdir))
-        accepted = _keywords(self.function)
-        given = {k: v for k, v in options.items() if v is not None}
-        options = {**configured_check_options.get(), **given}  # what the test passes wins over the configuration
-        if "prepare_args" in accepted and options.get("prepare_args") is None:
-            options["prepare_args"] = training_args_hook(args[0])  # the loader's own, where it names one
-        for keyword in TRAINING_DECLARATIONS:  # how the repo trains: the configuration, else the loader's attribute
-            if keyword in accepted and options.get(keyword) is None:
-                options[keyword] = bool(getattr(args[0].function, SETTING[keyword].ini, False))
-        kwargs = {k: v for k, v in options.items() if k in accepted and v is not None}
         reason = self.inapplicable_reason(args[0])
         if reason is not None:
             import pytest
 
             pytest.skip(reason)
+        kwargs = self.options_for(args[0], options)
         if self.forks:  # its children inherit these instead of each importing them
-            from pytest_llmload.config.stash_keys import add_note
-            from pytest_llmload.runners.preload import preload_failure, preload_for_isolated_checks
-
-            failed_before = preload_failure()
-            if failed_before is not None:  # the first cause, which an import error in this check may be a result of
-                add_note(f"importing the checks' libraries before the lanes forked failed first with {failed_before}")
-            preload_for_isolated_checks(args[1], peft=self.uses_peft)
+            _preload_for_children(args[1], peft=self.uses_peft)
         if not self.isolated:
             return self.function(*args, **kwargs)
         from pytest_llmload.runners import isolation
 
         isolation.run_isolated(self.function, args, kwargs, timeout=self.timeout, label=self.name,
                                render=isolation.render_failure)
+
+    def options_for(self, loader: Any, given: dict[str, Any]) -> dict[str, Any]:
+        """The keywords the check function takes, by the one precedence: what the test passes (``given``), else the
+        run's :class:`~pytest_llmload.config.stash_keys.Configuration` (the plugin's, around a test that runs a
+        check), else the loader's own attributes."""
+        from pytest_llmload.config.stash_keys import configured
+        from pytest_llmload.config.vocabulary import TRAINING_DECLARATIONS
+        from pytest_llmload.loader.seam import training_args_hook
+
+        accepted = _keywords(self.function)
+        configuration = configured.get()
+        options = {**configuration.check_options(), **{k: v for k, v in given.items() if v is not None}}
+        if "prepare_args" in accepted and options.get("prepare_args") is None:
+            options["prepare_args"] = training_args_hook(loader)  # the loader's own, where it names one
+        for keyword in TRAINING_DECLARATIONS:  # how the repo trains
+            if keyword in accepted and options.get(keyword) is None:
+                options[keyword] = configuration.declares(keyword, loader)
+        return {k: v for k, v in options.items() if k in accepted and v is not None}
 
     def on_gpu(self) -> "Check":
         """The same check on ``cuda:0`` (the write-ups' own setup), named ``<name>_cuda``, needing 1 GPU."""
@@ -244,6 +246,18 @@ class OnCuda:
 
     def __repr__(self) -> str:
         return f"<check {self.__name__} ({self.__module__})>"
+
+
+def _preload_for_children(checkpoint: Path, *, peft: bool) -> None:
+    """What a check's children inherit instead of each importing it, imported once in this process; a preload that
+    failed before (the lanes') is noted first: an import error in this check may be a result of it."""
+    from pytest_llmload.config.stash_keys import add_note
+    from pytest_llmload.runners.preload import preload_failure, preload_for_isolated_checks
+
+    failed_before = preload_failure()
+    if failed_before is not None:
+        add_note(f"importing the checks' libraries before the lanes forked failed first with {failed_before}")
+    preload_for_isolated_checks(checkpoint, peft=peft)
 
 
 def _keywords(function: Callable) -> frozenset:

@@ -1,27 +1,72 @@
-"""What the plugin keeps on ``config.stash`` and in context for one run: the loader and hook chosen at configure,
-and the options every check gets (one floor below the plugin, its fixtures and the loader seam, which all read
-them). Imports pytest only."""
+"""What the plugin keeps on ``config.stash`` and in context for one run: its :class:`Configuration`, read once at
+configure, and the notes a row collects (one floor below the plugin, its fixtures, the checks and the loader seam,
+which all read them). Imports pytest only."""
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
+import functools
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Callable, Optional
 
 import pytest
 
-loader_choice_key = pytest.StashKey["LoaderChoice"]()
-hook_choice_key = pytest.StashKey["LoaderChoice | None"]()  # the training-args hook configured, if any
+
+@dataclasses.dataclass(frozen=True)
+class Configuration:
+    """The run's configuration, read once at configure into this one frozen record (``config.stash`` under
+    :data:`configuration_key`): the plugin's hooks, its fixtures, the checks and the predictions take it as it is;
+    none reads an option, ini key or environment variable again.
+
+    Precedence, stated once: the option, else the environment variable (the loader's, ``$PYTEST_LLMLOAD_LOADER``),
+    else the ini key, else the default; what a loader declares about itself (its purposes, dtypes, the checks that do
+    not apply, how the repo trains, its training-args hook): the configuration, else the loader's own attribute.
+    The loader and the hook are imported on first use, once a run (:attr:`loader_function`, :attr:`hook_function`)."""
+
+    loader: Any = None  # the loader spec chosen and where it came from (a loader.seam.LoaderChoice)
+    training_args_hook: Any = None  # the training script's hook configured (a LoaderChoice), or None
+    loader_declarations: tuple[tuple[str, Any], ...] = ()  # (LoaderUnderTest field, value) the configuration declares
+    trains: frozenset[str] = frozenset()  # the training declarations set (vocabulary.TRAINING_DECLARATIONS)
+    strict: bool = False  # llmload_strict: a check that did not judge fails
+    import_spec: Optional[Callable[[Any], Callable]] = dataclasses.field(default=None, repr=False, compare=False)
+
+    @functools.cached_property
+    def loader_function(self) -> Callable:
+        """The loader's callable, imported on first use (a failed import raises each time it is asked)."""
+        return self.import_spec(self.loader)
+
+    @functools.cached_property
+    def hook_function(self) -> Optional[Callable]:
+        """The configured training-args hook, imported on first use; ``None`` where none is configured."""
+        return None if self.training_args_hook is None else self.import_spec(self.training_args_hook)
+
+    def declares(self, keyword: str, loader: Any) -> bool:
+        """Whether the repo declares training ``keyword`` for ``loader`` (a loader under test or its function): the
+        configuration, else the loader function's attribute of the keyword's ini name."""
+        from pytest_llmload.config.vocabulary import SETTING
+
+        return keyword in self.trains or bool(getattr(getattr(loader, "function", loader), SETTING[keyword].ini, False))
+
+    def check_options(self) -> dict[str, Any]:
+        """What the configuration gives every check: each training declaration it sets, and ``prepare_args``, the
+        configured hook (imported here, once)."""
+        options: dict[str, Any] = dict.fromkeys(sorted(self.trains), True)
+        hook = self.hook_function
+        return options if hook is None else {**options, "prepare_args": hook}
+
+
+configuration_key = pytest.StashKey[Configuration]()
 prediction_key = pytest.StashKey[tuple]()  # (runner profiles, (model name, config)) the predictions run for
 prediction_record_key = pytest.StashKey[dict]()  # a prediction test's Prediction.record(): its row carries it
 checks_key = pytest.StashKey[tuple]()  # every check of the run: built-in, installed extensions, the `checks` setting
-declared_key = pytest.StashKey[dict]()  # the training declarations the run set (vocabulary.TRAINING_DECLARATIONS): True
 
-# The options the configuration gives the check a test runs (set by the plugin around the call of a test with a
-# ``check`` parameter): a user's own ``parametrize_with_loader_checks`` test gets them without asking for them.
-configured_check_options: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar(
-    "llmload_configured_check_options", default={})
+# The configuration of the check a test runs (set by the plugin around the call of a test with a ``check``
+# parameter): a user's own ``parametrize_with_loader_checks`` test honours it without asking for it.
+UNCONFIGURED = Configuration()  # a run that sets none of the plugin's settings: every default
+configured: contextvars.ContextVar[Configuration] = contextvars.ContextVar("llmload_configuration",
+                                                                          default=UNCONFIGURED)
 
 # What a check says about how it judged, for its row (set by the plugin around the call, like the options above):
 # "simulated: ..." where a machine this runner lacks was stood in for.

@@ -132,9 +132,10 @@ REFERENCE_CHOICE = LoaderChoice(REFERENCE_SPEC, "built-in default")
 def chosen_loader(config) -> LoaderChoice:
     """The loader the plugin chose at configure; the reference loader where the run configured nothing (the
     plugin then never imported this module to choose)."""
-    from pytest_llmload.config.stash_keys import loader_choice_key
+    from pytest_llmload.config.stash_keys import configuration_key
 
-    return config.stash.get(loader_choice_key, None) or REFERENCE_CHOICE
+    configuration = config.stash.get(configuration_key, None)
+    return getattr(configuration, "loader", None) or REFERENCE_CHOICE
 
 
 def choose_loader(option: Optional[str], environ: "os._Environ[str] | dict", ini: Optional[str]) -> LoaderChoice:

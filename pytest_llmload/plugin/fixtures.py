@@ -6,18 +6,54 @@ Heavy libraries are imported inside the fixtures, so a run that uses none of the
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import pytest
 
-from pytest_llmload.config.stash_keys import declared_key, hook_choice_key
+from pytest_llmload.config.stash_keys import UNCONFIGURED, Configuration, configuration_key
 
 if TYPE_CHECKING:
     from pytest_llmload.loader.seam import LoaderUnderTest, LoadResult
 
 # pytest imports this module on every run (the plugin registers these fixtures): everything else is imported
 # by the fixture that needs it.
+
+
+def read_configuration(config: pytest.Config) -> Configuration:
+    """The run's one :class:`~pytest_llmload.config.stash_keys.Configuration` (its precedence is stated there), read
+    at configure by the plugin; a bad value is a usage error naming it and where it came from."""
+    from pytest_llmload.config import settings
+    from pytest_llmload.config.vocabulary import HOOK_INI, LOADER_INI, TRAINING_DECLARATIONS
+    from pytest_llmload.loader import seam
+
+    try:
+        loader = seam.choose_loader(config.getoption("llmload_loader"), os.environ, config.getini(LOADER_INI))
+        hook = seam.choose_training_args_hook(config.getoption("llmload_training_args_hook"), config.getini(HOOK_INI))
+        declared = ((field, settings.given(config, key), parse) for key, field, parse in seam.declaration_parsers())
+        loader_declarations = tuple((field, parse(*given)) for field, given, parse in declared if given)
+    except seam.LoaderSpecError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    return Configuration(loader=loader, training_args_hook=hook, loader_declarations=loader_declarations,
+                         trains=frozenset(key for key in TRAINING_DECLARATIONS if settings.value(config, key)),
+                         strict=settings.value(config, "strict"), import_spec=seam.import_loader)
+
+
+def configuration_of(config: pytest.Config) -> Configuration:
+    """The run's configuration as the plugin read it at configure; every default where the run configured nothing."""
+    return config.stash.get(configuration_key, UNCONFIGURED)
+
+
+def _with_a_loader(config: pytest.Config) -> Configuration:
+    """The run's configuration, with the reference loader where the run configured none (kept for the run)."""
+    configuration = configuration_of(config)
+    if configuration.loader is None:
+        from pytest_llmload.loader import seam
+
+        configuration = config.stash[configuration_key] = Configuration(loader=seam.REFERENCE_CHOICE,
+                                                                        import_spec=seam.import_loader)
+    return configuration
 
 
 @pytest.fixture(scope="session")
@@ -62,13 +98,13 @@ def llmload_checkpoint(llmload_checkpoint_factory) -> Path:
 def llmload_loader(request, llmload_offline) -> LoaderUnderTest:
     """The loader under test (``--llmload-loader``, ``$PYTEST_LLMLOAD_LOADER``, ini ``llmload_loader``,
     else the built-in reference loader), called as ``llmload_loader(LoadRequest) -> LoadResult``."""
-    from pytest_llmload.loader.seam import LoaderSpecError, as_loader_under_test, chosen_loader, import_loader
+    from pytest_llmload.loader.seam import LoaderSpecError, as_loader_under_test
 
-    choice = chosen_loader(request.config)
+    configuration = _with_a_loader(request.config)
+    choice = configuration.loader
     try:
-        function = import_loader(choice)
-        loader = declared_by_configuration(as_loader_under_test(function, name=choice.spec, source=choice.source),
-                                           request.config)
+        loader = declared_by_configuration(as_loader_under_test(configuration.loader_function, name=choice.spec,
+                                                                source=choice.source), request.config)
     except LoaderSpecError as exc:  # normally caught at collection; here for plugins loaded by hand
         pytest.fail(str(exc), pytrace=False)
     return loader
@@ -78,16 +114,12 @@ def declared_by_configuration(loader: "LoaderUnderTest", config: pytest.Config) 
     """``loader`` with what the configuration declares about it (``llmload_loader_purposes`` and
     ``llmload_loader_dtypes`` win over the loader's own attribute; ``llmload_not_applicable`` adds to it, the
     configuration's reason first), and its not-applicable declarations checked against the checks' names."""
-    from pytest_llmload.config import settings
-    from pytest_llmload.loader.seam import LoaderSpecError, declaration_parsers
+    from pytest_llmload.loader.seam import LoaderSpecError
 
-    for key, field, parse in declaration_parsers():
-        declared = settings.given(config, key)
-        if declared:
-            value = parse(*declared)
-            if field == "not_applicable":
-                value += tuple(pair for pair in loader.not_applicable if pair[0] not in dict(value))
-            loader = loader._replace(**{field: value})
+    for field, value in configuration_of(config).loader_declarations:
+        if field == "not_applicable":
+            value += tuple(pair for pair in loader.not_applicable if pair[0] not in dict(value))
+        loader = loader._replace(**{field: value})
     if loader.not_applicable:
         from pytest_llmload.plugin.parametrize import all_checks
         from pytest_llmload.config.stash_keys import checks_key
@@ -213,12 +245,9 @@ def llmload_check_options(request) -> dict:
 
 def check_options(config: pytest.Config) -> dict:
     """The options of :func:`llmload_check_options`, read from the configuration (a bad hook fails the test)."""
-    from pytest_llmload.loader.seam import LoaderSpecError, import_loader
+    from pytest_llmload.loader.seam import LoaderSpecError
 
-    options = {keyword: True for keyword, set_ in config.stash.get(declared_key, {}).items() if set_}
-    # Chosen at configure; a run that sets neither the option nor the ini key has none (the plugin read nothing).
-    choice = config.stash.get(hook_choice_key, None)
-    try:  # normally checked at collection (a usage error); here for a hook that imports only the second time
-        return options if choice is None else {**options, "prepare_args": import_loader(choice)}
+    try:  # normally checked at collection (a usage error); here for a plugin loaded by hand
+        return configuration_of(config).check_options()
     except LoaderSpecError as exc:
         pytest.fail(str(exc), pytrace=False)

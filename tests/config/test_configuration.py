@@ -1,0 +1,103 @@
+"""The run's configuration is read once, into one frozen record on ``config.stash`` that every reader takes as it is:
+the loader (and the training-args hook) imported once a process, and a value given by an option, the ini file, the
+environment or the loader's own attribute seen the same by the plugin, its fixtures and the checks."""
+
+import re
+
+import pytest
+
+from pytest_llmload.loader import seam
+
+LOADERS = """
+def load(request):
+    raise AssertionError("not called in these tests")
+
+def declaring(request):
+    raise AssertionError("not called in these tests")
+
+declaring.llmload_trains_with_trainer = True  # the loader's own attribute
+
+def hook(model, args):
+    return args
+"""
+
+# Every reader of the loader spec and of one training declaration, printed one line each.
+READERS = """
+import dataclasses
+
+import pytest
+
+from pytest_llmload.checks.base import Check, KnownFailure
+from pytest_llmload.config.stash_keys import configuration_key
+from pytest_llmload.loader.seam import chosen_loader
+
+
+def spy(loader, checkpoint, workdir, *, trains_with_trainer=False, prepare_args=None):
+    print(f"READ check {trains_with_trainer} {prepare_args is not None}")
+
+
+SPY = Check(spy, KnownFailure("spy", "a spy", "-", (), "-", "-", "-"))
+
+
+@pytest.mark.parametrize("check", [SPY, SPY._replace(label="spy_again")])
+def test_a_check_gets_the_configuration_without_asking(check, llmload_loader, tmp_path):
+    check(llmload_loader, tmp_path, tmp_path)
+
+
+def test_every_reader_sees_the_same(request, llmload_loader, llmload_check_options, tmp_path):
+    configuration = request.config.stash[configuration_key]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        configuration.strict = True
+    print(f"READ loader {llmload_loader.name} ({llmload_loader.source}) = {chosen_loader(request.config)}")
+    print(f"READ configuration {configuration.declares('trains_with_trainer', llmload_loader)}")
+    print(f"READ fixture {llmload_check_options.get('trains_with_trainer', False)}")
+    SPY(llmload_loader, tmp_path, tmp_path, **llmload_check_options)
+"""
+
+
+@pytest.fixture
+def repo(pytester, monkeypatch):
+    pytester.makepyfile(my_loaders=LOADERS, test_readers=READERS)
+    monkeypatch.syspath_prepend(pytester.path)
+    monkeypatch.delenv("PYTEST_LLMLOAD_LOADER", raising=False)
+    return pytester
+
+
+def test_the_loader_and_the_hook_are_imported_once_a_run(repo, monkeypatch):
+    imports = []
+
+    def counted(choice):
+        imports.append(choice.spec)
+        return real(choice)
+
+    real = seam.import_loader
+    monkeypatch.setattr(seam, "import_loader", counted)
+    repo.makeini("[pytest]\nllmload_training_args_hook = my_loaders:hook\n")
+    result = repo.runpytest("-s", "--llmload-loader", "my_loaders:load")
+    result.assert_outcomes(passed=3)
+    # (before: at collection, then the loader fixture; the hook at collection, its fixture and every check's call)
+    assert sorted(imports) == ["my_loaders:hook", "my_loaders:load"]
+
+
+# Each value by one source; every reader prints the same (the loader: option > env > ini; a training declaration:
+# option > ini > the loader's attribute).
+@pytest.mark.parametrize(("argv", "env", "ini", "loader"), [
+    (["--llmload-loader=my_loaders:load", "--llmload-trains-with-trainer"], "my_loaders:declaring",
+     "llmload_loader = my_loaders:declaring\n", "my_loaders:load (--llmload-loader)"),
+    ([], None, "llmload_loader = my_loaders:load\nllmload_trains_with_trainer = true\n",
+     "my_loaders:load (ini 'llmload_loader')"),
+    ([], "my_loaders:declaring", "llmload_loader = my_loaders:load\n",
+     "my_loaders:declaring ($PYTEST_LLMLOAD_LOADER)"),
+], ids=["option", "ini", "env-and-the-loaders-attribute"])
+def test_every_reader_sees_a_value_as_its_source_gave_it(repo, monkeypatch, argv, env, ini, loader):
+    if env:
+        monkeypatch.setenv("PYTEST_LLMLOAD_LOADER", env)
+    repo.makeini(f"[pytest]\n{ini}")
+    result = repo.runpytest("-s", *argv)
+    result.assert_outcomes(passed=3)
+    spec, source = loader.split(" ", 1)
+    reads = re.findall(r"READ .*", result.stdout.str())  # (after the progress dots: -s)
+    assert reads == ["READ check True False", "READ check True False",
+                     f"READ loader {spec} {source} = LoaderChoice(spec={spec!r}, source={source[1:-1]!r})",
+                     "READ configuration True", f"READ fixture {'my_loaders:declaring' not in loader}",
+                     "READ check True False"]
