@@ -29,7 +29,6 @@ import pytest
 
 from pytest_llmload.config import vocabulary
 from pytest_llmload.plugin.fixtures import (  # noqa: F401  (pytest discovers fixtures on the plugin module)
-    configuration_of,
     distributed_env,
     gpu_model,
     llmload_check_options,
@@ -42,7 +41,7 @@ from pytest_llmload.plugin.fixtures import (  # noqa: F401  (pytest discovers fi
     llmload_tokenizer,
     lora_model,
 )
-from pytest_llmload.config.stash_keys import checks_key, configuration_key, prediction_key
+from pytest_llmload.config.stash_keys import checks_key, declared_key, hook_choice_key, loader_choice_key, prediction_key
 
 if TYPE_CHECKING:
     from pytest_llmload.reports.row import Row
@@ -81,6 +80,7 @@ SUB_PLUGINS = {
 _BEFORE_CONFIGURE = (XDIST_GPUS, LAUNCHER)
 
 header_shown_key = pytest.StashKey[bool]()
+strict_key = pytest.StashKey[bool]()
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
@@ -166,13 +166,22 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _read_configuration(config: pytest.Config) -> None:
-    """Every setting read once at configure: a bad value is one usage error before any test runs; what the run's
-    readers share, into its one :class:`~pytest_llmload.config.stash_keys.Configuration`."""
+    """Every setting read once at configure: a bad value is one usage error before any test runs."""
+    from pytest_llmload.loader import seam
     from pytest_llmload.config import settings
-    from pytest_llmload.plugin.fixtures import read_configuration
 
     writer = _progress_writer(config)  # first: a check spec that gives no checks, below, is told through it
-    config.stash[configuration_key] = read_configuration(config)
+    try:
+        config.stash[loader_choice_key] = seam.choose_loader(
+            config.getoption("llmload_loader"), os.environ, config.getini(vocabulary.LOADER_INI))
+        config.stash[hook_choice_key] = seam.choose_training_args_hook(
+            config.getoption("llmload_training_args_hook"), config.getini(vocabulary.HOOK_INI))
+        for key, _, parse in seam.declaration_parsers():
+            declared = settings.given(config, key)
+            if declared:
+                parse(*declared)
+    except seam.LoaderSpecError as exc:
+        raise pytest.UsageError(str(exc)) from None
     extra = settings.given(config, "checks")
     # The repo's own checks, this run: a spec that gives none is a usage error now. A run that writes progress (the
     # main job's) reads every check here, installed packages' too: a broken one is the main job's usage error,
@@ -201,6 +210,8 @@ def _read_configuration(config: pytest.Config) -> None:
         settings.value(config, key)  # parsed now, read where used
     config.stash[lanes_key] = settings.value(config, "lanes") > 1
     _read_prediction(config)
+    config.stash[declared_key] = {keyword: settings.value(config, keyword) for keyword in vocabulary.TRAINING_DECLARATIONS}
+    config.stash[strict_key] = settings.value(config, "strict")
 
 
 def _progress_writer(config: pytest.Config):
@@ -368,21 +379,20 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         _check_imports(session.config, _IMPORTED_FOR)
 
 
-# The fixture that imports each configured spec, and the configuration's field that names the spec.
-_IMPORTED_FOR = {"llmload_loader": "loader", "llmload_check_options": "training_args_hook"}
+# The fixture that imports each configured spec, and where the spec is kept.
+_IMPORTED_FOR = {"llmload_loader": loader_choice_key, "llmload_check_options": hook_choice_key}
 
 
 def _check_imports(config: pytest.Config, used_fixtures) -> None:
-    configuration = config.stash.get(configuration_key, None)
-    for fixture, field in _IMPORTED_FOR.items():
-        choice = getattr(configuration, field, None)
+    for fixture, key in _IMPORTED_FOR.items():
+        choice = config.stash.get(key, None)
         if fixture in used_fixtures and choice is not None and not choice.is_reference:
             from pytest_llmload.loader import seam
             from pytest_llmload.system.offline import offline
 
-            try:  # (imported once: the fixtures and the checks take the same function)
+            try:
                 with offline(), _importing_within_limits(config, choice):  # (offline, as the checks run it)
-                    getattr(configuration, f"{'hook' if field == 'training_args_hook' else field}_function")
+                    seam.import_loader(choice)
             except seam.LoaderSpecError as exc:
                 raise pytest.UsageError(str(exc)) from None
 
@@ -419,29 +429,24 @@ def _importing_within_limits(config: pytest.Config, choice):
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     report = yield
     check = _check_of(item)
-    found = None
-    if check is not None and call.when == "call" and call.excinfo is not None and report.failed:
-        from pytest_llmload.reports import verdict
-
-        found = verdict.of_exception(call.excinfo.value, check.failure)
-        if found is not None and found.cause == "check":  # the check's own crash: say so first, the traceback below
-            report.longrepr = f"{found.sentence}\n\n{report.longreprtext}"
     failed = report.failed and call.excinfo is not None  # (before --llmload-strict turns a skip into a failure)
-    if report.skipped and configuration_of(item.config).strict and isinstance(report.longrepr, tuple):
+    if report.skipped and item.config.stash.get(strict_key, False) and isinstance(report.longrepr, tuple):
         from pytest_llmload.checks.base import NOT_EXERCISED
 
         reason = report.longrepr[2].removeprefix("Skipped: ")
         if reason.startswith(NOT_EXERCISED):
             report.outcome = "failed"
             report.longrepr = f"llmload strict: a check that exercised nothing is a failure here: {reason}"
-    elif report.passed and call.when == "call" and check is not None and configuration_of(item.config).strict:
+    elif report.passed and call.when == "call" and check is not None and item.config.stash.get(strict_key, False):
         assumed = _assumptions(item)
         if assumed:  # a verdict that rests on an assumption judged nothing the repo showed
             report.outcome = "failed"
             report.longrepr = (f"llmload strict: a verdict that rests on an assumption is not judged here: "
                                f"{'; '.join(assumed)}")
     if check is not None and (call.when == "call" or not report.passed):
-        row = _row(item, check, report, found)
+        row = _row(item, check, report, call)
+        if row.cause == "check":  # the check's own crash: say so first, the traceback below
+            report.longrepr = f"{row.sentence}\n\n{report.longreprtext}"
         _record(item, report, row.properties())
         item.ihook.pytest_llmload_check_result(item=item, check=check, result=row.as_dict())
         if row.verdict == "predicted" and not (row.prediction or {}).get("gated", True):
@@ -459,15 +464,16 @@ def pytest_runtest_call(item: pytest.Item):
     ``parametrize_with_loader_checks`` test honours the ini keys without asking for ``llmload_check_options``."""
     if _check_of(item) is None:
         return (yield)
-    from pytest_llmload.config.stash_keys import check_notes, configured, notes_key
+    from pytest_llmload.plugin.fixtures import check_options
+    from pytest_llmload.config.stash_keys import check_notes, configured_check_options, notes_key
 
     notes: list[str] = []
     item.stash[notes_key] = notes
-    tokens = (configured.set(configuration_of(item.config)), check_notes.set(notes))
+    tokens = (configured_check_options.set(check_options(item.config)), check_notes.set(notes))
     try:
         return (yield)
     finally:
-        configured.reset(tokens[0])
+        configured_check_options.reset(tokens[0])
         check_notes.reset(tokens[1])
 
 
@@ -521,44 +527,32 @@ def _assumptions(item: pytest.Item) -> tuple[str, ...]:
     return tuple(note for note in item.stash.get(notes_key, None) or () if note.startswith(ASSUMED))
 
 
-def _row(item: pytest.Item, check, report: pytest.TestReport, found) -> Row:
-    """The check's row (:class:`pytest_llmload.reports.row.Row`), decided here once: the verdict judged from its exception
-    (``found``), else the report's outcome and skip reason; the notes it made wherever it ran; the loader that ran
-    (a ``parametrize_with_loader_checks`` test's own, else the configured one)."""
-    from pytest_llmload.checks.base import DECLARED_NOT_APPLICABLE, NOT_EXERCISED
+def _row(item: pytest.Item, check, report: pytest.TestReport, call: pytest.CallInfo) -> Row:
+    """The check's row (:func:`pytest_llmload.reports.verdict.row_of`) from what this phase's report says happened,
+    with what the run carries: the runner a prediction is for, the notes it made wherever it ran, the loader that
+    ran (a ``parametrize_with_loader_checks`` test's own, else the configured one)."""
     from pytest_llmload.config.stash_keys import notes_key, prediction_record_key
     from pytest_llmload.loader.seam import chosen_loader
     from pytest_llmload.plugin.loader_hang import FAILED_FAST
-    from pytest_llmload.reports.progress import check_name, failure_origin, summary_line
-    from pytest_llmload.reports.row import Row
+    from pytest_llmload.reports.progress import summary_line
+    from pytest_llmload.reports.verdict import row_of
 
-    ran = getattr(item, "callspec", None) and item.callspec.params.get("loader")
-    loader = getattr(ran, "name", None) or chosen_loader(item.config).spec
-    reason = report.longrepr[2].removeprefix("Skipped: ") if report.skipped and isinstance(report.longrepr, tuple) \
-        else ""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    happened: dict = {}
     if hasattr(report, "wasxfail"):
-        verdict, sentence = ("xfailed" if report.skipped else "xpassed"), report.wasxfail
-    elif report.skipped:
-        verdict = "not exercised" if reason.startswith(NOT_EXERCISED) else \
-            "not applicable" if reason.startswith(DECLARED_NOT_APPLICABLE) else "skipped"
-        sentence = reason
-    elif found is not None:
-        verdict, sentence = found.kind, found.sentence
-    else:  # passed; failed under --llmload-strict; a setup or teardown that failed is an error, as pytest says
-        verdict = "error" if report.failed and report.when != "call" else report.outcome
-        sentence = summary_line(report) if report.failed else ""
-    failure = found.failure if found is not None and verdict in ("failed", "predicted") else None
-    known = check.failure if failure == check.failure.id else None
-    name = check_name(item.nodeid)
-    # (an isolated check's death starts with its name)
-    not_run = verdict == "error" and sentence.removeprefix(f"{name}: ").startswith(FAILED_FAST)
-    return Row(check=name, verdict=verdict, guards=check.failure.id, failure=failure,
-               cause=found.cause if found is not None else report.when if verdict == "error" else None,
-               sentence=sentence,
-               notes=tuple(item.stash.get(notes_key, None) or ()), loader=loader,
-               fix=getattr(known, "fix", None) or getattr(found, "fix", None),  # (a loader fault's: loader.faults)
-               guards_origin=failure_origin(check.failure), not_run=not_run,
-               prediction=item.stash.get(prediction_record_key, None), assumptions=_assumptions(item))
+        happened["xfail"] = (not report.skipped, report.wasxfail)
+    elif report.skipped and isinstance(report.longrepr, tuple):
+        happened["skipped"] = report.longrepr[2].removeprefix("Skipped: ")
+    elif report.failed:  # what the check raised, judged; else (a setup, a strict failure) pytest's line
+        if call.when == "call" and call.excinfo is not None:
+            happened["raised"] = call.excinfo.value
+        happened.update(failed=summary_line(report), failed_in=report.when)
+    return row_of(check, runner=params.get("runner"), **happened,
+                  loader=getattr(params.get("loader"), "name", None) or chosen_loader(item.config).spec,
+                  notes=tuple(item.stash.get(notes_key, None) or ()), assumptions=_assumptions(item),
+                  prediction=item.stash.get(prediction_record_key, None),
+                  not_run=report.failed and
+                  summary_line(report).removeprefix(f"{check.name}: ").startswith(FAILED_FAST))
 
 
 def _record(item: pytest.Item, report: pytest.TestReport, pairs: list) -> None:

@@ -7,8 +7,7 @@ this run tests, and where that choice came from), ``collected`` (the count, the 
 what each guards against), ``collect_error``, ``start`` and ``result`` (one per test: a check's is its row,
 :class:`~pytest_llmload.reports.row.Row`, with ``summary``: its failure's cause in one line). The main job's parent
 learns everything it prints from these events: it imports no check. They hang off hooks that run in the
-controlling process under xdist too; under lanes (:mod:`pytest_llmload.plugin.lanes`) each lane writes its own
-tests' events.
+controlling process under xdist too.
 """
 
 from __future__ import annotations
@@ -20,8 +19,7 @@ import time
 import pytest
 
 from pytest_llmload.system import json_lines
-from pytest_llmload.config.stash_keys import LANE_ATTRIBUTE
-from pytest_llmload.reports.row import Row, outcome_of
+from pytest_llmload.reports.row import Row, outcome_of, row_name
 
 progress_key = pytest.StashKey["ProgressWriter"]()
 _PARAM_ID = re.compile(r"\[(?:[^\]-]*-)?((?:check|predict)_[^\]]+)\]$")
@@ -33,31 +31,29 @@ def check_name(nodeid: str) -> str:
     return found.group(1) if found else nodeid.rpartition("::")[2]
 
 
+def _name_of(item) -> str:
+    """A collected test's name in the rows (:func:`~pytest_llmload.reports.row.row_name`), else :func:`check_name`."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    check = params.get("check")
+    return row_name(check, params.get("runner")) if hasattr(check, "failure") else check_name(item.nodeid)
+
+
 _LOADER_ERRORS = ("pytest_llmload.loader.seam.LoaderError", "pytest_llmload.loader.seam.LoaderContractError",
                   "pytest_llmload.loader.seam.LoaderModelError", "LoaderError: ", "LoaderContractError: ",
                   "LoaderModelError: ")
 
 
-def failure_origin(failure) -> str:
-    """Where a known failure comes from, as the main job's table tags what a check guards against: ``002`` for its
-    write-up in shared/seeds, ``field`` for upstream issue trackers, ``extension`` for a repo's own
-    (:mod:`pytest_llmload.plugin.check_registry`)."""
-    from pytest_llmload.failures import BY_ID
-
-    if BY_ID.get(failure.id) is not failure:
-        return "extension"
-    return failure.write_up.split("/")[-1][:3] if failure.write_up.startswith("seeds/") else "field"
-
-
 def _guards(items) -> dict[str, list[str]]:
     """``{check: [failure id, origin]}`` for the collected tests that run a check: what the main job's table says a
     check guards against, also for a row it writes itself (a check that was running when pytest died)."""
+    from pytest_llmload.reports.verdict import failure_origin
+
     guards = {}
     for item in items:
         check = getattr(getattr(item, "callspec", None), "params", {}).get("check")
         failure = getattr(check, "failure", None)
         if failure is not None:
-            guards[check_name(item.nodeid)] = [failure.id, failure_origin(failure)]
+            guards[_name_of(item)] = [failure.id, failure_origin(failure)]
     return guards
 
 
@@ -83,8 +79,9 @@ def summary_line(report) -> str:
 
 class ProgressWriter:
     def __init__(self, path: str) -> None:
-        self._fd = json_lines.open_for_appending(path)  # (the lanes of a run share it: plugin.lanes)
+        self._fd = json_lines.open_for_appending(path)
         self._started: dict[str, float] = {}
+        self._names: dict[str, str] = {}  # nodeid -> the name its rows have (collected here; not under xdist)
         self._collected = False
 
     def write(self, **record) -> None:
@@ -103,8 +100,9 @@ class ProgressWriter:
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         if not self._collected:  # under xdist the controller collects nothing: see the next hook
             self._collected = True
-            self.write(event="collected", count=len(session.items),
-                       order=[check_name(item.nodeid) for item in session.items], guards=_guards(session.items))
+            self._names = {item.nodeid: _name_of(item) for item in session.items}
+            self.write(event="collected", count=len(session.items), order=list(self._names.values()),
+                       guards=_guards(session.items))
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_xdist_node_collection_finished(self, node, ids) -> None:
@@ -118,12 +116,12 @@ class ProgressWriter:
 
     def pytest_runtest_logstart(self, nodeid: str, location) -> None:
         self._started[nodeid] = time.perf_counter()
-        self.write(event="start", nodeid=nodeid, check=check_name(nodeid))
+        self.write(event="start", nodeid=nodeid, check=self._names.get(nodeid) or check_name(nodeid))
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         """One record per test, from the phase that decided its outcome (a later teardown error adds one)."""
-        if (report.when != "call" and report.outcome == "passed") or getattr(report, LANE_ATTRIBUTE, None):
-            return  # (another lane's report: that lane wrote its row)
+        if report.when != "call" and report.outcome == "passed":
+            return
         started = self._started.get(report.nodeid, time.perf_counter())
         row = Row.of_report(report)
         if row is not None:  # a check's row, decided once by the plugin: written as it is

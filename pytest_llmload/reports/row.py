@@ -4,7 +4,7 @@ The plugin builds a :class:`Row` for each check's test where its outcome is deci
 phase that skipped or failed it), from the check's exception (:mod:`pytest_llmload.reports.verdict`, judged from
 what the check raised here, in its isolated child or on its ranks), the notes the check made wherever it ran (they
 come back from children with their answer), and the skip reason. It travels as data on the report
-(``report.user_properties``, one JSON property, so it crosses xdist and lanes as pytest's own reports do), and the
+(``report.user_properties``, one JSON property, so it crosses xdist as pytest's own reports do), and the
 progress file, the main job's table and ``--json``, JUnit XML, the HTML report and the
 ``pytest_llmload_check_result`` hook read its fields; none of them reads another's text.
 
@@ -93,6 +93,12 @@ class Row:
                 return cls(**{**fields, "notes": tuple(fields.get("notes") or ()),
                               "assumptions": tuple(fields.get("assumptions") or ())})
         return None
+
+
+def row_name(check: Any, runner: Any = None) -> str:
+    """A row's name: its check's own (a repo's check need not be named ``check_*``), on a runner profile for a
+    prediction (``predict_inference_load@1x24GB-RTX4090``)."""
+    return check.name if runner is None else f"{check.name}@{runner.name}"
 
 
 def outcome_of(row: Row) -> str:

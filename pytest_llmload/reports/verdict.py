@@ -16,7 +16,7 @@ import traceback
 from typing import Any, NamedTuple, Optional
 
 # Report properties (report.user_properties; JUnit XML writes them as <property>), named once with the row's record.
-from pytest_llmload.reports.row import CAUSE_PROPERTY, FAILURE_PROPERTY, SENTENCE_PROPERTY, VERDICT_PROPERTY, Row
+from pytest_llmload.reports.row import CAUSE_PROPERTY, FAILURE_PROPERTY, SENTENCE_PROPERTY, VERDICT_PROPERTY, Row, row_name
 from pytest_llmload.config.distribution import bug_report_address
 from pytest_llmload.system import tracebacks
 
@@ -45,7 +45,7 @@ def of_exception(exc: BaseException, failure: Any, check: Any = None) -> Optiona
     return judged
 
 
-def row_of(check: Any, *, raised: Optional[BaseException] = None, skipped: Optional[str] = None,
+def row_of(check: Any, *, runner: Any = None, raised: Optional[BaseException] = None, skipped: Optional[str] = None,
            xfail: Optional[tuple[bool, str]] = None, failed: Optional[str] = None, failed_in: str = "call",
            died: Optional[str] = None, loader: Optional[str] = None, notes: tuple[str, ...] = (),
            assumptions: tuple[str, ...] = (), prediction: Optional[dict] = None, not_run: bool = False) -> Row:
@@ -54,7 +54,7 @@ def row_of(check: Any, *, raised: Optional[BaseException] = None, skipped: Optio
     child or its ranks raised); it ``skipped`` (the skip reason: its kind from its words); ``xfail`` (whether it
     failed, pytest's reason); it ``failed`` with no exception of its own to judge (a setup that failed,
     ``failed_in``; a failure ``--llmload-strict`` made of a skip or an assumption); or its process ``died`` with
-    no answer (a lane: the sentence that says how). The rest is what the check's run carries: the loader that ran,
+    no answer (a lane: the sentence that says how). ``runner``: the runner profile a prediction's row is for. The rest is what the check's run carries: the loader that ran,
     the notes it made wherever it ran, the assumptions among them, a prediction's record; ``not_run``: an ``error``
     that did not wait (the loader under test hung in an earlier check).
 
@@ -62,7 +62,6 @@ def row_of(check: Any, *, raised: Optional[BaseException] = None, skipped: Optio
     'died'
     """
     from pytest_llmload.checks.base import DECLARED_NOT_APPLICABLE, NOT_EXERCISED
-    from pytest_llmload.reports.progress import failure_origin
 
     judged = of_exception(raised, check.failure, check) if raised is not None else None
     cause = None
@@ -83,11 +82,22 @@ def row_of(check: Any, *, raised: Optional[BaseException] = None, skipped: Optio
         verdict, sentence = "passed", ""
     failure = judged.failure if judged is not None and verdict in ("failed", "predicted") else None
     known = check.failure if failure == check.failure.id else None
-    return Row(check=check.name, verdict=verdict, guards=check.failure.id, failure=failure, cause=cause,
+    return Row(check=row_name(check, runner), verdict=verdict, guards=check.failure.id, failure=failure, cause=cause,
                sentence=sentence, notes=tuple(notes), loader=loader,
                fix=getattr(known, "fix", None) or getattr(judged, "fix", None),  # (a loader fault's: loader.faults)
                guards_origin=failure_origin(check.failure), not_run=not_run and verdict == "error",
                prediction=prediction, assumptions=tuple(assumptions))
+
+
+def failure_origin(failure) -> str:
+    """Where a known failure comes from, as the main job's table tags what a check guards against: ``002`` for its
+    write-up in shared/seeds, ``field`` for upstream issue trackers, ``extension`` for a repo's own
+    (:mod:`pytest_llmload.plugin.check_registry`)."""
+    from pytest_llmload.failures import BY_ID
+
+    if BY_ID.get(failure.id) is not failure:
+        return "extension"
+    return failure.write_up.split("/")[-1][:3] if failure.write_up.startswith("seeds/") else "field"
 
 
 def _judge(exc: BaseException, failure: Any, check: Any = None) -> Optional[Verdict]:

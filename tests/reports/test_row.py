@@ -75,3 +75,80 @@ def test_a_strict_run_counts_a_not_exercised_row_as_failed_in_the_row_too(pytest
     (row,) = [r for r in map(json.loads, (pytester.path / "progress.jsonl").read_text().splitlines())
               if r.get("event") == "result"]
     assert (row["outcome"], row["verdict"]) == (("failed", "failed") if strict else ("skipped", "not exercised"))
+
+
+# A repo's own checks (docs/extension.md): any name, one that fails, one whose own code crashes in its isolated
+# child, one that skips, one that passes. None loads a model.
+OWN_CHECKS = '''
+import pytest
+from pytest_llmload import Check, KnownFailure
+
+FAILURE = KnownFailure(
+    id="use-cache-off", title="an inference load with the KV cache switched off", write_up="myrepo#12",
+    signatures=(), root_cause="the loader copies its training set-up", fix="set use_cache only for train requests",
+    occurs="myrepo since 2.3")
+
+
+def own_thing(loader, checkpoint, workdir):
+    assert False, "the inference model has config.use_cache=False"
+
+
+def own_broken(loader, checkpoint, workdir):
+    return {}["missing"]
+
+
+def own_skip(loader, checkpoint, workdir):
+    pytest.skip("not exercised: the loader never sets use_cache")
+
+
+def own_pass(loader, checkpoint, workdir):
+    pass
+
+
+CHECKS = [Check(own_thing, FAILURE), Check(own_broken, FAILURE, isolated=True), Check(own_skip, FAILURE),
+          Check(own_pass, FAILURE)]
+'''
+
+
+def test_a_repos_own_checks_rows_carry_their_names_and_every_reader_takes_the_row_as_it_is(pytester):
+    """Issue 47: a repo's check named ``own_thing`` showed as ``test_loader_check[own_thing]`` in every row, and one
+    whose own code crashed in its isolated child was "a bug in pytest-llmload ... at _child_main
+    (runners/children.py:...)" with this project's tracker; ``--json`` gives each verdict kind its reason and fix."""
+    from pytest_llmload.main_job.table import json_records
+
+    pytester.makepyfile(myrepo_checks=OWN_CHECKS, hookplug="""
+        import json
+
+        def pytest_llmload_check_result(item, check, result):
+            with open("hook.jsonl", "a") as out:
+                out.write(json.dumps(result) + "\\n")
+    """)
+    result = warm_runs.runpytest(pytester, "--pyargs", "pytest_llmload.suite", "--llmload-checks", "myrepo_checks",
+                                 "-k", "own_", "--llmload-progress", "progress.jsonl", "--junitxml", "out.xml",
+                                 "-p", "hookplug", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=2, skipped=1)
+    records = list(map(json.loads, (pytester.path / "progress.jsonl").read_text().splitlines()))
+    progress = {r["check"]: r for r in records if r.get("event") == "result"}
+    hook = {r["check"]: r for r in map(json.loads, (pytester.path / "hook.jsonl").read_text().splitlines())}
+    junit = [json.loads(p.get("value")) for p in ET.parse(pytester.path / "out.xml").getroot().iter("property")
+             if p.get("name") == "llmload_row"]
+    names = ["own_thing", "own_broken", "own_skip", "own_pass"]
+    (collected,) = [r for r in records if r.get("event") == "collected"]
+    assert collected["order"] == names and sorted(collected["guards"]) == sorted(names)
+    assert {r["check"] for r in records if r.get("event") == "start"} == set(names)
+    assert sorted(progress) == sorted(hook) == sorted(row["check"] for row in junit) == sorted(names)
+
+    broken = hook["own_broken"]["sentence"]
+    assert (hook["own_broken"]["verdict"], hook["own_broken"]["cause"]) == ("error", "check")
+    line = (pytester.path / "myrepo_checks.py").read_text().splitlines().index('    return {}["missing"]') + 1
+    assert f"KeyError: 'missing' at own_broken ({pytester.path / 'myrepo_checks.py'}:{line})" in broken, broken
+    assert "pytest-llmload" not in broken and "children.py" not in broken and "issues" not in broken, broken
+
+    as_json = {r["check"]: r for r in json_records(list(progress.values()))}
+    assert (as_json["own_thing"]["verdict"], as_json["own_thing"]["failure"]) == ("failed", "use-cache-off")
+    assert "the inference model has config.use_cache=False" in as_json["own_thing"]["reason"]
+    assert as_json["own_thing"]["fix"] == "set use_cache only for train requests"
+    assert as_json["own_broken"]["reason"] == broken and as_json["own_broken"]["fix"] is None
+    assert as_json["own_skip"]["verdict"] == "not exercised" and \
+        as_json["own_skip"]["reason"] == "not exercised: the loader never sets use_cache"
+    assert (as_json["own_pass"]["verdict"], as_json["own_pass"]["reason"]) == ("passed", "")
