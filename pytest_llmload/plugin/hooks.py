@@ -29,6 +29,7 @@ import pytest
 
 from pytest_llmload.config import vocabulary
 from pytest_llmload.plugin.fixtures import (  # noqa: F401  (pytest discovers fixtures on the plugin module)
+    configuration_of,
     distributed_env,
     gpu_model,
     llmload_check_options,
@@ -41,7 +42,7 @@ from pytest_llmload.plugin.fixtures import (  # noqa: F401  (pytest discovers fi
     llmload_tokenizer,
     lora_model,
 )
-from pytest_llmload.config.stash_keys import checks_key, declared_key, hook_choice_key, loader_choice_key, prediction_key
+from pytest_llmload.config.stash_keys import checks_key, configuration_key, prediction_key
 
 if TYPE_CHECKING:
     from pytest_llmload.reports.row import Row
@@ -80,7 +81,6 @@ SUB_PLUGINS = {
 _BEFORE_CONFIGURE = (XDIST_GPUS, LAUNCHER)
 
 header_shown_key = pytest.StashKey[bool]()
-strict_key = pytest.StashKey[bool]()
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
@@ -166,22 +166,13 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _read_configuration(config: pytest.Config) -> None:
-    """Every setting read once at configure: a bad value is one usage error before any test runs."""
-    from pytest_llmload.loader import seam
+    """Every setting read once at configure: a bad value is one usage error before any test runs; what the run's
+    readers share, into its one :class:`~pytest_llmload.config.stash_keys.Configuration`."""
     from pytest_llmload.config import settings
+    from pytest_llmload.plugin.fixtures import read_configuration
 
     writer = _progress_writer(config)  # first: a check spec that gives no checks, below, is told through it
-    try:
-        config.stash[loader_choice_key] = seam.choose_loader(
-            config.getoption("llmload_loader"), os.environ, config.getini(vocabulary.LOADER_INI))
-        config.stash[hook_choice_key] = seam.choose_training_args_hook(
-            config.getoption("llmload_training_args_hook"), config.getini(vocabulary.HOOK_INI))
-        for key, _, parse in seam.declaration_parsers():
-            declared = settings.given(config, key)
-            if declared:
-                parse(*declared)
-    except seam.LoaderSpecError as exc:
-        raise pytest.UsageError(str(exc)) from None
+    config.stash[configuration_key] = read_configuration(config)
     extra = settings.given(config, "checks")
     # The repo's own checks, this run: a spec that gives none is a usage error now. A run that writes progress (the
     # main job's) reads every check here, installed packages' too: a broken one is the main job's usage error,
@@ -210,8 +201,6 @@ def _read_configuration(config: pytest.Config) -> None:
         settings.value(config, key)  # parsed now, read where used
     config.stash[lanes_key] = settings.value(config, "lanes") > 1
     _read_prediction(config)
-    config.stash[declared_key] = {keyword: settings.value(config, keyword) for keyword in vocabulary.TRAINING_DECLARATIONS}
-    config.stash[strict_key] = settings.value(config, "strict")
 
 
 def _progress_writer(config: pytest.Config):
@@ -379,20 +368,21 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         _check_imports(session.config, _IMPORTED_FOR)
 
 
-# The fixture that imports each configured spec, and where the spec is kept.
-_IMPORTED_FOR = {"llmload_loader": loader_choice_key, "llmload_check_options": hook_choice_key}
+# The fixture that imports each configured spec, and the configuration's field that names the spec.
+_IMPORTED_FOR = {"llmload_loader": "loader", "llmload_check_options": "training_args_hook"}
 
 
 def _check_imports(config: pytest.Config, used_fixtures) -> None:
-    for fixture, key in _IMPORTED_FOR.items():
-        choice = config.stash.get(key, None)
+    configuration = config.stash.get(configuration_key, None)
+    for fixture, field in _IMPORTED_FOR.items():
+        choice = getattr(configuration, field, None)
         if fixture in used_fixtures and choice is not None and not choice.is_reference:
             from pytest_llmload.loader import seam
             from pytest_llmload.system.offline import offline
 
-            try:
+            try:  # (imported once: the fixtures and the checks take the same function)
                 with offline(), _importing_within_limits(config, choice):  # (offline, as the checks run it)
-                    seam.import_loader(choice)
+                    getattr(configuration, f"{'hook' if field == 'training_args_hook' else field}_function")
             except seam.LoaderSpecError as exc:
                 raise pytest.UsageError(str(exc)) from None
 
@@ -430,14 +420,14 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     report = yield
     check = _check_of(item)
     failed = report.failed and call.excinfo is not None  # (before --llmload-strict turns a skip into a failure)
-    if report.skipped and item.config.stash.get(strict_key, False) and isinstance(report.longrepr, tuple):
+    if report.skipped and configuration_of(item.config).strict and isinstance(report.longrepr, tuple):
         from pytest_llmload.checks.base import NOT_EXERCISED
 
         reason = report.longrepr[2].removeprefix("Skipped: ")
         if reason.startswith(NOT_EXERCISED):
             report.outcome = "failed"
             report.longrepr = f"llmload strict: a check that exercised nothing is a failure here: {reason}"
-    elif report.passed and call.when == "call" and check is not None and item.config.stash.get(strict_key, False):
+    elif report.passed and call.when == "call" and check is not None and configuration_of(item.config).strict:
         assumed = _assumptions(item)
         if assumed:  # a verdict that rests on an assumption judged nothing the repo showed
             report.outcome = "failed"
@@ -464,16 +454,15 @@ def pytest_runtest_call(item: pytest.Item):
     ``parametrize_with_loader_checks`` test honours the ini keys without asking for ``llmload_check_options``."""
     if _check_of(item) is None:
         return (yield)
-    from pytest_llmload.plugin.fixtures import check_options
-    from pytest_llmload.config.stash_keys import check_notes, configured_check_options, notes_key
+    from pytest_llmload.config.stash_keys import check_notes, configured, notes_key
 
     notes: list[str] = []
     item.stash[notes_key] = notes
-    tokens = (configured_check_options.set(check_options(item.config)), check_notes.set(notes))
+    tokens = (configured.set(configuration_of(item.config)), check_notes.set(notes))
     try:
         return (yield)
     finally:
-        configured_check_options.reset(tokens[0])
+        configured.reset(tokens[0])
         check_notes.reset(tokens[1])
 
 
