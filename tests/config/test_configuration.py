@@ -63,7 +63,20 @@ def repo(pytester, monkeypatch):
     return pytester
 
 
-def test_the_loader_and_the_hook_are_imported_once_a_run(repo, monkeypatch):
+# Each value by one source, the others beneath it where one is (the loader: option > env > ini; a training
+# declaration: option > ini > the loader's attribute); every reader prints the same, and the loader and the hook are
+# imported once (before: the loader at collection and by its fixture; the hook at collection, by its fixture and
+# around every check's call: 6 imports in this run).
+@pytest.mark.parametrize(("argv", "env", "ini", "loader"), [
+    (["--llmload-loader=my_loaders:load", "--llmload-trains-with-trainer"], "my_loaders:declaring",
+     "llmload_loader = my_loaders:declaring\n", "my_loaders:load (--llmload-loader)"),
+    ([], "my_loaders:declaring", "llmload_loader = my_loaders:load\n",
+     "my_loaders:declaring ($PYTEST_LLMLOAD_LOADER)"),
+    ([], None, "llmload_loader = my_loaders:load\nllmload_trains_with_trainer = true\n",
+     "my_loaders:load (ini 'llmload_loader')"),
+], ids=["option", "env-and-the-loaders-attribute", "ini"])
+def test_every_reader_sees_a_value_as_its_source_gave_it_and_the_loader_is_imported_once(repo, monkeypatch, argv,
+                                                                                          env, ini, loader):
     imports = []
 
     def counted(choice):
@@ -72,32 +85,16 @@ def test_the_loader_and_the_hook_are_imported_once_a_run(repo, monkeypatch):
 
     real = seam.import_loader
     monkeypatch.setattr(seam, "import_loader", counted)
-    repo.makeini("[pytest]\nllmload_training_args_hook = my_loaders:hook\n")
-    result = repo.runpytest("-s", "--llmload-loader", "my_loaders:load")
-    result.assert_outcomes(passed=3)
-    # (before: at collection, then the loader fixture; the hook at collection, its fixture and every check's call)
-    assert sorted(imports) == ["my_loaders:hook", "my_loaders:load"]
-
-
-# Each value by one source; every reader prints the same (the loader: option > env > ini; a training declaration:
-# option > ini > the loader's attribute).
-@pytest.mark.parametrize(("argv", "env", "ini", "loader"), [
-    (["--llmload-loader=my_loaders:load", "--llmload-trains-with-trainer"], "my_loaders:declaring",
-     "llmload_loader = my_loaders:declaring\n", "my_loaders:load (--llmload-loader)"),
-    ([], None, "llmload_loader = my_loaders:load\nllmload_trains_with_trainer = true\n",
-     "my_loaders:load (ini 'llmload_loader')"),
-    ([], "my_loaders:declaring", "llmload_loader = my_loaders:load\n",
-     "my_loaders:declaring ($PYTEST_LLMLOAD_LOADER)"),
-], ids=["option", "ini", "env-and-the-loaders-attribute"])
-def test_every_reader_sees_a_value_as_its_source_gave_it(repo, monkeypatch, argv, env, ini, loader):
     if env:
         monkeypatch.setenv("PYTEST_LLMLOAD_LOADER", env)
-    repo.makeini(f"[pytest]\n{ini}")
+    repo.makeini(f"[pytest]\nllmload_training_args_hook = my_loaders:hook\n{ini}")
     result = repo.runpytest("-s", *argv)
     result.assert_outcomes(passed=3)
     spec, source = loader.split(" ", 1)
+    assert f"llmload: loader {spec} (from {source[1:-1]}); " in result.stdout.str()  # the header
     reads = re.findall(r"READ .*", result.stdout.str())  # (after the progress dots: -s)
-    assert reads == ["READ check True False", "READ check True False",
+    assert reads == ["READ check True True", "READ check True True",
                      f"READ loader {spec} {source} = LoaderChoice(spec={spec!r}, source={source[1:-1]!r})",
                      "READ configuration True", f"READ fixture {'my_loaders:declaring' not in loader}",
-                     "READ check True False"]
+                     "READ check True True"]
+    assert sorted(imports) == sorted(["my_loaders:hook", spec])

@@ -36,10 +36,6 @@ def loaders(pytester, monkeypatch):
     return pytester
 
 
-def header_loader_line(result):
-    return [line for line in result.stdout.lines if line.startswith("llmload: loader")]
-
-
 def test_default_is_the_reference_loader(loaders):
     result = loaders.runpytest("-s")
     result.assert_outcomes(passed=1)
@@ -47,24 +43,7 @@ def test_default_is_the_reference_loader(loaders):
                                  f"*LOADER {REFERENCE_SPEC} built-in default"])
 
 
-@pytest.mark.parametrize(
-    ("option", "env", "ini", "expected"),
-    [
-        ("my_loaders:loader_a", "my_loaders:loader_b", "my_loaders:loader_b", "my_loaders:loader_a (from --llmload-loader)"),
-        (None, "my_loaders:loader_a", "my_loaders:loader_b", "my_loaders:loader_a (from $PYTEST_LLMLOAD_LOADER)"),
-        (None, None, "my_loaders:loader_a", "my_loaders:loader_a (from ini 'llmload_loader')"),
-    ],
-    ids=["option-beats-env-and-ini", "env-beats-ini", "ini-alone"],
-)
-def test_precedence_option_env_ini(loaders, monkeypatch, option, env, ini, expected):
-    if env:
-        monkeypatch.setenv("PYTEST_LLMLOAD_LOADER", env)
-    if ini:
-        loaders.makeini(f"[pytest]\nllmload_loader = {ini}\n")
-    args = ["--llmload-loader", option] if option else []
-    result = loaders.runpytest(*args)
-    result.assert_outcomes(passed=1)
-    assert [line.partition(";")[0] for line in header_loader_line(result)] == [f"llmload: loader {expected}"]
+# The precedence, as every reader sees it: tests/config/test_configuration.py.
 
 
 def test_conftest_fixture_override_wins(loaders):
