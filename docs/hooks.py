@@ -44,6 +44,76 @@ FAILURES_INDEX = "failures/index.md"
 TABLE_START = "<!-- llmload:known-failures (generated from the catalog: python docs/hooks.py) -->"
 TABLE_END = "<!-- /llmload:known-failures -->"
 TABLE_HOMES = {"README.md": False, "docs/index.md": True}  # file -> whether its ids link to the failures' pages
+
+
+class TableCells(typing.NamedTuple):
+    """A failure's row in the known-failures table (README.md, the docs' home page), in Markdown: what the user sees,
+    where it occurs in a few words, and what its regression tests show."""
+
+    symptom: str
+    occurs_briefly: str
+    reproduced_here: str
+
+
+# The table's cells, by failure id: written for the table, so they live with it. A failure without a row here (a new
+# one) gets its catalog entry's title and `occurs`, and a link to its regression tests, until one is written here.
+TABLE_CELLS = {
+    'meta-backward': TableCells(
+        symptom='`Function MmBackward0 returned an invalid gradient at index 1 - expected device meta but got cpu`',
+        occurs_briefly='any version with accelerate offload; cpu and cuda',
+        reproduced_here=("the write-up's text on CPU (12 of 16 LoRA weights on meta); without LoRA 29 of 39 "
+                         'parameters silently get no gradient')),
+    'offload-hang': TableCells(
+        symptom='`from_pretrained` never returns after the shards load (`offload_state_dict` round-trip)',
+        occurs_briefly='transformers <= 4.56 with `device_map` + `max_memory` + `offload_folder`',
+        reproduced_here=('the silent temp-dir round-trip on 4.56; 5.23 drops the keyword silently (asserted); a '
+                         'blocked shard read fails within its deadline naming the frame')),
+    'inference-stall': TableCells(
+        symptom='`generate()` appears to hang on an offloaded model',
+        occurs_briefly='any version, models larger than GPU memory',
+        reproduced_here=('diagnostics (`pytest_llmload/instruments/`), and a deadline hit inside `generate` is named'
+                         ' in the report')),
+    'dp-dtype': TableCells(
+        symptom=('`expected mat1 and mat2 to have the same dtype, but got: float != c10::BFloat16` under '
+                 '`nn.DataParallel`'),
+        occurs_briefly='2+ GPUs; Trainer wraps 4-bit models up to 4.57',
+        reproduced_here="Trainer's own decision at `n_gpu=2` on CPU; the real error needs 2 GPUs (`needs_gpus(2)`)"),
+    'distributed-device-map': TableCells(
+        symptom="`You can't train a model that has been loaded with device_map='auto' in any distributed mode`",
+        occurs_briefly='accelerate in DEEPSPEED / MULTI_GPU / MULTI_CPU mode',
+        reproduced_here='2 gloo ranks, real DeepSpeed ZeRO-2 and plain multi-CPU'),
+    'move-offloaded': TableCells(
+        symptom=('`.to()`/`.cuda()`/`.cpu()` (or `deepspeed.initialize`) on a model that `device_map` + `max_memory`'
+                 " offloaded: `RuntimeError: You can't move a model that has some modules offloaded to cpu or disk.`"),
+        occurs_briefly='accelerate offload, transformers 4.x-5.x, any hardware',
+        reproduced_here=('the tiny Llama with half its weights on disk, then `.to("cpu")`; on an H100, '
+                         '`.to("cuda:0")` with cpu offload')),
+    'adapter-on-offloaded': TableCells(
+        symptom=('a trained LoRA adapter put on a base that `device_map` offloaded: `PeftModel.from_pretrained` '
+                 'raises `NotImplementedError: Cannot copy out of meta tensor; no data!` (peft re-dispatches without'
+                 ' the budget); other ways leave adapter weights on meta (KeyError, or silent garbage)'),
+        occurs_briefly='peft + accelerate offload; cuda:N with cpu/disk offload in the reports',
+        reproduced_here='the tiny Llama with a saved adapter, half its weights on disk (peft 0.21 / accelerate 1.15)'),
+    'quantized-cast': TableCells(
+        symptom=('a bitsandbytes 4-bit/8-bit model cast after loading (`.half()`, `.to(dtype)`): ``ValueError: You '
+                 'cannot cast a bitsandbytes model in a new `dtype` `` / ``ValueError: `.half()` is not supported '
+                 'for quantized model``'),
+        occurs_briefly='any device; transformers since #20409',
+        reproduced_here=("bitsandbytes 0.50's CPU backend, 4-bit nf4 and 8-bit (skips on 4.46, which refuses 4-bit "
+                         'on CPU)')),
+    'zero3-device-map': TableCells(
+        symptom=('any `device_map` (even 004\'s fix `{"": LOCAL_RANK}`) under DeepSpeed ZeRO-3: ``DeepSpeed Zero-3 is'
+                 ' not compatible with passing a `device_map`.``'),
+        occurs_briefly='Trainer `--deepspeed` / accelerate ZeRO-3; CPU and GPU',
+        reproduced_here="a stage-3 `HfDeepSpeedConfig` in-process, and 2 gloo ranks with accelerate's ZeRO-3 plugin"),
+    'fp16-unscale': TableCells(
+        symptom=('weights loaded in float16 and trained under fp16 mixed precision: `ValueError: Attempting to '
+                 'unscale FP16 gradients.`'),
+        occurs_briefly=('Trainer/accelerate `fp16=True` or `torch.amp.GradScaler`; a float16 full fine-tune, or LoRA'
+                        ' with fp16 adapters'),
+        reproduced_here=('an fp16 autocast + `torch.amp.GradScaler("cpu")` step on CPU; `Trainer(fp16=True)` on an '
+                         'H100')),
+}
 # Which extra serves which check (pytest_llmload.config.distribution.extras_table, from each Check's `extras`) sits
 # between these lines in these files.
 EXTRAS_START = "<!-- llmload:extras (generated from the checks' extras: python docs/hooks.py) -->"
@@ -105,11 +175,6 @@ RECORD_DOCS = {
                              "otherwise a hung loader is an `error` row",
         "order": "its place in the catalog: the registry, the main job's rows and the tables list failures in "
                  "this order; a new failure takes the next number",
-        "predicted_by": "the runner predictions that name it: names of scenario functions of "
-                        "`pytest_llmload.prediction.predict`",
-        "symptom": "the known-failures table's *failure* cell (Markdown): what the user sees",
-        "occurs_briefly": "the table's *where it occurs* cell (Markdown): `occurs` in a few words",
-        "reproduced_here": "the table's *reproduced here by* cell (Markdown): what its regression tests show",
     },
     "Check": {
         "function": "`function(loader, checkpoint, workdir)`, raising `AssertionError` on a faulty loader; it gets the "
@@ -198,16 +263,31 @@ def _checks_of(failure) -> list:
     return [check for check in REGISTRY if check.failure.id == failure.id]
 
 
+def homes(failure) -> dict[str, str]:
+    """A failure's three files in this repository, from its root, all following the id: its module (catalog entry
+    and checks), the write-up's loader before its fix, and its regression tests (an installed wheel has only the
+    first, so the package does not name them)."""
+    return {"catalog entry and checks": f"pytest_llmload/failures/{failure.slug}.py",
+            "before-loader": f"fixtures/loaders/before_{failure.slug}.py",
+            "regression tests": f"tests/failures/test_{failure.slug}.py"}
+
+
+def table_cells(failure) -> TableCells:
+    """The failure's cells in the known-failures table: :data:`TABLE_CELLS`' row, else its catalog entry's title and
+    where it occurs (a new failure is listed before anyone writes its row)."""
+    return TABLE_CELLS.get(failure.id) or TableCells(plain(failure.title), plain(failure.occurs), "")
+
+
 def failure_page(failure) -> str:
     """The reference page of one known failure."""
-    homes = failure.homes
+    paths = homes(failure)
     lines = [f"# {failure.id}: {plain(failure.title)}", "",
              "*Generated from the catalog (`pytest_llmload.failures`) when the docs are built.*", "",
              "| field | value |", "|---|---|",
              f"| id | {code(failure.id)} |",
              f"| write-up or field reports | {cell(plain(failure.write_up))} |",
              f"| where it occurs | {cell(plain(failure.occurs))} |"]
-    lines += [f"| {what} | {code(path)} |" for what, path in homes.items()]
+    lines += [f"| {what} | {code(path)} |" for what, path in paths.items()]
     lines += ["", "## Root cause", "", plain(failure.root_cause), "",
               "## Fix", "", linked(failure.fix, f"../{API_PAGE}"), "",
               "## Signatures", "",
@@ -241,9 +321,9 @@ def failure_page(failure) -> str:
                   f"- deadline: {check.timeout:g} s, {runs}", ""]
     for title, what in (("The loader before its fix", "before-loader"), ("How it is reproduced here",
                                                                          "regression tests")):
-        path = ROOT / homes[what]
-        lines += [f"## {title}", "", f"From the docstring of {code(homes[what])}:", "",
-                  from_rest(module_docstring(path)) if path.exists() else f"({homes[what]} is missing)", ""]
+        path = ROOT / paths[what]
+        lines += [f"## {title}", "", f"From the docstring of {code(paths[what])}:", "",
+                  from_rest(module_docstring(path)) if path.exists() else f"({paths[what]} is missing)", ""]
     return "\n".join(lines)
 
 
@@ -283,14 +363,12 @@ def known_failures_table(linked: bool) -> str:
     lines = ["| id | failure | write-up or field reports | where it occurs | reproduced here by |",
              "|---|---|---|---|---|"]
     for failure in CATALOG:
-        missing = [field for field in ("symptom", "occurs_briefly", "reproduced_here") if not getattr(failure, field)]
-        if missing:
-            raise ValueError(f"docs/hooks.py: the catalog entry of {failure.id} has no {', '.join(missing)} "
-                             f"for the known-failures table; set them in {failure.homes['catalog entry and checks']}")
+        cells = table_cells(failure)
         name = f"[{code(failure.id)}](failures/{failure.id}.md)" if linked else code(failure.id)
-        tests = code(failure.homes["regression tests"])
-        lines.append(f"| {name} | {cell(failure.symptom)} | {_write_up_cell(failure)} | "
-                     f"{cell(failure.occurs_briefly)} | {tests}: {cell(failure.reproduced_here)} |")
+        tests = code(homes(failure)["regression tests"])
+        reproduced = f"{tests}: {cell(cells.reproduced_here)}" if cells.reproduced_here else tests
+        lines.append(f"| {name} | {cell(cells.symptom)} | {_write_up_cell(failure)} | "
+                     f"{cell(cells.occurs_briefly)} | {reproduced} |")
     return "\n".join(lines)
 
 

@@ -39,6 +39,11 @@ def not_exercised(check: str, did_instead: str, missing: str) -> None:
 
 
 class KnownFailure(NamedTuple):
+    """What a known failure is: its id and title, where it was reported, the texts it is known by, its root cause
+    and fix, where it occurs. What shows it elsewhere lives there: the docs' table cells with the docs
+    (``docs/hooks.py``), this repository's files for it with its tests, the runner prediction that names it with the
+    prediction (``Scenario.predicts``)."""
+
     id: str
     title: str
     write_up: str
@@ -57,32 +62,11 @@ class KnownFailure(NamedTuple):
     # Its place in the catalog: the registry, the main job's rows and the docs' tables list the failures in this
     # order (the write-ups first, then those from issue trackers as they were added). A new failure takes the next.
     order: int = 0
-    # The runner predictions that name it, by their function's name in pytest_llmload.prediction.predict (a layer
-    # above this one, so the catalog names them and the predictions look them up).
-    predicted_by: tuple[str, ...] = ()
-    # Its row in the known-failures table (README.md, the docs' home page), in Markdown: what the user sees, where
-    # it occurs in a few words, and how its regression tests reproduce it.
-    symptom: str = ""
-    occurs_briefly: str = ""
-    reproduced_here: str = ""
 
     @property
     def slug(self) -> str:
         """The id as a module name: ``meta-backward`` -> ``meta_backward``."""
         return self.id.replace("-", "_")
-
-    @property
-    def module(self) -> str:
-        """The module that is this failure's home: ``meta-backward`` -> ``pytest_llmload.failures.meta_backward``."""
-        return f"pytest_llmload.failures.{self.slug}"
-
-    @property
-    def homes(self) -> dict[str, str]:
-        """Its three files, from the repository's root: the module (catalog entry and checks), the write-up's loader
-        before its fix, and the regression tests. All follow the id."""
-        return {"catalog entry and checks": f"pytest_llmload/failures/{self.slug}.py",
-                "before-loader": f"fixtures/loaders/before_{self.slug}.py",
-                "regression tests": f"tests/failures/test_{self.slug}.py"}
 
     def matches(self, text: str) -> bool:
         if not any(re.search(pattern, text) for pattern in self.signatures):

@@ -109,7 +109,7 @@ SETTINGS = (
         "Default: the built-in reference loader.")),
     Setting("training_args_hook", "text", metavar="MODULE:FUNCTION", help=(
         "your training script's hook, as 'module:function', called as hook(training_args, model) between "
-        "TrainingArguments and Trainer(...) (pytest_llmload.fixes.trainer_guard:prepare_training_args_for_placed_model is one). "
+        "TrainingArguments and Trainer(...) (pytest-llmload's fixes ship one: prepare_training_args_for_placed_model). "
         f"The Trainer check runs Trainer as transformers ships it, with this hook. After the ini key, the loader "
         f"function's attribute {HOOK_ATTRIBUTE}; default: none (stock Trainer).")),
     *(Setting(keyword, "bool", help=(f"declare that {text} After the ini key, the loader function's attribute "

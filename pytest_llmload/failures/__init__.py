@@ -1,13 +1,11 @@
 """The known failures, one module each, named by the failure's id (``dp-dtype`` is :mod:`.dp_dtype`), and nothing else.
 
-Each module declares all there is about its failure: its catalog entry (``FAILURE``, a
-:class:`~pytest_llmload.checks.base.KnownFailure`: signatures, root cause, fix, its place in the catalog, the
-runner predictions that name it, its row in the docs' table) and its conformance checks (``CHECKS``,
-:class:`~pytest_llmload.checks.base.Check` records). This package finds the modules itself (every module in it is
-a failure) and builds from them the catalog, the check registry, the predictions' failures and the docs' tables.
-Outside the package, the homes follow the id: the write-up's "before" loader ``fixtures/loaders/before_<id>.py``
-and the regression tests ``tests/failures/test_<id>.py``. Adding a failure: one module here, one before-loader,
-one test module (docs/contributing.md).
+Each module declares what its failure is: its catalog entry (``FAILURE``, a
+:class:`~pytest_llmload.checks.base.KnownFailure`: signatures, root cause, fix, where it occurs, its place in the
+catalog) and its conformance checks (``CHECKS``, :class:`~pytest_llmload.checks.base.Check` records). This package
+finds the modules itself (every module in it is a failure) and builds from them the catalog and the check registry;
+the predictions name the failure each predicts, and the docs' tables are made from the catalog. Adding a failure:
+one module here, its before-loader and its regression tests (docs/contributing.md).
 """
 
 from __future__ import annotations
@@ -29,9 +27,9 @@ def _discovered() -> tuple[ModuleType, ...]:
         if not isinstance(failure, KnownFailure) or not isinstance(getattr(module, "CHECKS", None), tuple):
             raise ImportError(f"{module.__name__} is not a known failure's module (FAILURE, a KnownFailure, and "
                               "CHECKS, a tuple of Check records): this package holds failures only")
-        if failure.module != module.__name__:
+        if module.__name__ != f"{__name__}.{failure.slug}":
             raise ImportError(f"{module.__name__} declares the failure {failure.id!r}, whose module is "
-                              f"{failure.module}: name the module after the id")
+                              f"{__name__}.{failure.slug}: name the module after the id")
     orders = sorted(module.FAILURE.order for module in modules)
     if len(set(orders)) != len(orders) or 0 in orders:
         raise ImportError(f"the known failures' FAILURE.order must be distinct and positive; they are "

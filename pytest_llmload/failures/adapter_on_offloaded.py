@@ -80,7 +80,6 @@ _ADAPTER_CALLS = r"(?:^| )peft\.|:(?:load_adapter|_update_offload|merge_and_unlo
 FAILURE = KnownFailure(
     id="adapter-on-offloaded",
     order=7,
-    predicted_by=("predict_adapter_on_offloaded",),
     title="a trained PEFT adapter put onto a base model that device_map offloaded to cpu/disk",
     write_up=("tloen/alpaca-lora#368, tloen/alpaca-lora#536, SCIR-HI/Huatuo-Llama-Med-Chinese#75, "
               "QwenLM/Qwen3#297, huggingface/peft#2213, hiyouga/LlamaFactory#6030"),
@@ -108,11 +107,6 @@ FAILURE = KnownFailure(
             "torch 2.13, CPU with disk offload; and peft 0.17.1, accelerate 1.10.1, transformers 4.56.2 as a "
             "KeyError in peft's _update_offload / accelerate's move refusal); reports on cuda:N with cpu/disk "
             "offload, 8-bit bases included."),
-    symptom=("a trained LoRA adapter put on a base that `device_map` offloaded: `PeftModel.from_pretrained` raises "
-             "`NotImplementedError: Cannot copy out of meta tensor; no data!` (peft re-dispatches without the "
-             "budget); other ways leave adapter weights on meta (KeyError, or silent garbage)"),
-    occurs_briefly="peft + accelerate offload; cuda:N with cpu/disk offload in the reports",
-    reproduced_here="the tiny Llama with a saved adapter, half its weights on disk (peft 0.21 / accelerate 1.15)",
     tell=(f"(?:{tracebacks.frame_pattern('peft_model.py', '_update_offload')}"
           f"|{tracebacks.frame_pattern('big_modeling.py', 'dispatch_model')})"),
     without_tell=(

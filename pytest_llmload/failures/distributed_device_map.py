@@ -53,7 +53,6 @@ Loader = Callable[[LoadRequest], Any]
 FAILURE = KnownFailure(
     id="distributed-device-map",
     order=5,
-    predicted_by=("predict_launcher_ddp", "predict_launcher_deepspeed"),
     title="device_map='auto' under DeepSpeed or another distributed launcher",
     write_up="seeds/004_e47582475487edd3.txt",
     signatures=(
@@ -72,9 +71,6 @@ FAILURE = KnownFailure(
         "pytest_llmload.fixes.training_scripts.device_map_for_rank gives it)."
     ),
     occurs="accelerate >= 0.20 with DistributedType DEEPSPEED, MULTI_GPU or MULTI_CPU; CPU (gloo) and GPU.",
-    symptom="`You can't train a model that has been loaded with device_map='auto' in any distributed mode`",
-    occurs_briefly="accelerate in DEEPSPEED / MULTI_GPU / MULTI_CPU mode",
-    reproduced_here="2 gloo ranks, real DeepSpeed ZeRO-2 and plain multi-CPU",
 )
 
 

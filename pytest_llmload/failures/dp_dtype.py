@@ -57,7 +57,6 @@ logger = logging.getLogger(__name__)
 FAILURE = KnownFailure(
     id="dp-dtype",
     order=4,
-    predicted_by=("predict_trainer",),
     title="nn.DataParallel wrapped around a model already placed with device_map",
     write_up="seeds/003_b296b1821f4bec50.txt",
     signatures=(
@@ -80,9 +79,6 @@ FAILURE = KnownFailure(
     occurs=("2+ GPUs seen by one process, the model placed where Trainer sees no model parallelism (on one GPU, "
             "or a spread its hf_device_map does not show); Trainer up to 4.57 wraps 4-bit models, later versions "
             "skip 4-bit but still count n_gpu."),
-    symptom="`expected mat1 and mat2 to have the same dtype, but got: float != c10::BFloat16` under `nn.DataParallel`",
-    occurs_briefly="2+ GPUs; Trainer wraps 4-bit models up to 4.57",
-    reproduced_here="Trainer's own decision at `n_gpu=2` on CPU; the real error needs 2 GPUs (`needs_gpus(2)`)",
     tell=r"data_parallel|parallel_apply",
     without_tell=(
         "no DataParallel frame in the traceback: the same dtype symptom, so look for another float/bf16 mix "

@@ -74,11 +74,6 @@ FAILURE = KnownFailure(
         "with torch.amp.GradScaler('cpu') (torch 2.13 here); LoRA only with peft < 0.11 or "
         "autocast_adapter_dtype=False."
     ),
-    symptom=("weights loaded in float16 and trained under fp16 mixed precision: `ValueError: Attempting to unscale "
-             "FP16 gradients.`"),
-    occurs_briefly=("Trainer/accelerate `fp16=True` or `torch.amp.GradScaler`; a float16 full fine-tune, or LoRA "
-                    "with fp16 adapters"),
-    reproduced_here='an fp16 autocast + `torch.amp.GradScaler("cpu")` step on CPU; `Trainer(fp16=True)` on an H100',
 )
 
 LORA_VARIANTS = (False, True)

@@ -28,10 +28,6 @@ FAILURE = KnownFailure(
         "memory that nothing is offloaded for interactive use."
     ),
     occurs="any version; models larger than GPU memory with cpu/disk offload.",
-    symptom="`generate()` appears to hang on an offloaded model",
-    occurs_briefly="any version, models larger than GPU memory",
-    reproduced_here=("diagnostics (`pytest_llmload/instruments/`), and a deadline hit inside `generate` is named in "
-                     "the report"),
 )
 
 

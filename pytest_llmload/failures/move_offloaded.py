@@ -54,7 +54,6 @@ VERDICT = r"moved a model with \d+ of \d+ parameters offloaded"
 FAILURE = KnownFailure(
     id="move-offloaded",
     order=6,
-    predicted_by=("predict_moved_after_loading",),
     title="moving (.to/.cuda/.cpu) a model that device_map offloaded to cpu or disk",
     write_up="mlfoundations/rtfm#19, 01-ai/Yi#302, mlcommons/inference#1751, hiyouga/LlamaFactory#2732",
     signatures=(ACCELERATE_REFUSAL, VERDICT),
@@ -72,11 +71,6 @@ FAILURE = KnownFailure(
     ),
     occurs=("accelerate >= 0.2x with transformers 4.x-5.x device_map offload (reproduced: transformers 5.23, "
             "accelerate 1.15, CPU with disk offload); any hardware: cuda:N with cpu offload in the reports."),
-    symptom=("`.to()`/`.cuda()`/`.cpu()` (or `deepspeed.initialize`) on a model that `device_map` + `max_memory` "
-             "offloaded: `RuntimeError: You can't move a model that has some modules offloaded to cpu or disk.`"),
-    occurs_briefly="accelerate offload, transformers 4.x-5.x, any hardware",
-    reproduced_here=('the tiny Llama with half its weights on disk, then `.to("cpu")`; on an H100, `.to("cuda:0")` '
-                     "with cpu offload"),
 )
 
 # nn.Module methods that move or cast every parameter.

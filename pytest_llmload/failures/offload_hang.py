@@ -38,7 +38,6 @@ Loader = Callable[[LoadRequest], Any]
 FAILURE = KnownFailure(
     id="offload-hang",
     order=2,
-    predicted_by=("predict_inference_load",),
     title="from_pretrained never returns after the shards load (offload_state_dict round-trip)",
     write_up="seeds/000_90648e437c1c073a.txt",
     signatures=HANG_SIGNATURES,
@@ -53,10 +52,6 @@ FAILURE = KnownFailure(
         "offload is wanted, and set pad_token_id directly instead of a second GenerationConfig.from_pretrained."
     ),
     occurs="transformers <= 4.56 with device_map + max_memory + offload_folder; any hardware, worst on big models.",
-    symptom="`from_pretrained` never returns after the shards load (`offload_state_dict` round-trip)",
-    occurs_briefly="transformers <= 4.56 with `device_map` + `max_memory` + `offload_folder`",
-    reproduced_here=("the silent temp-dir round-trip on 4.56; 5.23 drops the keyword silently (asserted); a blocked "
-                     "shard read fails within its deadline naming the frame"),
     hang_is_mechanism=True,
 )
 

@@ -66,7 +66,6 @@ CAST_REFUSALS = (
 FAILURE = KnownFailure(
     id="quantized-cast",
     order=8,
-    predicted_by=("predict_quantized_cast",),
     title="a bitsandbytes-quantized model cast to another dtype after loading",
     write_up=("hiyouga/LlamaFactory#5, deepspeedai/DeepSpeed#3719, InternLM/xtuner#342, axolotl-ai-cloud/axolotl#2511, "
               "huggingface/diffusers#11570, OpenRLHF/OpenRLHF#403"),
@@ -88,11 +87,6 @@ FAILURE = KnownFailure(
             "with transformers 4.56 and bitsandbytes 0.47 (same texts, and a refusal of any .to() of an 8-bit model; 4.x "
             "loads the other weights in float16 without dtype=, so a swallowed cast leaves a float16 request right "
             "and a bfloat16 one float16)."),
-    symptom=("a bitsandbytes 4-bit/8-bit model cast after loading (`.half()`, `.to(dtype)`): ``ValueError: You "
-             "cannot cast a bitsandbytes model in a new `dtype` `` / ``ValueError: `.half()` is not supported for "
-             "quantized model``"),
-    occurs_briefly="any device; transformers since #20409",
-    reproduced_here="bitsandbytes 0.50's CPU backend, 4-bit nf4 and 8-bit (skips on 4.46, which refuses 4-bit on CPU)",
 )
 
 # (quantization, dtype): the requests the check makes. 8-bit in bfloat16 is left out: bitsandbytes' int8 matmul

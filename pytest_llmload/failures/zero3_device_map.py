@@ -74,7 +74,6 @@ ERROR_RE = (r"DeepSpeed Zero-3 is not compatible with (?:`?low_cpu_mem_usage=Tru
 FAILURE = KnownFailure(
     id="zero3-device-map",
     order=9,
-    predicted_by=("predict_zero3",),
     title="a device_map passed to from_pretrained under DeepSpeed ZeRO-3",
     write_up=("huggingface/peft#306, huggingface/accelerate#2543, hiyouga/LlamaFactory#199, "
               "hiyouga/LlamaFactory#3949, QwenLM/Qwen#833, shibing624/MedicalGPT#477"),
@@ -92,10 +91,6 @@ FAILURE = KnownFailure(
     occurs=("transformers >= 4.2x with DeepSpeed ZeRO-3 (Trainer --deepspeed, accelerate DeepSpeedPlugin with "
             "zero3_init_flag); CPU (DS_ACCELERATOR=cpu, gloo) and GPU; reproduced on transformers 5.23, "
             "accelerate 1.15, deepspeed 0.19.8."),
-    symptom=('any `device_map` (even 004\'s fix `{"": LOCAL_RANK}`) under DeepSpeed ZeRO-3: ``DeepSpeed Zero-3 is '
-             "not compatible with passing a `device_map`.``"),
-    occurs_briefly="Trainer `--deepspeed` / accelerate ZeRO-3; CPU and GPU",
-    reproduced_here="a stage-3 `HfDeepSpeedConfig` in-process, and 2 gloo ranks with accelerate's ZeRO-3 plugin",
 )
 
 

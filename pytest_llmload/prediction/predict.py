@@ -3,7 +3,7 @@ loader as it would run there, stops it at ``from_pretrained`` (nothing is loaded
 with transformers' own code (:mod:`pytest_llmload.placement.planned`), estimates memory
 (:mod:`pytest_llmload.fixes.training_memory`) and names the known failure the runner would hit, or OOM with the
 figures. Every row is a prediction and says what was simulated. The scenarios are the functions declared with
-``@_scenario``; the known failure each predicts is named by the failure's own module (``predicted_by``).
+``@_scenario``, each naming the known failure it predicts by its id (the catalog, a layer below, names none).
 
 What the loader sees, as on each rank of that runner: the request in the profile's sizes (``max_memory`` the
 profile's capacities, or under a launcher each rank's own budget; ``gpu_count`` its GPUs, ``device``
@@ -722,7 +722,7 @@ def adapter_dir(config: dict, workdir: Path) -> Path:
     return dest
 
 
-# --- the scenarios: one row each; the known failure each predicts is the catalog's to say -------------------------
+# --- the scenarios: one row each, naming the known failure it predicts ------------------------------------------
 
 
 class Scenario(NamedTuple):
@@ -775,34 +775,32 @@ def _declares(loader: Any, keyword: str) -> bool:
     return configured.get().declares(keyword, loader)
 
 
-# name -> (function, GPUs a runner needs for it, purpose), in the order the functions are defined below: the rows'.
-_SCENARIOS: dict[str, tuple[Callable[..., Prediction], int, str]] = {}
+# name -> (function, the id of the failure it predicts, GPUs a runner needs for it, purpose), in the order the
+# functions are defined below: the rows'.
+_SCENARIOS: dict[str, tuple[Callable[..., Prediction], str, int, str]] = {}
 
 
-def _scenario(needs_gpus: int = 0, purpose: str = "inference") -> Callable:
-    """Declares the function below a scenario (a runner with fewer than ``needs_gpus`` GPUs skips it; a loader
-    declared for another ``purpose`` skips it). Which known failure it predicts, the failure's module says
-    (``KnownFailure.predicted_by``): :func:`scenarios` pairs them."""
+def _scenario(predicts: str, needs_gpus: int = 0, purpose: str = "inference") -> Callable:
+    """Declares the function below a scenario that predicts the known failure whose id is ``predicts`` (a runner
+    with fewer than ``needs_gpus`` GPUs skips it; a loader declared for another ``purpose`` skips it)."""
 
     def declare(function: Callable[..., Prediction]) -> Callable[..., Prediction]:
-        _SCENARIOS[function.__name__] = (function, needs_gpus, purpose)
+        _SCENARIOS[function.__name__] = (function, predicts, needs_gpus, purpose)
         return function
 
     return declare
 
 
 def scenarios() -> tuple[Scenario, ...]:
-    """Every scenario, in the order this module defines them, with the catalog entry that names it."""
-    from pytest_llmload.failures import CATALOG
+    """Every scenario, in the order this module defines them, with the catalog entry of the failure it predicts."""
+    from pytest_llmload.failures import BY_ID
 
-    failure_of = {name: failure for failure in CATALOG for name in failure.predicted_by}
-    unknown = sorted(set(failure_of) - set(_SCENARIOS))
-    unclaimed = sorted(set(_SCENARIOS) - set(failure_of))
-    if unknown or unclaimed:
-        raise LookupError(f"the catalog and {__name__} disagree: predicted_by names {unknown or 'nothing'} that is "
-                          f"no scenario here; scenarios no failure's predicted_by names: {unclaimed or 'none'}")
-    return tuple(Scenario(function, failure_of[name], needs_gpus, purpose)
-                 for name, (function, needs_gpus, purpose) in _SCENARIOS.items())
+    unknown = {name: failure_id for name, (_, failure_id, *_) in _SCENARIOS.items() if failure_id not in BY_ID}
+    if unknown:
+        raise LookupError(f"{__name__}: scenarios predict failures the catalog lacks: {unknown} (its ids: "
+                          f"{sorted(BY_ID)})")
+    return tuple(Scenario(function, BY_ID[failure_id], needs_gpus, purpose)
+                 for function, failure_id, needs_gpus, purpose in _SCENARIOS.values())
 
 
 def _request(model_path: Path, profile: RunnerProfile, loader: Any, rank: int = 0, **fields) -> LoadRequest:
@@ -826,7 +824,7 @@ def _raise_if(prediction: Prediction) -> Prediction:
     return prediction
 
 
-@_scenario()
+@_scenario("offload-hang")
 def predict_inference_load(loader, profile, config, model_name, workdir, checkpoint=None) -> Prediction:
     """Predicts offload-hang (000) or OOM: an inference load under the runner's memory, and where it offloads."""
     from importlib import metadata
@@ -864,7 +862,7 @@ def _refused(scenario: str, profile: RunnerProfile, model_name: str, exc: Any, r
                       f"{type(exc.original).__name__}")
 
 
-@_scenario(purpose="train")
+@_scenario("meta-backward", purpose="train")
 def predict_train_load(loader, profile, config, model_name, workdir, checkpoint=None, *,
                        max_memory: Optional[dict] = None) -> Prediction:
     """Predicts meta-backward (002) or OOM: a LoRA train load with gradient checkpointing under the runner's memory.
@@ -892,7 +890,7 @@ def predict_train_load(loader, profile, config, model_name, workdir, checkpoint=
     return _raise_if(prediction)
 
 
-@_scenario(needs_gpus=2, purpose="train")
+@_scenario("dp-dtype", needs_gpus=2, purpose="train")
 def predict_trainer(loader, profile, config, model_name, workdir, checkpoint=None) -> Prediction:
     """Predicts dp-dtype (003): Trainer's n_gpu and wrap decision for the loader's 4-bit LoRA model on the runner's GPUs."""
     from pytest_llmload.failures import dp_dtype
@@ -1016,19 +1014,19 @@ def _deepspeed_states(prediction: Prediction, profile, config: dict, request: Lo
     return prediction
 
 
-@_scenario(needs_gpus=2, purpose="train")
+@_scenario("distributed-device-map", needs_gpus=2, purpose="train")
 def predict_launcher_ddp(loader, profile, config, model_name, workdir, checkpoint=None) -> Prediction:
     """Predicts distributed-device-map (004): a train load on every rank of a torchrun job over the runner's GPUs."""
     return _launched("predict_launcher_ddp", profile, config, model_name, workdir, loader, deepspeed=False)
 
 
-@_scenario(needs_gpus=2, purpose="train")
+@_scenario("distributed-device-map", needs_gpus=2, purpose="train")
 def predict_launcher_deepspeed(loader, profile, config, model_name, workdir, checkpoint=None) -> Prediction:
     """Predicts distributed-device-map (004): a train load on every rank of a DeepSpeed (ZeRO-2) job, write-up 004's."""
     return _launched("predict_launcher_deepspeed", profile, config, model_name, workdir, loader, deepspeed=True)
 
 
-@_scenario(needs_gpus=1, purpose="train")
+@_scenario("zero3-device-map", needs_gpus=1, purpose="train")
 def predict_zero3(loader, profile, config, model_name, workdir, checkpoint=None) -> Prediction:
     """Predicts zero3-device-map: a train load on every rank under DeepSpeed ZeRO-3 passes no device_map."""
     return _launched("predict_zero3", profile, config, model_name, workdir, loader, deepspeed=True, zero3=True)
@@ -1093,7 +1091,7 @@ def _done(events: list) -> str:
     return ", ".join(dict.fromkeys(one(event) for event in events if event.name != "generate"))
 
 
-@_scenario()
+@_scenario("move-offloaded")
 def predict_moved_after_loading(loader, profile, config, model_name, workdir, checkpoint=None) -> Prediction:
     """Predicts move-offloaded (or OOM): the loader moves a model the runner's placement offloads (or a whole one to
     a GPU that cannot hold it)."""
@@ -1118,7 +1116,7 @@ def predict_moved_after_loading(loader, profile, config, model_name, workdir, ch
     return prediction._replace(reason=loaded.reason("no move or cast"))
 
 
-@_scenario()
+@_scenario("adapter-on-offloaded")
 def predict_adapter_on_offloaded(loader, profile, config, model_name, workdir, checkpoint=None) -> Prediction:
     """Predicts adapter-on-offloaded: the loader puts a trained adapter on a base the runner's placement offloads."""
     loaded = _after_loading("predict_adapter_on_offloaded", loader, profile, config, model_name, workdir,
@@ -1136,7 +1134,7 @@ def predict_adapter_on_offloaded(loader, profile, config, model_name, workdir, c
     return prediction._replace(reason=loaded.reason("no adapter loaded"))
 
 
-@_scenario()
+@_scenario("quantized-cast")
 def predict_quantized_cast(loader, profile, config, model_name, workdir, checkpoint=None) -> Prediction:
     """Predicts quantized-cast: the loader casts a 4-bit model after loading (transformers refuses any dtype cast)."""
     loaded = _after_loading("predict_quantized_cast", loader, profile, config, model_name, workdir,

@@ -10,7 +10,6 @@ import sys
 import pytest
 
 from fixtures import warm_runs
-from pytest_llmload.failures import CATALOG
 from pytest_llmload.loader.seam import LoaderChoice, as_loader_under_test, import_loader
 from pytest_llmload.placement import architectures, planner, profiles
 from pytest_llmload.prediction import predict
@@ -326,7 +325,7 @@ ON_THEIR_RUNNERS = {
 }
 
 
-@pytest.mark.parametrize("failure", sorted(failure.id for failure in CATALOG if failure.predicted_by))
+@pytest.mark.parametrize("failure", sorted({scenario.failure.id for scenario in predict.scenarios()}))
 def test_each_before_loader_is_predicted_with_its_own_failure(failure, llmload_checkpoint, tmp_path):
     """Every failure a scenario predicts (a new one needs its row in ON_THEIR_RUNNERS)."""
     from importlib import metadata
