@@ -100,7 +100,7 @@ SLOW_FILES = (
     "tests/main_job/test_main_job.py", "tests/test_corpus.py", "tests/test_sample_loaders.py", "tests/runners/test_launcher.py",
     "tests/plugin/test_xdist_gpus.py", "tests/plugin/test_plugin_load_cost.py", "tests/runners/test_child_coverage.py",
     "tests/plugin/test_check_registry.py", "tests/test_downstream_repo.py", "tests/test_readme_adapter.py",
-    "tests/plugin/test_loader_hang.py", "tests/runners/test_warm_server.py", "tests/plugin/test_lanes.py",
+    "tests/plugin/test_loader_hang.py", "tests/runners/test_warm_server.py",
     "tests/test_write_ups_as_written.py", "tests/reports/test_html_report_browser.py",
     "tests/docs/test_docs_render.py",
 )
@@ -166,8 +166,7 @@ SLOW_TESTS = {
         "test_a_model_trained_without_a_device_map_is_moved_whole_to_its_gpu_and_does_not_fit",),
     "tests/reports/test_pytest_report_files.py": (
         "test_an_error_row_is_an_error_in_junit_xml_and_a_failure_stays_a_failure[xdist]",
-        "test_each_row_is_a_record_in_the_report_log_after_its_report[xdist]",
-        "test_under_lanes_each_report_and_row_is_in_the_report_log_once"),
+        "test_each_row_is_a_record_in_the_report_log_after_its_report[xdist]"),
     "tests/reports/test_header.py": ("test_the_header_is_there_under_xdist",),
     "tests/reports/test_loader_fault_rows.py": (
         "test_junit_carries_the_finding_and_the_fix_of_each_row", "test_the_pad_token_checks_model_error_carries_its_fix",

@@ -7,13 +7,15 @@
 - ``pytest -m gpu`` of this repo's tests with ``CUDA_VISIBLE_DEVICES=`` (every GPU test skips): the goal is
   under 3 s, which holds only if nothing imports torch before the skips.
 
-    python benchmarks/bench_main_job.py [--runs 5] [--against DIR] [--one-lane] [--python PY] [--simulate-gpu]
+    python benchmarks/bench_main_job.py [--runs 5] [--against DIR] [--python PY] [--simulate-gpu]
                                         [--import-torch PY ...]
 
 ``--against DIR``: also the main job of another checkout (a ``git worktree`` of an earlier commit), in the same
 rounds, so that a before/after comparison shares the machine's drift: each round runs the floor, then this
-checkout's main job, then DIR's. ``--one-lane``: also this main job with ``--lanes 1`` in each round (what the
-lanes, ``pytest_llmload.plugin.lanes``, save).
+checkout's main job, then DIR's, and says both (wall and CPU, with the load) as it ends, so that the noise shows; the
+table gives the medians of the paired ratios, in wall time and in CPU. Issue 47 measured the lanes this way (a
+checkout of d992cc3, whose ``--lanes 1`` was this main job's one process, against its default of two lanes:
+docs/performance.md), then removed them.
 
 Issue 40 (the GPU runner's path, measured where no GPU is lent): ``--python PY`` runs the floor and the main jobs with
 another venv's interpreter (``.venv-cuda/bin/python``: the CUDA build of torch, which a GPU runner imports in every new
@@ -77,12 +79,11 @@ def compile_bytecode(python: str, checkout: Path) -> None:
     subprocess.run([python, "-m", "compileall", "-q", str(Path(checkout) / "pytest_llmload")], check=True)
 
 
-def main(runs: int = 5, against=None, one_lane: bool = False, python: str = sys.executable,
+def main(runs: int = 5, against=None, python: str = sys.executable,
          simulate_gpu: bool = False, import_torch: tuple = ()) -> dict:
     python, import_torch = os.path.abspath(python), tuple(map(os.path.abspath, import_torch))  # (--against's cwd)
     FLOOR = [python, "-c", STACK]
     MAIN_JOB = [python, "-m", "pytest_llmload"]
-    ONE_LANE = [*MAIN_JOB, "--lanes", "1"]
     GPU_ONLY = [python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"]
     SIMULATED = [*MAIN_JOB, *WITHOUT_CUDA_CHECKS]
     # What the GPU-less server imports before it forks a rank (runners.warm_server), in a new interpreter
@@ -99,7 +100,7 @@ def main(runs: int = 5, against=None, one_lane: bool = False, python: str = sys.
     # label -> [(wall, CPU)] per round: CPU (user + system, children included, and what a run left to end after it)
     # moves less than wall with the load
     runs_of: dict[str, list[tuple[float, float]]] = {
-        "floor": [], "job": [], "other": [], "single": [], "gpu job": [], "gpu other": [], "server": [],
+        "floor": [], "job": [], "other": [], "gpu job": [], "gpu other": [], "server": [],
         **{f"import torch: {py}": [] for py in import_torch}}
     for _ in range(runs):
         for py in import_torch:
@@ -108,8 +109,8 @@ def main(runs: int = 5, against=None, one_lane: bool = False, python: str = sys.
         runs_of["job"].append(run_counted(MAIN_JOB, cwd=REPO, env=env))
         if other_env is not None:
             runs_of["other"].append(run_counted(MAIN_JOB, cwd=against, env=other_env))
-        if one_lane:
-            runs_of["single"].append(run_counted(ONE_LANE, cwd=REPO, env=env))
+            print("round: this main job {:.2f} s wall, {:.2f} s CPU; {} {:.2f} s wall, {:.2f} s CPU ({})".format(
+                *runs_of["job"][-1], against, *runs_of["other"][-1], load_average()), file=sys.stderr, flush=True)
         if simulate_gpu:
             runs_of["gpu job"].append(run_counted(SIMULATED, cwd=REPO, env=simulated_env))
             runs_of["server"].append(run_counted(SERVER, cwd=REPO, env={**env, "CUDA_VISIBLE_DEVICES": ""}))
@@ -118,7 +119,7 @@ def main(runs: int = 5, against=None, one_lane: bool = False, python: str = sys.
     gpu_env = repo_env(CUDA_VISIBLE_DEVICES="")
     run_timed(GPU_ONLY, cwd=REPO, env=gpu_env)
     gpu_only = [run_timed(GPU_ONLY, cwd=REPO, env=gpu_env)[0] for _ in range(runs)]
-    floor, job, other, single = ([wall for wall, _ in runs_of[k]] for k in ("floor", "job", "other", "single"))
+    floor, job, other = ([wall for wall, _ in runs_of[k]] for k in ("floor", "job", "other"))
 
     def row(label: str, key: str) -> tuple[str, str, str]:
         return label, spread([wall for wall, _ in runs_of[key]]), f"{median([cpu for _, cpu in runs_of[key]]):.2f} s"
@@ -137,11 +138,8 @@ def main(runs: int = 5, against=None, one_lane: bool = False, python: str = sys.
             row(f"the main job of {against}", "other"),
             ratio(f"{against}'s main job / import", other, floor),
             ratio("this main job / that one, median of the rounds", job, other),
-        )),
-        *(() if not one_lane else (
-            row("python -m pytest_llmload --lanes 1", "single"),
-            ratio("its main job / import, median of the pairs", single, floor),
-            ratio("this main job / --lanes 1, median of the rounds", job, single),
+            ratio("the same in CPU (the process tree's user + system)", *([cpu for _, cpu in runs_of[key]]
+                                                                          for key in ("job", "other"))),
         )),
         *(() if not simulate_gpu else (
             row("the GPU-less server's imports, in a new interpreter (GPU_LESS_PRELOAD)", "server"),
@@ -163,7 +161,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--against", type=Path, metavar="DIR", help="another checkout's main job, in the same rounds")
-    parser.add_argument("--one-lane", action="store_true", help="also this main job with --lanes 1, in the same rounds")
     parser.add_argument("--python", default=sys.executable, metavar="PY",
                         help="the interpreter (a venv's) that runs the floor and the main jobs")
     parser.add_argument("--simulate-gpu", action="store_true",
@@ -171,5 +168,5 @@ if __name__ == "__main__":
     parser.add_argument("--import-torch", nargs="+", default=(), metavar="PY",
                         help="also python -c 'import torch' of each interpreter, in the same rounds")
     arguments = parser.parse_args()
-    main(arguments.runs, arguments.against, arguments.one_lane, arguments.python, arguments.simulate_gpu,
+    main(arguments.runs, arguments.against, arguments.python, arguments.simulate_gpu,
          tuple(arguments.import_torch))

@@ -139,7 +139,9 @@ class Check(NamedTuple):
             pytest.skip(reason)
         kwargs = self.options_for(args[0], options)
         if self.forks:  # its children inherit these instead of each importing them
-            _preload_for_children(args[1], peft=self.uses_peft)
+            from pytest_llmload.runners.preload import preload_for_isolated_checks
+
+            preload_for_isolated_checks(args[1], peft=self.uses_peft)
         if not self.isolated:
             return self.function(*args, **kwargs)
         from pytest_llmload.runners import isolation
@@ -230,18 +232,6 @@ class OnCuda:
 
     def __repr__(self) -> str:
         return f"<check {self.__name__} ({self.__module__})>"
-
-
-def _preload_for_children(checkpoint: Path, *, peft: bool) -> None:
-    """What a check's children inherit instead of each importing it, imported once in this process; a preload that
-    failed before (the lanes') is noted first: an import error in this check may be a result of it."""
-    from pytest_llmload.config.stash_keys import add_note
-    from pytest_llmload.runners.preload import preload_failure, preload_for_isolated_checks
-
-    failed_before = preload_failure()
-    if failed_before is not None:
-        add_note(f"importing the checks' libraries before the lanes forked failed first with {failed_before}")
-    preload_for_isolated_checks(checkpoint, peft=peft)
 
 
 def _keywords(function: Callable) -> frozenset:

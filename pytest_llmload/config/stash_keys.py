@@ -91,6 +91,3 @@ def add_note(text: str) -> None:
     if notes is not None and text not in notes:
         notes.append(text)
 
-
-# On a report another lane ran and sent to lane 0 (plugin.lanes): its row was written there already.
-LANE_ATTRIBUTE = "llmload_lane"

@@ -186,12 +186,6 @@ SETTINGS = (
         "seconds the loader's module may take to import (at collection, offline); past it the run ends with a usage "
         "error naming the line it was blocked in, with every thread's stack. A progress line is printed every "
         "llmload_phase_progress_seconds meanwhile. Default 300.")),
-    # --- how the tests run (pytest_llmload.plugin.lanes)
-    Setting("lanes", "count", metavar="N", default=1, help=(
-        "run the tests in N processes: once the tests are collected, pytest forks N-1 times and each fork takes "
-        "tests beside it, its reports joining this run's (the main job uses 2 where 2 CPUs are usable). One lane "
-        "under xdist, with -x, --maxfail, --pdb, --trace, --sw or --collect-only, or for fewer than 3 tests; the "
-        "tests that use a GPU keep to one lane. Default 1.")),
     # --- hangs (pytest_llmload.plugin.loader_hang)
     Setting("wait_after_hang", "bool", help=(
         "after the loader under test hangs (a deadline passes inside its call), run every later test that uses it "
@@ -211,7 +205,6 @@ GPU_FIXTURES_INI = SETTING["gpu_fixtures"].ini
 REQUIRE_GPUS_OPTION = SETTING["require_gpus"].option
 GPUS_PER_WORKER_OPTION = SETTING["gpus_per_worker"].option
 WAIT_OPTION = SETTING["wait_after_hang"].option
-LANES_OPTION = SETTING["lanes"].option
 CHECKS_OPTION = SETTING["checks"].option
 # What a bare install lacks: the checks need the Hugging Face stack, an extra of this package.
 STACK_EXTRA_HINT = "pip install 'pytest-llmload[all]' (or [hf] without bitsandbytes and DeepSpeed)"

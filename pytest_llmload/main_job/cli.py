@@ -3,7 +3,7 @@ before pytest starts, and :func:`run`, which starts the pytest process (:mod:`.p
 (:mod:`.table`).
 
 This process stays light: it never imports torch, nor any check. What it can judge from the command line alone is
-judged here (a loader spec's form, ``--runner``/``--model``, ``--lanes``, ``--log``/``--json`` paths); the rest is the
+judged here (a loader spec's form, ``--runner``/``--model``, ``--log``/``--json`` paths); the rest is the
 child's (the loader imported, the ini key read, the checks and installed extensions read), which reports back
 through its progress file. ``--list`` is the one command that reads the check registry here: it starts no pytest.
 """
@@ -97,9 +97,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--checks", metavar="MODULE:ATTRIBUTE", action="append", default=[],
                         help="also run these checks (a pytest_llmload.Check, a list of them, or a module with CHECKS); "
                         "repeatable. Installed packages' 'pytest_llmload.checks' entry points run too.")
-    parser.add_argument("--lanes", metavar="N", default=None,
-                        help="run the checks in N processes, forked once the checks are collected (default: 2 where 2 "
-                        "CPUs are usable, else 1; one where a GPU is visible)")
     parser.add_argument("--list-runners", action="store_true", help="list the shipped runner profiles, then exit")
     parser.add_argument("--list-models", action="store_true", help="list the shipped architectures, then exit")
     parser.add_argument("--print-constraints", action="store_true",
@@ -107,16 +104,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "repo (python -m pytest_llmload --print-constraints > constraints.txt), then exit")
     parser.add_argument("pytest_args", nargs="*", help=argparse.SUPPRESS)
     return parser
-
-
-def _lanes(text: Optional[str]) -> Optional[int]:
-    """``--lanes``: a positive whole number, or ``None`` (the default: 2 where 2 CPUs are usable)."""
-    if text is None:
-        return None
-    if not text.strip().isdigit() or int(text) < 1:
-        raise UsageError(f"--lanes {text!r} is not a positive whole number; give e.g. --lanes 2, or --lanes 1 to run "
-                         "every check in one process.")
-    return int(text)
 
 
 def _check_prediction_args(args: argparse.Namespace) -> None:
@@ -228,7 +215,6 @@ def run(argv: Optional[list[str]] = None, out=None, popen=None) -> int:
         # imported. The child chooses the loader (the ini key too), imports it once, and reports its choice.
         choose_loader(args.loader, os.environ, None)
         _check_prediction_args(args)
-        args.lanes = _lanes(args.lanes)  # (a number from here on)
         for path, option in ((args.log, "--log"), (args.json_path, "--json")):
             if path:
                 _check_output_path(path, option)

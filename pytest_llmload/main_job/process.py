@@ -28,7 +28,6 @@ from typing import Optional
 
 from pytest_llmload.config.vocabulary import (
     CHECKS_OPTION,
-    LANES_OPTION,
     LOADER_OPTION,
     MODEL_OPTION,
     RUNNER_OPTION,
@@ -68,7 +67,7 @@ def usable_cpus() -> int:
 
 def pytest_command(loader: Optional[str], keyword: Optional[str], progress: Path, extra: list[str],
                    strict: bool = False, wait_after_hang: bool = False, runner: Optional[str] = None,
-                   model: Optional[str] = None, checks: tuple = (), lanes: Optional[int] = None) -> list[str]:
+                   model: Optional[str] = None, checks: tuple = ()) -> list[str]:
     # (no:hypothesispytest: its plugin imports all of hypothesis at the end of a run, a second for nothing here)
     # (pytest_llmload.suite's __main__: pytest, without the interpreter's 2 s teardown of the stack)
     # (no:unraisableexception: at its end it runs gc.collect() twice over the stack's millions of objects, 0.5 s for a
@@ -88,10 +87,6 @@ def pytest_command(loader: Optional[str], keyword: Optional[str], progress: Path
     for plugin, flags in HOUSE_PLUGINS.items():
         if not any(flag in asked for flag in flags):
             argv += ["-p", f"no:{plugin}"]
-    # Two lanes where two CPUs are usable (plugin.lanes: the pytest process forks once collected; issue 28)
-    lanes = min(2, usable_cpus()) if lanes is None else lanes
-    if lanes > 1:
-        argv += [LANES_OPTION, str(lanes)]
     if strict:
         argv.append("--llmload-strict")
     if wait_after_hang:
@@ -184,9 +179,9 @@ class MainJob:
         self.collect_errors: list[dict] = []
         self.usage_error: Optional[str] = None  # the child's, read at its configure (a check spec that gives none)
         self.total = 0
-        self.order: list[str] = []  # the checks in collection order, the table's and JSON's (lanes finish out of it)
+        self.order: list[str] = []  # the checks in collection order, the table's and JSON's
         self.guards: dict[str, list[str]] = {}  # check -> [failure it guards against, where that comes from]
-        self.running: dict[str, tuple[str, float]] = {}  # nodeid -> (check, started): no result yet (one a lane)
+        self.running: dict[str, tuple[str, float]] = {}  # nodeid -> (check, started): no result yet
         self.started = time.monotonic()
         self.started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         self.loader: Optional[dict] = None  # the child's own choice (its "loader" event)
@@ -198,7 +193,7 @@ class MainJob:
         args = self.args
         command = pytest_command(args.loader, args.keyword, self.progress, args.pytest_args,
                                  strict=args.fail_not_exercised, wait_after_hang=args.wait_after_hang,
-                                 runner=args.runner, model=args.model, checks=tuple(args.checks), lanes=args.lanes)
+                                 runner=args.runner, model=args.model, checks=tuple(args.checks))
         from pytest_llmload.runners.lifeline import PARENT_ENV, PARENT_WORKDIR_ENV
 
         # The child ends with this process (lifeline), and removes this temp dir if this process dies first. Its
@@ -295,15 +290,15 @@ class MainJob:
 
     def crash_rows(self, code: int, what: str = "pytest itself ended") -> list[dict]:
         """The rows of the checks that were running when pytest itself ended abnormally (a signal, an internal
-        error), or ended with no result for a check it had started: one, or one a lane."""
+        error), or ended with no result for a check it had started."""
         from pytest_llmload.runners.children import describe_exitcode
 
         how = describe_exitcode(code) if code < 0 else f"exit code {code}"
         return self._running_rows(f"{what} ({how}) while this check ran; its output: {self.log_path}")
 
     def _running_rows(self, reason: str, cause: Optional[str] = None) -> list[dict]:
-        """An ``error`` row with ``reason`` for each check that was running (one, or one a lane), with what it guards
-        against as the child said when it collected it."""
+        """An ``error`` row with ``reason`` for each check that was running, with what it guards against as the child
+        said when it collected it."""
         rows = []
         for check, started in self.running.values():
             guards, origin = self.guards.get(check, (None, None))

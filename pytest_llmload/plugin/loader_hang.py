@@ -4,8 +4,7 @@ When a test that uses the ``llmload_loader`` fixture fails because a deadline pa
 was being called (an isolated check's or a rank's child still in the loader at its deadline, a check's own
 ``probes.deadline``, pytest-timeout), every later test that uses the fixture fails at setup, saying so, instead
 of waiting out its own deadline in the same call. ``--llmload-wait-after-hang`` runs every test to its deadline.
-Under xdist each worker learns of a hang by itself: one hang per worker, at most. Lanes
-(:mod:`pytest_llmload.plugin.lanes`) share it: a hang in one fails the later tests of every lane.
+Under xdist each worker learns of a hang by itself: one hang per worker, at most.
 
 Switched on by its gate in :mod:`pytest_llmload.plugin.hooks` when a run uses the plugin; imports nothing heavy.
 """

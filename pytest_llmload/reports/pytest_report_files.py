@@ -12,7 +12,7 @@ stream (``--report-log``).
   already parse. Without pytest-reportlog installed, or without ``--report-log``, nothing is written.
 
 Registered by the plugin at configure only where one of those options is given; it reads reports in the process
-that writes the files (xdist's controller; lane 0, which replays the other lanes' reports).
+that writes the files (xdist's controller).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import pytest
 from pytest_llmload.reports.row import Row, outcome_of
 
 ROW_RECORD = "LlmloadRow"  # the record's $report_type
-_LANE_SENDER = "llmload-lane-sender"  # registered in a forked lane (plugin.lanes), which hands its reports to lane 0
 
 
 MESSAGE_CHARACTERS = 400  # of the finding's first line (pytest's own budget for the whole attribute is 500)
@@ -43,8 +42,6 @@ class RowsInReportFiles:
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.when != "call" and not report.failed and not report.skipped:
             return  # (a passing setup or teardown: a row is on the phase that decided the outcome)
-        if self.config.pluginmanager.has_plugin(_LANE_SENDER):
-            return  # a forked lane: lane 0 replays this report, and writes for it
         row = Row.of_report(report)
         if row is None:  # a test that runs no check
             return

@@ -87,15 +87,6 @@ def tie_to_main_job() -> None:
     os.environ[PARENT_ENV] = str(os.getpid())  # what xdist workers started from here tie to
 
 
-def tie_lane(lane_zero: int) -> bool:
-    """In a lane forked from the pytest process (:mod:`.lanes`): end with lane 0 (SIGTERM), and where lane 0 is tied
-    to the main job, stop on SIGTERM as it does (finalizers run). Only lane 0 removes the main job's temp dir.
-    False when lane 0 has already ended."""
-    if _Tie.owner is not None:
-        _Tie.owner, _Tie.parent, _Tie.parent_workdir = os.getpid(), lane_zero, None
-    return die_with_parent(lane_zero, signal.SIGTERM)
-
-
 def proc_stat(pid: int) -> Optional[list[bytes]]:
     """The fields of ``/proc/<pid>/stat`` after the command name (state, parent pid, ...); ``None`` where it cannot
     be read (the process is gone, or there is no /proc)."""

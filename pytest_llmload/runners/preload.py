@@ -1,11 +1,9 @@
 """What the checks' children and ranks import, imported once in the process that forks them.
 
 What a forked child imports dies with it, and the next check would pay for it again: the Hugging Face modules
-(:data:`HF_PRELOAD`), DeepSpeed's (:data:`DEEPSPEED_PRELOAD`) and peft are imported here first, by the lanes
-before they fork (:mod:`pytest_llmload.plugin.lanes`), by a check before its children or ranks fork
-(:meth:`pytest_llmload.checks.base.Check.__call__`), and by ``distributed_env(deepspeed=True)``. A preload that
-fails is remembered by its first cause, for the rows of the checks it may break (a second import of a
-half-imported module hides it).
+(:data:`HF_PRELOAD`), DeepSpeed's (:data:`DEEPSPEED_PRELOAD`) and peft are imported here first, by a check before
+its children or ranks fork (:meth:`pytest_llmload.checks.base.Check.__call__`), and by
+``distributed_env(deepspeed=True)``.
 
 This module imports nothing heavy at import time.
 """
@@ -19,7 +17,6 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional
 
 # The module lists, and DeepSpeed's quiet import, are the warm forkserver's too (one floor down).
 from pytest_llmload.runners.warm_server import (  # noqa: F401  (part of this API)
@@ -53,8 +50,7 @@ def preload_for_isolated_checks(checkpoint: "os.PathLike[str] | str | None" = No
     """Import here, before an isolated check or a check's ranks fork, what the checks import: what a child imports
     dies with it, and the next check would pay for it again (1.5 s a check for peft and its dependencies, measured;
     the distributed check's ranks import part of it too: the check took 1.35-1.42 s with only the Hugging Face
-    modules preloaded, 0.51-0.64 s with peft). With ``checkpoint``, its model's modeling module too (lanes preload
-    before any checkpoint is built: without).
+    modules preloaded, 0.51-0.64 s with peft). With ``checkpoint``, its model's modeling module too.
 
     peft (``peft=True``: a check that uses adapters) only where no GPU is visible: it imports bitsandbytes, whose
     import reads the devices' compute capability and so initialises CUDA, and a process that has initialised CUDA
@@ -68,25 +64,6 @@ def preload_for_isolated_checks(checkpoint: "os.PathLike[str] | str | None" = No
     preload(modules)
     if "peft" in sys.modules:
         answer_peft_type_checks()
-
-
-# The first failure of an import made before forking (the lanes' preload), for the rows of the checks it may break.
-_preload_failure: list[str] = []
-
-
-def remember_preload_failure(exc: BaseException) -> None:
-    """Keep the first error of a preload that could not finish, as its first words (:func:`preload_failure`)."""
-    if not _preload_failure:
-        _preload_failure.append(f"{type(exc).__name__}: {exc}".splitlines()[0][:300])
-
-
-def forget_preload_failure() -> None:
-    _preload_failure.clear()
-
-
-def preload_failure() -> Optional[str]:
-    """What a preload that failed in this process raised first; ``None`` where none failed."""
-    return _preload_failure[0] if _preload_failure else None
 
 
 def answer_peft_type_checks() -> None:

@@ -101,7 +101,7 @@ def ensure(*, accelerator: Optional[str], gpus_hidden: bool = False) -> None:
     imports while this process goes on, and its first child waits for them (:func:`start_early`)."""
     global _started
     from multiprocessing import forkserver
-    from unittest import mock  # (here, not at import: plugin.lanes imports this module in every lanes run)
+    from unittest import mock  # (here, not at import: the plugin imports this module after every collection)
 
     modules = ("torch", *RUNNERS, *(() if os.environ.get(COLD_ENV) else GPU_LESS_PRELOAD if gpus_hidden
                                     else DEEPSPEED_PRELOAD))
@@ -146,9 +146,10 @@ def forkserver_pid() -> Optional[int]:
 
 
 # --- a server this process's parent started ---------------------------------------------------------------------
-# The lanes (plugin.lanes) fork after the GPU-less server started (start_early). multiprocessing checks its server
-# with waitpid before each child, which a fork cannot call on its parent's child (ChildProcessError): in a fork, such a
-# server counts as running while its process lives, and one that ended is let go of, this process starting its own.
+# A process forked after the GPU-less server started (start_early): an isolated test's child that starts ranks.
+# multiprocessing checks its server with waitpid before each child, which a fork cannot call on its parent's child
+# (ChildProcessError): in a fork, such a server counts as running while its process lives, and one that ended is let
+# go of, this process starting its own.
 
 
 def _parents(pid: int) -> bool:

@@ -1,5 +1,5 @@
-"""JSON lines between the processes of a run: the progress file the main job follows, and what a forked lane hands
-lane 0 (:mod:`pytest_llmload.plugin.lanes`). Imports nothing heavy: the main job's parent reads with it."""
+"""JSON lines between the processes of a run: the progress file the main job follows. Imports nothing heavy: the
+main job's parent reads with it."""
 
 from __future__ import annotations
 

@@ -51,7 +51,7 @@ def test_reference_loader_passes_with_a_row_per_check_and_leaves_nothing_behind(
     out = run.stdout
     assert "llmload: checking loader pytest_llmload.fixes.reference_loader:load_model_and_tokenizer (from built-in default)" in out
     assert "llmload: 3 checks collected" in out
-    assert re.search(r"^\[1/3\] check_", out, re.M)  # progress rows as results arrive (two lanes: in any order)
+    assert re.search(r"^\[1/3\] check_", out, re.M)  # progress rows as results arrive
     assert max(map(len, out.splitlines())) <= 120, out
     table = out[out.index("check  "):]
     rows = (r"check_offload_inference +offload-hang \(000\) +passed +\d+\.\d\ds",
@@ -59,7 +59,7 @@ def test_reference_loader_passes_with_a_row_per_check_and_leaves_nothing_behind(
             # (its reason in its cell, or below its row where the cell would make the line too wide)
             r"check_offload_inference_cuda +offload-hang \(000\) +skipped"
             r"(?: \(| +\d+\.\d\ds\n    )needs 1 GPU, 0 visible")
-    # the table in collection order, whichever lane finished first
+    # the table in collection order
     assert re.search("".join(f"^{row}.*\n" for row in rows), table, re.M), table
     assert "llmload: 2 passed, 1 skipped in" in out
     assert "nothing failed: pytest output removed (--log PATH keeps it)" in out
@@ -124,16 +124,16 @@ WATCHED_PARENT = (
 CHECK_MODULES = tuple(f"pytest_llmload.{layer}" for layer in ("failures", "checks", "prediction", "plugin"))
 
 
-def test_the_parent_imports_no_check_and_the_loader_is_imported_once_before_the_lanes_fork(tmp_path):
+def test_the_parent_imports_no_check_and_the_loader_is_imported_once_in_the_pytest_process(tmp_path):
     """The parent learns every row, and what each guards against, from its pytest's progress file: it imports no
-    check (nor the plugin, nor torch). The loader is chosen and imported once, in the pytest process, before its
-    lanes fork: the processes that run the checks call it without importing it again."""
+    check (nor the plugin, nor torch). The loader is chosen and imported once, in the pytest process, which runs the
+    checks: the isolated checks' children, forked from it, call it without importing it again."""
     import json
 
     (tmp_path / "counting_loader.py").write_text(COUNTING_LOADER)
     env = {**new_tmpdir(tmp_path), "PYTHONPATH": str(tmp_path), "LLMLOAD_TEST_IMPORTS": str(tmp_path / "imports"),
            "LLMLOAD_TEST_CALLS": str(tmp_path / "calls"), "LLMLOAD_TEST_PARENT": str(tmp_path / "parent.json")}
-    run = subprocess.run([sys.executable, "-c", WATCHED_PARENT, "--loader", "counting_loader:load", "--lanes", "2",
+    run = subprocess.run([sys.executable, "-c", WATCHED_PARENT, "--loader", "counting_loader:load",
                           "-k", "(pad_token or offload_inference) and not cuda"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=280)
     assert run.returncode == 0, run.stdout + run.stderr
@@ -144,7 +144,7 @@ def test_the_parent_imports_no_check_and_the_loader_is_imported_once_before_the_
     assert not {"torch", "transformers", "counting_loader"} & set(imported)
     (importer,) = (tmp_path / "imports").read_text().split()  # once, in one process: not the parent
     assert int(importer) != parent["pid"]
-    assert set((tmp_path / "calls").read_text().split()) - {importer}, "only the importer called it: no lane ran"
+    assert set((tmp_path / "calls").read_text().split()) - {importer}, "only the importer called it: no child ran"
 
 
 LOADERS = '''
@@ -273,9 +273,28 @@ def test_strict_is_not_an_option_of_the_main_job(capsys):
     assert "--fail-not-exercised" in build_parser().format_help()
 
 
+def test_lanes_are_gone_one_process_runs_the_checks(capsys):
+    """Issue 47: lanes (``--lanes``, ``--llmload-lanes``) cost more CPU than one process and did not pay back in wall
+    time on a shared 2-core machine (docs/performance.md): the pytest process runs every check, an isolated one in a
+    child forked from it. ``--lanes`` is a usage error that starts nothing; the pytest command asks for no lanes."""
+    from pytest_llmload.config.vocabulary import SETTING
+    from pytest_llmload.main_job.cli import run
+    from pytest_llmload.main_job.process import pytest_command
+
+    def popen(command, **kwargs):
+        pytest.fail(f"a usage error started pytest: {command}")
+
+    with pytest.raises(SystemExit) as exited:
+        run(["--lanes", "2", "-k", "pad_token"], popen=popen)
+    assert exited.value.code == 4
+    assert "llmload: error: unrecognized arguments: --lanes" in capsys.readouterr().err
+    assert "lanes" not in SETTING
+    assert not [arg for arg in pytest_command(None, None, Path("progress.jsonl"), []) if "lanes" in arg]
+
+
 def test_a_loaders_keyboard_interrupt_is_an_interruption_with_the_rows_so_far(odd_loaders):
     """Before (issue 36): exit 2 and "pytest exited 2 before any check ran", the rows that had run lost."""
-    run = warm_main_job("--loader", "odd_loaders:interrupts", "--lanes", "1", "-k",
+    run = warm_main_job("--loader", "odd_loaders:interrupts", "-k",
                         "(offload_inference or pad_token) and not cuda", cwd=odd_loaders)
     assert run.returncode == 2, run.stdout + run.stderr
     assert re.search(r"^check_offload_inference +offload-hang \(000\) +passed", run.stdout, re.M), run.stdout
@@ -468,12 +487,11 @@ def test_pytest_dying_under_the_main_job_is_a_row_and_keeps_the_log(misbehaving)
          "name a file in an existing directory."),
         (("--log", "."), {}, "llmload: error: --log '.' is a directory; name a file, e.g. --log llmload.out."),
         ((), {"PYTEST_LLMLOAD_LOADER": " "}, "llmload: error: $PYTEST_LLMLOAD_LOADER is set but empty; set it to"),
-        (("--lanes", "0"), {}, "llmload: error: --lanes '0' is not a positive whole number; give e.g. --lanes 2"),
         # (read by the pytest child, at its configure: the parent imports no check; said as the parent's own error)
         (("--checks", "no_such_module:CHECKS"), {},
          "llmload: error: check spec 'no_such_module:CHECKS' from --checks does not import (ModuleNotFoundError"),
     ],
-    ids=["log-missing-directory", "log-a-directory", "empty-loader-variable", "lanes-zero", "checks-no-module"],
+    ids=["log-missing-directory", "log-a-directory", "empty-loader-variable", "checks-no-module"],
 )
 def test_a_bad_command_line_is_a_sentence_and_exit_4(tmp_path, args, env, message):
     run = warm_main_job(*args, cwd=tmp_path, env={**os.environ, **env})

@@ -85,15 +85,15 @@ def pytest_unconfigure(config):
 @pytest.mark.parametrize(("test", "args", "outcome", "switched_on"), [
     ("def test_plain(): pass\n", (), "passed", ()),
     ("import pytest\n\n@pytest.mark.needs_gpus(99)\ndef test_gpu(): pass\n", (), "skipped", ("in use",)),
-    ("def test_plain(): pass\n", ("--llmload-lanes", "2"), "passed", ("in use", "lanes")),
-], ids=["unused", "used after collection", "configured with lanes"])
+    ("def test_plain(): pass\n", ("--llmload-wait-after-hang",), "passed", ("in use",)),
+], ids=["unused", "used after collection", "configured"])
 def test_each_sub_plugin_has_one_gate_and_is_switched_on_by_its_flag(pytester, test, args, outcome, switched_on):
     """Every sub-plugin's gate is registered once, in every run; a sub-plugin is registered (its module imported) only
-    where its flag is set: one flag for what every use of the plugin needs, one for lanes (xdist's and a launcher's
-    are the subject of tests/plugin/test_xdist_gpus.py and the launcher's tests)."""
-    from pytest_llmload.plugin.hooks import SUB_PLUGINS, in_use_key, lanes_key
+    where its flag is set: one flag for what every use of the plugin needs (xdist's and a launcher's are the subject
+    of tests/plugin/test_xdist_gpus.py and the launcher's tests)."""
+    from pytest_llmload.plugin.hooks import SUB_PLUGINS, in_use_key
 
-    flags = {{"in use": in_use_key, "lanes": lanes_key}[name] for name in switched_on}
+    flags = {{"in use": in_use_key}[name] for name in switched_on}
     pytester.makeconftest(REGISTERED_PROBE)
     pytester.makepyfile(test)
     result = pytester.runpytest("-p", "no:cacheprovider", *args)

@@ -90,19 +90,3 @@ def test_without_pytest_reportlog_junit_xml_still_gets_its_errors(gate):
     result = gate.runpytest("-p", "no:randomly", "-p", "no:reportlog", "--junitxml", "out.xml")
     result.assert_outcomes(passed=1, failed=3)
     assert _testcases(gate.path / "out.xml")["check_breaks"].find("error") is not None
-
-
-def test_under_lanes_each_report_and_row_is_in_the_report_log_once(gate):
-    """A forked lane hands its reports to lane 0, which writes them: pytest-reportlog in the fork wrote them too
-    (every report of a forked lane twice) before issue 39."""
-    pytest.importorskip("pytest_reportlog")
-    from fixtures import warm_runs
-
-    result = warm_runs.runpytest(gate, "-p", "no:randomly", "-p", "no:cacheprovider", "--llmload-lanes", "2",
-                                 "--report-log", "log.jsonl")
-    result.assert_outcomes(passed=1, failed=3)
-    records = [json.loads(line) for line in (gate.path / "log.jsonl").read_text().splitlines()]
-    reports = [(r["nodeid"], r["when"]) for r in records if r["$report_type"] == "TestReport"]
-    assert len(reports) == len(set(reports)) == 4 * 3, reports  # setup, call, teardown of the 4 tests, once each
-    assert sorted(r["check"] for r in records if r["$report_type"] == "LlmloadRow") == [
-        "check_breaks", "check_passes", "check_sees_its_failure"]

@@ -132,15 +132,3 @@ BRANCHES = '''def branch(n):
         return "two"
     return "many"
 '''
-
-
-def test_the_lines_a_forked_lane_runs_are_counted(pytester):
-    # --llmload-lanes 2: the other lane runs some of these tests in its own process, which ends with os._exit.
-    # (each test takes a while, so that the other lane, starting after the fork, gets some)
-    pytester.makepyfile(branches=BRANCHES, test_branches="import time\n\nimport branches\n" + "".join(
-        f"\n\ndef test_{n}():\n    time.sleep(0.3)\n    assert branches.branch({n})\n" for n in range(4)))
-    result = warm_runs.runpytest(pytester, "-p", "no:cacheprovider", "--llmload-lanes", "2", "--cov=branches",
-                                 "--cov-report=term-missing")
-    result.assert_outcomes(passed=4)
-    assert re.search(r"^branches\.py\s+\d+\s+0\s+100%", result.stdout.str(), re.MULTILINE), result.stdout.str()
-    assert sorted(p.name for p in pytester.path.glob(".coverage*")) == [".coverage"]

@@ -403,22 +403,3 @@ def test_nccl_world_size_one(distributed_env):
 @pytest.mark.needs_gpus(2)
 def test_nccl_two_ranks_each_on_its_own_gpu(distributed_env):
     assert distributed_env.run(device_view, world_size=2, backend="nccl") == [("cuda:0", 3.0), ("cuda:1", 3.0)]
-
-
-def test_a_preload_that_failed_first_is_named_in_the_rows_of_the_checks_it_may_break(llmload_checkpoint, tmp_path,
-                                                                                   monkeypatch):
-    """Before (issue 36): under lanes a preload's first error (a read-only cache directory) was swallowed, and the
-    checks showed only the misleading error of a second import ("Artifact ... already registered")."""
-    from pytest_llmload.failures import REGISTRY
-    from pytest_llmload.config.stash_keys import collecting_notes
-    from pytest_llmload.fixes.reference_loader import load_model_and_tokenizer
-    from pytest_llmload.runners import preload
-
-    monkeypatch.setattr(preload, "_preload_failure", [])
-    preload.remember_preload_failure(OSError(30, "Read-only file system", "/cache/inductor"))
-    preload.remember_preload_failure(RuntimeError("Artifact already registered"))  # a consequence: not kept
-    (check,) = [c for c in REGISTRY if c.name == "check_pad_token_set_offline"]
-    with collecting_notes() as notes:
-        check(load_model_and_tokenizer, llmload_checkpoint, tmp_path)
-    assert notes == ["importing the checks' libraries before the lanes forked failed first with OSError: [Errno 30] "
-                     "Read-only file system: '/cache/inductor'"], notes

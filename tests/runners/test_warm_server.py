@@ -63,6 +63,31 @@ def test_the_gpu_less_server_starts_early_only_where_a_gpu_is_visible_and_a_chec
     assert started == [{"accelerator": "cpu", "gpus_hidden": True}]
 
 
+RANKS_AND_PLAIN = """
+import pytest
+from pytest_llmload.checks.base import Check
+from pytest_llmload.failures.offload_hang import FAILURE
+
+@pytest.mark.parametrize("check", [Check(print, FAILURE, world_size=2), Check(print, FAILURE)])
+def test_carries(check):
+    pass
+"""
+
+
+def test_the_plugin_starts_it_once_the_checks_are_collected_where_one_starts_ranks(pytester, monkeypatch):
+    # The lanes' until they went (issue 47): one process runs the checks, and the server still imports meanwhile.
+    from pytest_llmload.system import gpus
+
+    started = []
+    monkeypatch.setattr(gpus, "visible_gpu_count", lambda: 1)
+    monkeypatch.setattr(warm_server, "start_early", lambda checks, gpus_visible: started.append(len(checks)))
+    pytester.makepyfile(RANKS_AND_PLAIN)
+    assert pytester.runpytest("-p", "no:randomly", "--llmload-wait-after-hang", "--collect-only").ret == 0
+    assert started == []  # nothing runs
+    pytester.runpytest("-p", "no:randomly", "--llmload-wait-after-hang").assert_outcomes(passed=2)
+    assert started == [1]
+
+
 def test_the_gpu_less_server_imports_what_the_ranks_imported_each(monkeypatch):
     from multiprocessing import forkserver
 
@@ -79,7 +104,7 @@ def test_the_gpu_less_server_imports_what_the_ranks_imported_each(monkeypatch):
     assert "peft" not in gpu  # (a server that sees a GPU must not: bitsandbytes initialises CUDA at import)
 
 
-def what_a_lane_finds() -> tuple:
+def what_a_fork_finds() -> tuple:
     before = warm_server.forkserver_pid()
     # the same settings: its parent's server serves it, its child included
     served_by = isolation.run_isolated(os.getppid, start="forkserver", timeout=100)
@@ -88,13 +113,13 @@ def what_a_lane_finds() -> tuple:
 
 
 def test_a_fork_uses_the_server_its_parent_started_and_leaves_it_running(monkeypatch):
-    # The lanes fork after the GPU-less server started: a lane must use it, not start another (multiprocessing's own
-    # check of a server is waitpid, which a fork cannot call on its parent's child).
+    # An isolated test's child forked after the GPU-less server started must use it, not start another
+    # (multiprocessing's own check of a server is waitpid, which a fork cannot call on its parent's child).
     monkeypatch.setenv(warm_server.COLD_ENV, "1")  # (cheap: which server serves is tested, not the stack)
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     warm_server.ensure(accelerator="cpu")
     parents = warm_server.forkserver_pid()
-    before, served_by, own = isolation.run_isolated(what_a_lane_finds, timeout=150)
+    before, served_by, own = isolation.run_isolated(what_a_fork_finds, timeout=150)
     assert before == served_by == parents
     assert own not in (None, parents)
     assert warm_server.forkserver_pid() == parents  # still running for this process
