@@ -11,8 +11,8 @@ known; the gate imports and registers its module the first time it finds the fla
   ``pytest -n`` (the controller sums up what its workers report) or under torchrun/srun/mpirun, or, after
   collection, when a collected test uses an llmload fixture or marker, or the test modules imported the plugin's
   checks (``parametrize_with_loader_checks``);
-- :data:`lanes_key` (``--llmload-lanes N``), :data:`xdist_controller_key` (``pytest -n``'s controller),
-  :data:`launched_key` (torchrun/srun/mpirun): one sub-plugin each.
+- :data:`xdist_controller_key` (``pytest -n``'s controller), :data:`launched_key` (torchrun/srun/mpirun): one
+  sub-plugin each.
 
 A failing test is matched against the known failures in every run (the catalog is imported on the first failure).
 """
@@ -49,11 +49,9 @@ if TYPE_CHECKING:
 
 # The flags that switch the sub-plugins on: what this run needs, each set where that becomes known.
 in_use_key = pytest.StashKey[bool]()  # the run uses the plugin (configures it, xdist's controller, a launcher, a test)
-lanes_key = pytest.StashKey[bool]()  # --llmload-lanes N > 1 (pytest_configure)
 xdist_controller_key = pytest.StashKey[bool]()  # pytest -n's controller (pytest_cmdline_main)
 launched_key = pytest.StashKey[bool]()  # under torchrun/srun/mpirun (pytest_cmdline_main)
 
-LANES = "pytest_llmload.plugin.lanes"  # --llmload-lanes N: the tests in N forked processes
 XDIST_GPUS = "pytest_llmload.plugin.xdist_gpus"  # under pytest -n: each xdist worker its own GPUs
 LAUNCHER = "pytest_llmload.plugin.launched_run"  # under torchrun/srun/mpirun: distributed_env tests on every rank
 
@@ -71,7 +69,6 @@ SUB_PLUGINS = {
     "pytest_llmload.plugin.loader_hang": in_use_key,  # after the loader hangs once, the rest fail at once
     "pytest_llmload.plugin.phase_state": in_use_key,  # markers enforced; offline mode, DeepSpeed only where needed
     "pytest_llmload.reports.html_report": in_use_key,  # --llmload-html, pytest-html extras: device maps, memory
-    LANES: lanes_key,
     XDIST_GPUS: xdist_controller_key,
     LAUNCHER: launched_key,
 }
@@ -199,7 +196,6 @@ def _read_configuration(config: pytest.Config) -> None:
     for key in ("phase_progress_seconds", "near_deadline", "gpus_per_worker", "wait_after_hang", "require_gpus",
                 "html"):
         settings.value(config, key)  # parsed now, read where used
-    config.stash[lanes_key] = settings.value(config, "lanes") > 1
     _read_prediction(config)
 
 
@@ -225,9 +221,6 @@ def _progress_writer(config: pytest.Config):
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    preload = sys.modules.get("pytest_llmload.runners.preload")
-    if preload is not None:  # a run's failed preload is that run's: not the next run's in this process (pytester)
-        preload.forget_preload_failure()
     progress = sys.modules.get("pytest_llmload.reports.progress")
     writer = None if progress is None else config.stash.get(progress.progress_key, None)
     if writer is not None:
@@ -255,11 +248,28 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
     # After -m/-k deselection: what the run will really run.
     markers.require_gpus(config, session.items, settings.value(config, "require_gpus"))
+    if not config.option.collectonly:
+        _start_gpu_less_server_early(session.items)
     if not config.stash.get(header_shown_key, False):
         from pytest_llmload.plugin.parametrize import loaders_of
 
         # (no loader configured: the checks' own loaders where parametrize_with_loader_checks gives them)
         _write_header(config, loaders_of(session.items))
+
+
+def _start_gpu_less_server_early(items) -> bool:
+    """Where a GPU is visible and a collected check starts gloo ranks that simulate a runner without GPUs, their
+    GPU-less server (:func:`pytest_llmload.runners.warm_server.start_early`), started now: it imports the stack while
+    the other checks run. Counts the GPUs (which imports torch where a driver exists) only where such a check is."""
+    from pytest_llmload.runners import warm_server
+
+    checks = [check for check in (getattr(getattr(item, "callspec", None), "params", {}).get("check") for item in items)
+              if check is not None and warm_server.starts_gpu_less_ranks(check)]
+    if not checks:
+        return False
+    from pytest_llmload.system import gpus
+
+    return warm_server.start_early(checks, gpus.visible_gpu_count())
 
 
 def _write_header(config: pytest.Config, loaders) -> None:
