@@ -20,8 +20,8 @@ docs/performance.md), then removed them.
 Issue 40 (the GPU runner's path, measured where no GPU is lent): ``--python PY`` runs the floor and the main jobs with
 another venv's interpreter (``.venv-cuda/bin/python``: the CUDA build of torch, which a GPU runner imports in every new
 interpreter); the table names that torch's build. ``--simulate-gpu``: each main job also runs with one GPU faked for
-the plugin (``$PYTEST_LLMLOAD_FAKE_GPUS``: the lanes' decision and the distributed checks' GPU-less server take their
-GPU path; torch itself sees none) and without the ``_cuda`` checks, which need a real one. ``--import-torch PY ...``:
+the plugin (``$PYTEST_LLMLOAD_FAKE_GPUS``: the distributed checks' GPU-less server takes its GPU path; torch itself
+sees none) and without the ``_cuda`` checks, which need a real one. ``--import-torch PY ...``:
 ``python -c "import torch"`` of each interpreter, in the same rounds.
 """
 
