@@ -56,7 +56,7 @@ import pytest
 
 from pytest_llmload.config.distribution import FIELD_REPORT_URL
 from pytest_llmload.reports.known_failures import SECTION as KNOWN_FAILURE_SECTION
-from pytest_llmload.reports.row import GUARDS_PROPERTY, LOADER_PROPERTY, Row
+from pytest_llmload.reports.row import Row
 from pytest_llmload.placement.picture import device_order, placement_tiers
 from pytest_llmload.instruments.device_map_summary import compress_modules
 from pytest_llmload.system.sizes import format_bytes
@@ -611,21 +611,18 @@ class HtmlReport:
         return self.path is not None and not hasattr(self.config, "workerinput")
 
     def _row(self, nodeid: str) -> dict:
-        return self.rows.setdefault(nodeid, {"nodeid": nodeid, "outcome": "passed", "seconds": 0.0, "verdict": None,
-                                             "props": {}, "note": "", "record": None, "known": ""})
+        return self.rows.setdefault(nodeid, {"nodeid": nodeid, "outcome": "passed", "seconds": 0.0, "row": None,
+                                             "note": "", "record": None, "known": ""})
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if not self.collects:
             return
-        from pytest_llmload.reports.verdict import of_report
-
         row = self._row(report.nodeid)
         row["seconds"] += report.duration
         outcome = _outcome(report)
         if outcome != "passed" and row["outcome"] in ("passed", "skipped") or outcome == "error":
             row["outcome"] = outcome
-        row["verdict"] = of_report(report) or row["verdict"]
-        row["props"].update(dict(report.user_properties))
+        row["row"] = Row.of_report(report) or row["row"]  # the check's row, taken as it is
         if report.skipped and isinstance(report.longrepr, tuple):
             row["note"] = report.longrepr[2].removeprefix("Skipped: ")
         elif report.failed and not row["note"]:
@@ -751,18 +748,21 @@ def _badge(kind: str) -> str:
 
 def _verdict_of(row: dict) -> tuple[str, str, str]:
     """(kind, failure, sentence) of a row: the check's verdict where it has one, else pytest's outcome."""
-    verdict = row["verdict"]
-    if verdict is None:
+    check_row = row["row"]
+    if check_row is None:
         return row["outcome"], "", row["note"]
-    kind = verdict["kind"]
+    kind = check_row.verdict
     if row["outcome"] == "error" and kind == "passed":  # a teardown error after the check passed
         kind = "error"
-    sentence = verdict.get("sentence") or row["note"]
-    failure = verdict.get("failure") or ""
-    guards = row["props"].get(GUARDS_PROPERTY)
-    if not failure and guards:
-        failure = f"guards {guards}"
-    return kind, failure, sentence
+    failure = check_row.failure or (f"guards {check_row.guards}" if check_row.guards else "")
+    return kind, failure, check_row.sentence or row["note"]
+
+
+def _name(row: dict) -> str:
+    """A row's name: its check's (its row's), else the test's name in its node id."""
+    from pytest_llmload.reports.progress import check_name
+
+    return row["row"].check if row["row"] is not None else check_name(row["nodeid"])
 
 
 def _anchor(nodeid: str) -> str:
@@ -788,9 +788,7 @@ class _Pictures:
 
 def _pictures_html(row: dict, drawn: _Pictures) -> str:
     """A test's pictures: a device map per placement, the loads that had it listed below it; its memory per phase."""
-    from pytest_llmload.reports.progress import check_name
-
-    esc, record, name = html.escape, row["record"], check_name(row["nodeid"])
+    esc, record, name = html.escape, row["record"], _name(row)
     parts = ["<h4>Where the models went</h4>"]
     if not record["models"]:  # a failing test's card: the loader raised before it returned one, say
         parts.append('<p class="same">no model came back to be drawn (the finding says where it stopped)</p>')
@@ -832,12 +830,9 @@ def _fix_html(failure_id: str, fix: str) -> str:
 def _card(row: dict, drawn: _Pictures) -> str:
     """A failing row (failed, error, predicted): what failed, what was found, the known failure and its fix, and
     its pictures (a prediction's: where the model would go)."""
-    from pytest_llmload.reports.progress import check_name
-
     esc = html.escape
     kind, failure, sentence = _verdict_of(row)
-    check_row, nodeid = _row_of(row), row["nodeid"]
-    name = check_name(nodeid)
+    check_row, nodeid, name = row["row"], row["nodeid"], _name(row)
     finding = check_row.sentence.removeprefix(f"{check_row.check}: ") if check_row else sentence
     guards = f" &middot; guards {esc(check_row.guards)}" if check_row and check_row.guards else ""
     parts = [f'<section class="card {esc(kind)}" id="{_anchor(nodeid)}" data-check="{esc(name)}" '
@@ -862,12 +857,9 @@ def _card(row: dict, drawn: _Pictures) -> str:
 
 
 def _table_row(row: dict, linked: bool) -> str:
-    from pytest_llmload.reports.progress import check_name
-
     esc = html.escape
     kind, failure, sentence = _verdict_of(row)
-    nodeid = row["nodeid"]
-    name = check_name(nodeid)
+    nodeid, name = row["nodeid"], _name(row)
     link = f' &middot; <a href="#{_anchor(nodeid)}">pictures</a>' if linked else ""
     return (f'<tr data-check="{esc(name)}" data-verdict="{esc(kind)}"><td class="test"><b>{esc(name)}</b>{link}<br>'
             f"<code>{esc(nodeid)}</code></td><td>{_badge(kind)}"
@@ -887,10 +879,9 @@ def render_html(config: pytest.Config, rows: list[dict], started: float, ended: 
     from importlib import metadata
 
     from pytest_llmload.reports.header import header_lines
-    from pytest_llmload.reports.progress import check_name
 
     esc = html.escape
-    loaders = sorted({row["props"][LOADER_PROPERTY] for row in rows if row["props"].get(LOADER_PROPERTY)})
+    loaders = sorted({row["row"].loader for row in rows if row["row"] is not None and row["row"].loader})
     head = header_lines(config)[0].removeprefix("llmload: ")
     chosen, _, stack = head.removeprefix("loader ").partition("; ")
     if loaders and chosen.split(" (from ")[0] not in loaders:  # the rows name the loader they ran
@@ -917,7 +908,7 @@ def render_html(config: pytest.Config, rows: list[dict], started: float, ended: 
         parts.append('<p class="meta">Nothing failed: every row is below, collapsed (click to open).</p>')
     if not rest:
         return "\n".join(parts + ["</body>", "</html>", ""])
-    predictions = [row for row in rest if _is_prediction(_row_of(row))]
+    predictions = [row for row in rest if _is_prediction(row["row"])]
     predicted = {row["nodeid"] for row in predictions}
     pictured = [row for row in rest if row["record"] and row["record"].get("models") and row["nodeid"] not in predicted]
     linked = predicted | {row["nodeid"] for row in pictured}  # (the rows with a section below the table)
@@ -934,8 +925,8 @@ def render_html(config: pytest.Config, rows: list[dict], started: float, ended: 
         parts.append('<p class="meta">Bars: the bytes of the checkpoint\'s tensors under each device-map entry '
                      "(as stored, before any cast or quantization), and each phase's memory as recorded.</p>")
     for row in pictured:
-        parts.append(f'<section id="{_anchor(row["nodeid"])}" data-check="{esc(check_name(row["nodeid"]))}">'
-                     f'<h3>{esc(check_name(row["nodeid"]))} {_badge(_verdict_of(row)[0])}</h3>'
+        parts.append(f'<section id="{_anchor(row["nodeid"])}" data-check="{esc(_name(row))}">'
+                     f'<h3>{esc(_name(row))} {_badge(_verdict_of(row)[0])}</h3>'
                      f"{_pictures_html(row, drawn)}</section>")
     if predictions:
         parts.append("<h2>Where the model would go: the predictions</h2>")
@@ -944,18 +935,11 @@ def render_html(config: pytest.Config, rows: list[dict], started: float, ended: 
                      "predicted peak of a training step or of DeepSpeed's model states), with the modules it holds; "
                      "beside it, the failure the runner would hit. Planned, not measured: nothing was loaded.</p>")
     for row in predictions:
-        check_row = _row_of(row)
+        check_row = row["row"]
         parts.append(f'<h3 id="{_anchor(row["nodeid"])}">{esc(check_row.check)} {_badge(_verdict_of(row)[0])}</h3>'
                      + prediction_html(check_row))
     parts += ["</details>", "</body>", "</html>", ""]
     return "\n".join(parts)
-
-
-def _row_of(row: dict) -> Optional[Row]:
-    """The check's row a report row carries (its ``llmload_row`` property), ``None`` for a test that runs no check."""
-    from types import SimpleNamespace
-
-    return Row.of_report(SimpleNamespace(user_properties=list(row["props"].items())))
 
 
 def _is_prediction(row: Optional[Row]) -> bool:

@@ -21,16 +21,16 @@ def failure_text(excinfo: pytest.ExceptionInfo) -> str:
 def annotate(item: pytest.Item, call: pytest.CallInfo, report: pytest.TestReport) -> None:
     if not report.failed or call.excinfo is None:
         return
-    from pytest_llmload.reports.verdict import of_report
+    from pytest_llmload.reports.row import Row
 
-    judged = of_report(report)
-    if judged is not None and judged["kind"] != "failed":  # a check's error row names no known failure
+    row = Row.of_report(report)
+    if row is not None and row.verdict != "failed":  # a check's error row names no known failure
         return
     text = failure_text(call.excinfo)
     from pytest_llmload import failures as catalog  # only a failing test needs it: plugin load stays cheap
 
     # A check's row names the failure it observed, and only that; any other failing test, what its text matches.
-    found = [_observed(item, judged["failure"])] if judged is not None and judged["failure"] else catalog.match(text)
+    found = [_observed(item, row.failure)] if row is not None and row.failure else catalog.match(text)
     found = [failure for failure in found if failure is not None]
     if not found:
         return

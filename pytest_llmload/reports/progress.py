@@ -141,19 +141,9 @@ class ProgressWriter:
             outcome, reason = ("failed" if report.when == "call" else "error"), report.longreprtext
             if _raised_by_the_loader(report):
                 outcome = "error"  # the loader's own error, or a broken contract: not the check's failure
-        from pytest_llmload.reports import verdict
-
-        judged = verdict.of_report(report)
-        failure = cause = None
-        summary = summary_line(report) if report.failed else reason
-        if judged is not None and report.when == "call" and report.failed and \
-                judged["kind"] in ("failed", "predicted", "error"):
-            # a check's failing row: its verdict was decided from the exception (reports.verdict)
-            outcome, failure, cause = judged["kind"], judged["failure"], judged["cause"]
-            summary = judged["sentence"] or summary  # the exception's own words, also from a child or a rank
         self.write(event="result", nodeid=report.nodeid, check=check_name(report.nodeid), outcome=outcome,
-                   reason=reason, summary=summary,
-                   seconds=round(time.perf_counter() - started, 3), failure=failure, cause=cause,
+                   reason=reason, summary=summary_line(report) if report.failed else reason,
+                   seconds=round(time.perf_counter() - started, 3), failure=None, cause=None,
                    note=None)  # (notes are a check's: its row carries them)
 
     def close(self) -> None:

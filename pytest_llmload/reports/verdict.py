@@ -1,10 +1,12 @@
-"""What a check's exception means, decided in one place: the row's verdict and the known failure it names.
+"""A check's row, built in one place (:func:`row_of`) from what happened, and what a check's exception means: the
+row's verdict and the known failure it names.
 
 A known failure is named only when the check observed its mechanism: the check's own judgement (an
 ``AssertionError`` it raised, in this process, in an isolated child or on a rank), or a deadline passed inside the
 loader call where a hang is the failure's mechanism (:attr:`KnownFailure.hang_is_mechanism`). Everything else is an
 ``error`` with no failure: the loader raised, or broke the contract; the loader hung or ended its process; or the
-check's own code crashed, which is a bug in pytest-llmload, reported as such. Nothing here reads the report's text
+check's own code crashed, which is a bug in pytest-llmload, reported as such (a repo's own check: a bug in that check,
+named by its file and line). Nothing here reads the report's text
 (which prints the check's own docstring and source): only the exception and what the child or rank said.
 
 Imports nothing heavy: the progress writer and the main job's parent use it.
@@ -15,8 +17,7 @@ from __future__ import annotations
 import traceback
 from typing import Any, NamedTuple, Optional
 
-# Report properties (report.user_properties; JUnit XML writes them as <property>), named once with the row's record.
-from pytest_llmload.reports.row import CAUSE_PROPERTY, FAILURE_PROPERTY, SENTENCE_PROPERTY, VERDICT_PROPERTY, Row, row_name
+from pytest_llmload.reports.row import Row, row_name
 from pytest_llmload.config.distribution import bug_report_address
 from pytest_llmload.system import tracebacks
 
@@ -27,10 +28,6 @@ class Verdict(NamedTuple):
     cause: str  # mechanism | loader | contract | model | hang | died | check
     sentence: str  # the row's one line
     fix: Optional[str] = None  # the code to write instead: a loader fault's (loader.faults), or the failure's own
-
-    def properties(self) -> list[tuple[str, str]]:
-        return [(VERDICT_PROPERTY, self.kind), (FAILURE_PROPERTY, self.failure or ""), (CAUSE_PROPERTY, self.cause),
-                (SENTENCE_PROPERTY, self.sentence)]
 
 
 def of_exception(exc: BaseException, failure: Any, check: Any = None) -> Optional[Verdict]:
@@ -47,26 +44,25 @@ def of_exception(exc: BaseException, failure: Any, check: Any = None) -> Optiona
 
 def row_of(check: Any, *, runner: Any = None, raised: Optional[BaseException] = None, skipped: Optional[str] = None,
            xfail: Optional[tuple[bool, str]] = None, failed: Optional[str] = None, failed_in: str = "call",
-           died: Optional[str] = None, loader: Optional[str] = None, notes: tuple[str, ...] = (),
+           loader: Optional[str] = None, notes: tuple[str, ...] = (),
            assumptions: tuple[str, ...] = (), prediction: Optional[dict] = None, not_run: bool = False) -> Row:
     """The row of ``check`` (a :class:`~pytest_llmload.checks.base.Check`), built here once from what happened: it
     returned (nothing given: ``passed``); it ``raised`` (judged here, :func:`of_exception`, also what its isolated
     child or its ranks raised); it ``skipped`` (the skip reason: its kind from its words); ``xfail`` (whether it
-    failed, pytest's reason); it ``failed`` with no exception of its own to judge (a setup that failed,
-    ``failed_in``; a failure ``--llmload-strict`` made of a skip or an assumption); or its process ``died`` with
-    no answer (a lane: the sentence that says how). ``runner``: the runner profile a prediction's row is for. The rest is what the check's run carries: the loader that ran,
-    the notes it made wherever it ran, the assumptions among them, a prediction's record; ``not_run``: an ``error``
-    that did not wait (the loader under test hung in an earlier check).
+    failed, pytest's reason); or it ``failed`` with no exception of its own to judge (a setup that failed,
+    ``failed_in``; a failure ``--llmload-strict`` made of a skip or an assumption). How an isolated child or the ranks
+    ended is judged with what they raised: the parent judges only what a child cannot say (hung, died). The rest is
+    what the check's run carries: ``runner``, the runner profile a prediction's row is for; the loader that ran; the
+    notes it made wherever it ran, the assumptions among them; a prediction's record; ``not_run``: an ``error`` that
+    did not wait (the loader under test hung in an earlier check).
 
-    >>> row_of(check, died="pytest's lane 1 ended (killed by SIGKILL) while this test ran").cause
-    'died'
+    >>> row_of(check, skipped="not exercised: the loader loaded the model whole on cpu").verdict
+    'not exercised'
     """
     from pytest_llmload.checks.base import DECLARED_NOT_APPLICABLE, NOT_EXERCISED
 
     judged = of_exception(raised, check.failure, check) if raised is not None else None
     cause = None
-    if died is not None:
-        judged = Verdict("error", None, "died", died)
     if xfail is not None:
         verdict, sentence = ("xpassed" if xfail[0] else "xfailed"), xfail[1]
     elif skipped is not None:
@@ -284,12 +280,3 @@ def _whole(exc: BaseException) -> str:
 
 def _first_line(exc: BaseException) -> str:
     return next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-
-
-def of_report(report: Any) -> Optional[dict]:
-    """The verdict a report carries (``user_properties``), as a dict; ``None`` where none was attached."""
-    props = dict(getattr(report, "user_properties", ()) or ())
-    if VERDICT_PROPERTY not in props:
-        return None
-    return {"kind": props[VERDICT_PROPERTY], "failure": props.get(FAILURE_PROPERTY) or None,
-            "cause": props.get(CAUSE_PROPERTY), "sentence": props.get(SENTENCE_PROPERTY, "")}

@@ -228,7 +228,7 @@ def _report_row(name: str, outcome: str, loads: list[float], rss: int) -> dict:
     """A row as the report collects it: a test that loaded the tiny model whole on cpu, once per entry of ``loads``
     (its seconds), in a process of ``rss`` bytes that grew by 3 MiB."""
     phases = [{"name": "load", "label": "load (llama)", "depth": 0, "rss_before": rss, "rss_peak": rss + 3 * MiB}]
-    return {"nodeid": f"test_x.py::{name}", "outcome": outcome, "seconds": 0.5, "verdict": None, "props": {},
+    return {"nodeid": f"test_x.py::{name}", "outcome": outcome, "seconds": 0.5, "row": None,
             "note": "assert 1 == 2" if outcome == "failed" else "", "known": "",
             "record": {"models": [dict(WHOLE_ON_CPU, seconds=s) for s in loads], "phases": phases}}
 

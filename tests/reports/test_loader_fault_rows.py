@@ -6,6 +6,7 @@ Before (issue 46): these rows had ``fix: null`` and an empty ``reason`` in ``--j
 and JUnit's message was the exception's first line.
 """
 
+import dataclasses
 import json
 import xml.etree.ElementTree as ET
 
@@ -149,10 +150,12 @@ def test_the_html_report_shows_a_loader_faults_fix(pytestconfig):
     row = Row("check_loads", "error", guards="offload-hang", cause="loader", fix=DEVICE_FIX,
               sentence=f"loader error: AssertionError: Torch not compiled with CUDA enabled\n  fix: {DEVICE_FIX}")
     report_row = {"nodeid": "test_gate.py::test_loader[check_loads]", "outcome": "failed", "seconds": 0.1,
-                  "verdict": {"kind": "error", "failure": None, "cause": "loader", "sentence": row.sentence},
-                  "props": dict(row.properties()), "note": "", "record": None, "known": ""}
-    text = render_html(pytestconfig, [report_row], 0.0, 1.0)
+                  "row": row, "note": "", "record": None, "known": ""}
+    own = {**report_row, "nodeid": "test_gate.py::test_loader[own_thing]",
+           "row": dataclasses.replace(row, check="own_thing")}
+    text = render_html(pytestconfig, [report_row, own], 0.0, 1.0)
     assert f"fix (the loader):</span> <code>{html.escape(DEVICE_FIX)}</code>" in text
+    assert 'data-check="own_thing"' in text, "a row is named by its check's own name, as its Row says"
 
 
 def test_json_gives_every_failed_or_error_row_its_whole_reason_and_its_fix():
