@@ -25,6 +25,7 @@ from typing import Any
 
 from pytest_llmload.fixes.training_scripts import is_distributed, local_rank
 from pytest_llmload.loader.request import LoadRequest
+from pytest_llmload.loader.seam import REFERENCE_SOURCE, LoaderChoice
 from pytest_llmload.loader.transformers_compat import dtype_kwarg, enable_gradient_checkpointing
 
 LORA_TARGETS = ("q_proj", "v_proj")
@@ -148,6 +149,19 @@ def load_model_and_tokenizer(request: LoadRequest):
         upcast_trainable_parameters(model)
     model.train(request.purpose == "train")
     return model, tokenizer
+
+
+# The loader a run checks where it names none (the seam, a layer below, knows it only by its source).
+REFERENCE = LoaderChoice(f"{__name__}:{load_model_and_tokenizer.__name__}", REFERENCE_SOURCE)
+
+
+def chosen_loader(config) -> LoaderChoice:
+    """The loader the plugin chose at configure; the reference loader where the run configured nothing (the
+    plugin then never imported the seam to choose)."""
+    from pytest_llmload.config.stash_keys import configuration_key
+
+    configuration = config.stash.get(configuration_key, None)
+    return getattr(configuration, "loader", None) or REFERENCE
 
 
 # Write-up 003's fix lives in the training script, not the loader: the training script that goes with this loader

@@ -35,7 +35,9 @@ from pytest_llmload.system.words import a_type
 if TYPE_CHECKING:
     from pytest_llmload.loader.request import LoadRequest
 
-REFERENCE_SPEC = "pytest_llmload.fixes.reference_loader:load_model_and_tokenizer"
+# Where a run names no loader, the caller's default: the built-in reference loader, which a layer above this one holds
+# (pytest_llmload.fixes.reference_loader.REFERENCE), so this layer names it only by its source.
+REFERENCE_SOURCE = "built-in default"
 
 _SPEC_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
@@ -123,23 +125,13 @@ class LoaderChoice(NamedTuple):
 
     @property
     def is_reference(self) -> bool:
-        return self.spec == REFERENCE_SPEC
+        return self.source == REFERENCE_SOURCE
 
 
-REFERENCE_CHOICE = LoaderChoice(REFERENCE_SPEC, "built-in default")
-
-
-def chosen_loader(config) -> LoaderChoice:
-    """The loader the plugin chose at configure; the reference loader where the run configured nothing (the
-    plugin then never imported this module to choose)."""
-    from pytest_llmload.config.stash_keys import configuration_key
-
-    configuration = config.stash.get(configuration_key, None)
-    return getattr(configuration, "loader", None) or REFERENCE_CHOICE
-
-
-def choose_loader(option: Optional[str], environ: "os._Environ[str] | dict", ini: Optional[str]) -> LoaderChoice:
-    """Apply the precedence. Each candidate is syntax-checked here, imported only when first used."""
+def choose_loader(option: Optional[str], environ: "os._Environ[str] | dict", ini: Optional[str],
+                  default: Optional[LoaderChoice] = None) -> Optional[LoaderChoice]:
+    """Apply the precedence; ``default`` where none of them names a loader (the plugin's: the reference loader).
+    Each candidate is syntax-checked here, imported only when first used."""
     _refuse_empty_option(option, OPTION)
     if option is None and ENV_VAR in environ and not environ[ENV_VAR].strip():
         # `PYTEST_LLMLOAD_LOADER=$LOADER` with LOADER unset in a CI file: the same mistake as the empty option.
@@ -150,7 +142,7 @@ def choose_loader(option: Optional[str], environ: "os._Environ[str] | dict", ini
             choice = LoaderChoice(value.strip(), source)
             check_spec_syntax(choice)
             return choice
-    return REFERENCE_CHOICE
+    return default
 
 
 def _refuse_empty_option(value: Optional[str], option: str) -> None:

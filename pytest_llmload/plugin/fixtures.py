@@ -26,10 +26,12 @@ def read_configuration(config: pytest.Config) -> Configuration:
     at configure by the plugin; a bad value is a usage error naming it and where it came from."""
     from pytest_llmload.config import settings
     from pytest_llmload.config.vocabulary import HOOK_INI, LOADER_INI, TRAINING_DECLARATIONS
+    from pytest_llmload.fixes.reference_loader import REFERENCE
     from pytest_llmload.loader import seam
 
     try:
-        loader = seam.choose_loader(config.getoption("llmload_loader"), os.environ, config.getini(LOADER_INI))
+        loader = seam.choose_loader(config.getoption("llmload_loader"), os.environ, config.getini(LOADER_INI),
+                                    default=REFERENCE)
         hook = seam.choose_training_args_hook(config.getoption("llmload_training_args_hook"), config.getini(HOOK_INI))
         declared = ((field, settings.given(config, key), parse) for key, field, parse in seam.declaration_parsers())
         loader_declarations = tuple((field, parse(*given)) for field, given, parse in declared if given)
@@ -49,9 +51,10 @@ def _with_a_loader(config: pytest.Config) -> Configuration:
     """The run's configuration, with the reference loader where the run configured none (kept for the run)."""
     configuration = configuration_of(config)
     if configuration.loader is None:
+        from pytest_llmload.fixes.reference_loader import REFERENCE
         from pytest_llmload.loader import seam
 
-        configuration = config.stash[configuration_key] = Configuration(loader=seam.REFERENCE_CHOICE,
+        configuration = config.stash[configuration_key] = Configuration(loader=REFERENCE,
                                                                         import_spec=seam.import_loader)
     return configuration
 

@@ -531,7 +531,7 @@ def _row(item: pytest.Item, check, report: pytest.TestReport, call: pytest.CallI
     with what the run carries: the runner a prediction is for, the notes it made wherever it ran, the loader that
     ran (a ``parametrize_with_loader_checks`` test's own, else the configured one)."""
     from pytest_llmload.config.stash_keys import notes_key, prediction_record_key
-    from pytest_llmload.loader.seam import chosen_loader
+    from pytest_llmload.fixes.reference_loader import chosen_loader
     from pytest_llmload.plugin.loader_hang import FAILED_FAST
     from pytest_llmload.reports.progress import summary_line
     from pytest_llmload.reports.verdict import row_of

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from importlib import metadata
 
 from pytest_llmload.system import gpus
-from pytest_llmload.loader.seam import chosen_loader
+from pytest_llmload.fixes.reference_loader import chosen_loader
 
 STACK = ("torch", "transformers", "accelerate", "peft", "bitsandbytes", "deepspeed")
 

@@ -89,7 +89,7 @@ class ProgressWriter:
 
     # Registered as a plugin object: these are its hooks.
     def pytest_sessionstart(self, session: pytest.Session) -> None:
-        from pytest_llmload.loader.seam import chosen_loader
+        from pytest_llmload.fixes.reference_loader import chosen_loader
 
         choice = chosen_loader(session.config)
         inifile = session.config.inipath if choice.source.startswith("ini ") else None

@@ -29,7 +29,7 @@ import pytest
 
 from pytest_llmload.checks.base import Check, KnownFailure
 from pytest_llmload.config.stash_keys import configuration_key
-from pytest_llmload.loader.seam import chosen_loader
+from pytest_llmload.fixes.reference_loader import chosen_loader
 
 
 def spy(loader, checkpoint, workdir, *, trains_with_trainer=False, prepare_args=None):

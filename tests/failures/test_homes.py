@@ -5,7 +5,12 @@ are built from those modules alone (docs/contributing.md: adding a failure touch
 
 import importlib
 import inspect
+import json
 import pickle
+import shutil
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -118,3 +123,98 @@ def test_a_gpu_variant_runs_in_a_forkserver_child_on_cuda_0(tmp_path):
     on_cuda = Check(report_device, failures.BY_ID[IDS[0]]).on_gpu()
     assert on_cuda.name == "report_device_cuda" and on_cuda.needs_gpus == 1
     assert run_isolated(on_cuda.function, (None, tmp_path, tmp_path), start="forkserver", timeout=50) == "cuda:0"
+
+
+# A 12th failure as a contributor adds it (docs/contributing.md): its module, its before-loader, its regression tests.
+MADE_UP_FAILURE = {
+    "pytest_llmload/failures/made_up_failure.py": '''
+        """made-up-failure: a failure made up by tests/failures/test_homes.py, added with its three files only."""
+        from pytest_llmload.checks.base import Check, KnownFailure
+
+        FAILURE = KnownFailure(id="made-up-failure", order={order}, title="a made-up failure", write_up="a test",
+                               signatures=(r"made-up failure text",), root_cause="none", fix="none", occurs="nowhere")
+
+
+        def check_made_up_failure(loader, checkpoint, workdir):
+            """The made-up failure's check."""
+
+
+        CHECKS = (Check(check_made_up_failure, FAILURE),)
+    ''',
+    "fixtures/loaders/before_made_up_failure.py": '''
+        """made-up-failure, the loader before its fix."""
+
+
+        def load(request):
+            raise AssertionError("made-up failure text")
+    ''',
+    "tests/failures/test_made_up_failure.py": '''
+        """made-up-failure, reproduced by this module."""
+
+
+        def test_made_up_failure():
+            pass
+    ''',
+}
+
+# What reads the failures, run on the copy: the catalog, the registry and the shipped suite's checks, the docs'
+# generated pages and tables, and every rule of tests/test_layout.py that takes no argument.
+ON_THE_COPY = '''
+import importlib.util, inspect, json, sys
+from pathlib import Path
+
+root = Path(sys.argv[1])
+sys.path.insert(0, str(root))
+import pytest_llmload
+from pytest_llmload import failures
+from pytest_llmload.plugin.parametrize import all_checks
+
+assert Path(pytest_llmload.__file__).parent == root / "pytest_llmload", pytest_llmload.__file__
+
+
+def loaded(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+hooks = loaded("hooks", root / "docs" / "hooks.py")
+layout = loaded("layout", root / "tests" / "test_layout.py")
+rules = [name for name, rule in vars(layout).items()
+         if name.startswith("test_") and callable(rule) and not inspect.signature(rule).parameters]
+for name in rules:
+    getattr(layout, name)()
+failure = failures.BY_ID["made-up-failure"]
+print(json.dumps({"catalog": [f.id for f in failures.CATALOG], "registry": [c.name for c in failures.REGISTRY],
+                  "suite": [c.name for c in all_checks()], "matched": [f.id for f in failures.match("made-up failure text")],
+                  "readme": hooks.with_known_failures_table((root / "README.md").read_text(), False),
+                  "index": hooks.failures_index(), "page": hooks.failure_page(failure), "rules": rules}))
+'''
+
+
+def test_a_12th_failure_is_its_three_files_and_nothing_else(tmp_path):
+    # A copy of the repository's package, docs generator and layout rules, with a made-up failure's three files
+    # added: every reader accepts it, and no other file was edited (issue 47, 6).
+    shutil.copytree(ROOT / "pytest_llmload", tmp_path / "pytest_llmload",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for path in ("docs/hooks.py", "docs/layout.md", "tests/test_layout.py", "README.md"):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / path, tmp_path / path)
+    order = max(failure.order for failure in failures.CATALOG) + 1
+    for path, text in MADE_UP_FAILURE.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(textwrap.dedent(text).lstrip().replace("{order}", str(order)))
+    run = subprocess.run([sys.executable, "-c", ON_THE_COPY, str(tmp_path)], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=120)
+    assert run.returncode == 0, run.stderr
+    seen = json.loads(run.stdout)
+    assert seen["catalog"] == IDS + ["made-up-failure"] and seen["matched"] == ["made-up-failure"]
+    assert "check_made_up_failure" in seen["registry"] and "check_made_up_failure" in seen["suite"]
+    assert "| `made-up-failure` | a made-up failure | a test | nowhere | `tests/failures/test_made_up_failure.py` |" \
+        in seen["readme"]
+    assert "| [made-up-failure](made-up-failure.md) |" in seen["index"]
+    assert "made-up-failure, the loader before its fix." in seen["page"]
+    assert "made-up-failure, reproduced by this module." in seen["page"]
+    assert {"test_no_module_imports_a_higher_layer", "test_no_string_in_the_code_names_a_module_of_a_higher_layer",
+            "test_the_layout_page_names_every_module_and_the_layers_in_order"} <= set(seen["rules"])

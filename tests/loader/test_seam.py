@@ -7,7 +7,8 @@ import pytest
 from fixtures import warm_runs
 from pytest_llmload.system import gpus  # noqa: F401  (the skipif conditions read it)
 from pytest_llmload import LoadRequest, call_loader
-from pytest_llmload.loader.seam import REFERENCE_SPEC, LoaderContractError, LoaderSpecError
+from pytest_llmload.fixes.reference_loader import REFERENCE
+from pytest_llmload.loader.seam import LoaderContractError, LoaderSpecError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -39,8 +40,8 @@ def loaders(pytester, monkeypatch):
 def test_default_is_the_reference_loader(loaders):
     result = loaders.runpytest("-s")
     result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines([f"llmload: loader {REFERENCE_SPEC} (from built-in default); *",
-                                 f"*LOADER {REFERENCE_SPEC} built-in default"])
+    result.stdout.fnmatch_lines([f"llmload: loader {REFERENCE.spec} (from built-in default); *",
+                                 f"*LOADER {REFERENCE.spec} built-in default"])
 
 
 # The precedence, as every reader sees it: tests/config/test_configuration.py.
