@@ -289,7 +289,7 @@ def test_lanes_are_gone_one_process_runs_the_checks(capsys):
     assert exited.value.code == 4
     assert "llmload: error: unrecognized arguments: --lanes" in capsys.readouterr().err
     assert "lanes" not in SETTING
-    assert not [arg for arg in pytest_command(None, None, Path("progress.jsonl"), []) if "lanes" in arg]
+    assert not [arg for arg in pytest_command(None, None, Path("progress.jsonl"), []) if arg.endswith("-lanes")]
 
 
 def test_a_loaders_keyboard_interrupt_is_an_interruption_with_the_rows_so_far(odd_loaders):
