@@ -1,6 +1,8 @@
 """A downstream repo end to end: its conftest plugs in its own loader, a module uses
 parametrize_with_loader_checks, and the shipped suite runs against the configured loader with no code."""
 
+import re
+
 import pytest
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.llmload_deepspeed]
@@ -65,11 +67,23 @@ def test_shipped_suite_against_the_ini_loader_with_expected_gaps(downstream):
             check_fp16_train_request_keeps_fp32_master_weights: float16 full fine-tune, #14
             check_distributed_train_step: device_map='auto' on every rank, #15
     ''')
-    result = downstream.runpytest("--pyargs", "pytest_llmload.suite", "-p", "no:cacheprovider", "-rx")
+    result = downstream.runpytest("--pyargs", "pytest_llmload.suite", "-p", "no:cacheprovider", "-rx", "-v")
+    from pytest_llmload.failures import REGISTRY
+
+    # Each check's row by its name, not counts: a new failure's checks add rows without editing this test.
+    outcomes = dict(re.findall(r"::test_loader_check\[(\w+)\] (\w+)", result.stdout.str()))
+    assert set(outcomes) == {check.name for check in REGISTRY}
+    gaps = {"check_train_request_trains", "check_zero3_load", "check_fp16_train_request_keeps_fp32_master_weights",
+            "check_distributed_train_step"}
     # The loader ignores the 4-bit request, so the Trainer check skips ("not exercised"), as it does where
-    # transformers refuses 4-bit on the machine (4.46 on CPU); the 2 CUDA checks skip without a GPU.
-    # and so do the adapter and quantized-cast checks: it never reads adapter_path, nor the 4-bit request.
-    result.assert_outcomes(passed=4, xfailed=4, skipped=7)
+    # transformers refuses 4-bit on the machine (4.46 on CPU), and so do the adapter and quantized-cast checks: it
+    # never reads adapter_path, nor the 4-bit request. The CUDA checks skip without a GPU.
+    not_exercised = {"check_trainer_does_not_wrap_placed_model", "check_adapter_on_offloaded_base",
+                     "check_quantized_request_keeps_dtype", *(check.name for check in REGISTRY if check.needs_gpus)}
+    passing = {"check_offload_inference", "check_load_writes_only_offload_folder", "check_pad_token_set_offline",
+               "check_offloaded_model_not_moved"}
+    assert {name: outcomes[name] for name in gaps | not_exercised | passing} == {
+        **dict.fromkeys(gaps, "XFAIL"), **dict.fromkeys(not_exercised, "SKIPPED"), **dict.fromkeys(passing, "PASSED")}
     result.stdout.fnmatch_lines(["llmload: loader myrepo_loading:old_load (from ini 'llmload_loader'); *",
                                  "XFAIL *check_train_request_trains* - migrating off device_map training, #12"])
 
