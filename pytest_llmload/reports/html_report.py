@@ -24,9 +24,8 @@ both taken from the test's :class:`~.phases.PhaseRecorder` that :mod:`.report` k
 the checkpoint's tensors (read from its safetensors headers) under each ``hf_device_map`` entry: the weights as
 stored, before any cast or quantization at load.
 
-Most checks run in a child forked from the test process (:mod:`pytest_llmload.runners.isolation`), where their
-loads and phases go to the child's copy of the recorder. While the report is on, a child forked during a test writes
-them to a spool file as they happen, and the test process reads them back into the test's record.
+This module is the plugin and the page; what a test's record holds (its children's included) is
+:mod:`.html_data`'s, the pictures :mod:`.html_pictures`'.
 
 Under xdist each worker puts a test's record (plain data) on its teardown report as ``report.llmload_html``;
 pytest serialises a report's attributes for xdist (``pytest_report_to_serializable``), so the controller receives
@@ -42,9 +41,7 @@ import base64
 import hashlib
 import html
 import importlib.util
-import io
 import json
-import math
 import os
 import re
 import sys
@@ -56,9 +53,21 @@ import pytest
 
 from pytest_llmload.config.distribution import FIELD_REPORT_URL
 from pytest_llmload.reports.known_failures import SECTION as KNOWN_FAILURE_SECTION
+from pytest_llmload.reports.html_data import record_of, spooling
+from pytest_llmload.reports.html_pictures import (
+    device_colour,
+    device_map_figure,
+    figures,
+    load_line,
+    memory_figure,
+    memory_rows,
+    memory_text,
+    placement,
+    placement_text,
+    placements,
+)
 from pytest_llmload.reports.row import Row
-from pytest_llmload.placement.picture import device_order, placement_tiers
-from pytest_llmload.instruments.device_map_summary import compress_modules
+from pytest_llmload.placement.picture import placement_tiers
 from pytest_llmload.system.sizes import format_bytes
 
 RECORD_ATTRIBUTE = "llmload_html"  # the report attribute a worker's record travels in
@@ -130,451 +139,13 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     return report
 
 
-def record_of(item: pytest.Item) -> Optional[dict]:
-    """What the report shows of one test, as plain data: its models' placement and its phases' memory, from the
-    test's recorder and from the isolated children it forked (their records come back through the spool)."""
-    from pytest_llmload.reports.sections import recorder_key
-
-    recorder = item.stash.get(recorder_key, None)
-    if recorder is None:
-        return None
-    phases = [phase_dict(p) for p in list(recorder.phases)]
-    models = [loaded_dict(m) for m in list(recorder.models)]
-    for kind, data in _spooled():
-        (phases if kind == "phase" else models).append(data)
-    phases.sort(key=lambda p: p.get("started") or 0.0)
-    loads = [p for p in phases if p["name"] == "load" and not p["running"]]
-    return {"models": [_model_record(m, loads) for m in models], "phases": phases}
-
-
-def phase_dict(p: Any) -> dict:
-    return dict(p.as_dict(), label=p.label, started=p.started)
-
-
-def loaded_dict(loaded: Any) -> dict:
-    """A :class:`~.phases.LoadedModel` as plain data, its device map as recorded at load."""
-    device_map = loaded.device_map
-    if device_map:
-        device_map = {str(k): v if isinstance(v, int) and not isinstance(v, bool) else str(v)
-                      for k, v in device_map.items()}
-    return {"kind": loaded.kind, "source": str(loaded.source or ""), "seconds": loaded.seconds, "where": loaded.where,
-            "device_map": device_map or None}
-
-
-def _model_record(loaded: dict, loads: list[dict]) -> dict:
-    """One model load: its device map as recorded at load, grouped by device, with the bytes on each device."""
-    from pytest_llmload.instruments.device_map_summary import _device_name, _tier
-
-    seconds = loaded["seconds"]
-    timed = next((p for p in loads if seconds is not None and abs(p["seconds"] - seconds) < 1e-5), None)
-    if timed is not None:  # the phase that timed the load: what was loaded, how
-        loads.remove(timed)
-    device_map, where = loaded["device_map"], loaded["where"]
-    modules: dict[str, list[str]] = {}
-    if device_map:
-        for key, device in device_map.items():
-            modules.setdefault(_device_name(device), []).append(key or "<whole model>")
-        map_source = "hf_device_map at load"
-    else:
-        modules[where] = ["<whole model>"]
-        map_source = f"no hf_device_map: whole model on {where} (its first parameter's device)"
-    sizes: Optional[dict[str, int]] = None
-    unmatched = 0
-    tensors = _checkpoint_tensors(loaded["source"])
-    if tensors is not None:
-        sizes = dict.fromkeys(modules, 0)
-        for name, nbytes in tensors:
-            device = _tier(name, device_map) if device_map else where
-            if device is None:
-                unmatched += nbytes
-            else:
-                sizes[device] = sizes.get(device, 0) + nbytes
-    devices = sorted(modules.keys() | (sizes or {}).keys(), key=device_order)
-    return {"kind": loaded["kind"], "source": loaded["source"], "seconds": seconds,
-            "load": timed["detail"] if timed is not None else "", "map_source": map_source,
-            "devices": [{"device": d, "modules": modules.get(d, []), "bytes": None if sizes is None else sizes.get(d, 0)}
-                        for d in devices],
-            "unmatched_bytes": unmatched}
-
-
-# --- isolated checks: the records of a forked child --------------------------------------------------------
-# Most checks run in a child forked from the test process (pytest_llmload.runners.isolation); the child inherits
-# the test's recorder, and its loads and phases go there, in the child's memory, which dies with it. While a test
-# runs with the report on, a child forked from it writes each model it tracks and each phase it ends to a spool
-# file (JSON lines), which the test process reads back into the test's record.
-
-_spool_dir: Optional[str] = None  # the running test's spool folder (inherited by the children it forks)
-_child_spool: Optional["_Spool"] = None  # in a forked child: what writes its records
-
-
-def _after_fork_in_child() -> None:
-    """Opens the child's spool file at once, before the check runs: a check that watches the files its load writes
-    (``record_writes``: Python's audit events) sees no open, and ``os.write`` on the descriptor raises no event."""
-    global _child_spool
-    if _spool_dir is None:
-        return
-    recorders = sys.modules.get("pytest_llmload.instruments.recorder")  # no import here: a fork may hold its lock
-    recorder = recorders.current_recorder() if recorders is not None else None
-    if recorder is None:
-        return
-    try:
-        fd = os.open(os.path.join(_spool_dir, f"child-{os.getpid()}.jsonl"), os.O_WRONLY | os.O_CREAT | os.O_APPEND
-                     | os.O_CLOEXEC, 0o600)
-    except OSError:
-        return
-    if _child_spool is not None and _child_spool.recorder is recorder:  # a grandchild: the wrapping is inherited
-        _child_spool.fd = fd
-    else:
-        _child_spool = _Spool(recorder, fd)
-
-
-class _Spool:
-    """Wraps a forked child's copy of the test's recorder: what it records is also written to ``fd``."""
-
-    def __init__(self, recorder: Any, fd: int) -> None:
-        self.recorder, self.fd = recorder, fd
-        closed, track = recorder._closed, recorder.track_model
-
-        def closed_and_spooled(p) -> None:
-            closed(p)
-            self.write("phase", dict(phase_dict(p), child=os.getpid()))
-
-        def track_and_spool(model, source="", seconds=None):
-            loaded = track(model, source, seconds)
-            self.write("model", loaded_dict(loaded))
-            return loaded
-
-        recorder._closed, recorder.track_model = closed_and_spooled, track_and_spool
-
-    def write(self, kind: str, data: dict) -> None:
-        try:
-            os.write(self.fd, (json.dumps([kind, data], default=str) + "\n").encode("utf-8"))
-        except (OSError, TypeError, ValueError):
-            pass  # a picture missing from the report, never a failing check
-
-
-def _spooled() -> list[tuple[str, dict]]:
-    if _spool_dir is None or not os.path.isdir(_spool_dir):
-        return []
-    found = []
-    for name in sorted(os.listdir(_spool_dir)):
-        try:
-            with open(os.path.join(_spool_dir, name), encoding="utf-8") as spool:
-                lines = spool.read().splitlines()
-        except OSError:
-            continue
-        for line in lines:
-            try:
-                kind, data = json.loads(line)
-            except ValueError:
-                continue  # a line cut short by a child killed mid-write
-            found.append((kind, data))
-    return found
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem):
-    global _spool_dir
     state = item.config.stash.get(state_key, None)
     if state is None or not state.active:
         return (yield)
-    import shutil
-    import tempfile
-
-    _spool_dir = tempfile.mkdtemp(prefix="llmload-html-")
-    try:
+    with spooling():
         return (yield)
-    finally:
-        shutil.rmtree(_spool_dir, ignore_errors=True)
-        _spool_dir = None
-
-
-_TENSORS: dict[str, Optional[list[tuple[str, int]]]] = {}
-
-
-def _checkpoint_tensors(source: str) -> Optional[list[tuple[str, int]]]:
-    """``(name, bytes)`` of every tensor in a local safetensors checkpoint, from its headers; ``None`` where there
-    is none to read (a hub id, a .bin checkpoint)."""
-    if not source or not os.path.isdir(source):
-        return None
-    if source not in _TENSORS:
-        from pytest_llmload.fixes.training_memory import checkpoint_tensors
-
-        try:
-            _TENSORS[source] = [(t.name, t.nbytes) for t in checkpoint_tensors(source)]
-        except (OSError, ValueError, KeyError):
-            _TENSORS[source] = None
-    return _TENSORS[source]
-
-
-# --- the figures -----------------------------------------------------------------------------------------
-
-DPI = 100
-WIDTH_IN = 11.0
-# A chart is a few flat colours and antialiased text: as a palette PNG of this many colours it is a third of its
-# full-colour size, with no difference to see (the reference loader's report: 1.5 MB before, see docs/html_report.md).
-PNG_COLOURS = 64
-DEVICE_COLOURS = {"cpu": "#e6862e", "disk": "#8c6d4f", "meta": "#d62728"}
-CUDA_COLOURS = ("#1f77b4", "#2ca02c", "#9467bd", "#17becf", "#bcbd22", "#e377c2", "#7f7f7f", "#393b79")
-LABEL_CHARS = 64
-PHASE_LABEL_WIDTH = 46
-# A memory axis starts at 0 only where the values shown span more than this share of the largest: else near the
-# lowest, so that a rise of a few MiB on a process of hundreds is seen.
-MEMORY_SPAN_FROM_ZERO = 0.5
-
-
-def device_colour(device: str) -> str:
-    kind, _, index = device.partition(":")
-    if kind in DEVICE_COLOURS:
-        return DEVICE_COLOURS[kind]
-    return CUDA_COLOURS[int(index) % len(CUDA_COLOURS) if index.isdigit() else 0]
-
-
-def _unit(largest: float) -> tuple[str, float]:
-    for name, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if largest >= size:
-            return name, float(size)
-    return "B", 1.0
-
-
-def _short(text: str, limit: int = LABEL_CHARS) -> str:
-    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
-
-
-def _wrap(text: str, width: int) -> str:
-    import textwrap
-
-    return "\n".join(textwrap.wrap(text, width, break_on_hyphens=False)) or text
-
-
-def _png(fig) -> bytes:
-    """The figure as a palette PNG of :data:`PNG_COLOURS` colours (Pillow is matplotlib's own dependency)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from PIL import Image
-
-    FigureCanvasAgg(fig)
-    drawn = io.BytesIO()
-    fig.savefig(drawn, format="png", dpi=DPI, metadata={"Software": None})
-    image = Image.open(io.BytesIO(drawn.getvalue())).convert("RGB")
-    buffer = io.BytesIO()
-    image.quantize(PNG_COLOURS, method=Image.Quantize.MEDIANCUT).save(buffer, format="PNG", optimize=True)
-    return buffer.getvalue()
-
-
-def _test_name(nodeid: str) -> str:
-    """The check's name for a check's row (``check_offload_inference``), else the test's node id."""
-    from pytest_llmload.reports.progress import check_name
-
-    name = check_name(nodeid)
-    return name if name.startswith("check_") else nodeid
-
-
-def _model_name(model: dict) -> str:
-    name = os.path.basename(model["source"].rstrip("/\\")) or "?"
-    return f"{model['kind']} from {name}"
-
-
-def _style(ax) -> None:
-    ax.tick_params(axis="x", labelsize=9.5)
-    ax.grid(axis="x", alpha=0.35)
-    ax.set_axisbelow(True)
-    for side in ("top", "right"):
-        ax.spines[side].set_visible(False)
-
-
-def placement(model: dict) -> dict:
-    """What a device-map picture draws of one load: its bars (a device, its bytes, its modules) and the bytes under
-    no entry. Loads with the same placement have the same picture: the report draws it once."""
-    return {"devices": model["devices"], "unmatched_bytes": model.get("unmatched_bytes") or 0}
-
-
-def placements(models: list[dict]) -> list[list[dict]]:
-    """A test's loads grouped by placement, in the order of their first load."""
-    groups: dict[str, list[dict]] = {}
-    for model in models:
-        groups.setdefault(json.dumps(placement(model), sort_keys=True), []).append(model)
-    return list(groups.values())
-
-
-def load_line(model: dict) -> str:
-    """One load in words: ``LlamaForCausalLM from llama-float32-seed0 for train on cpu, lora, in 0.32 s``."""
-    took = f", in {model['seconds']:.2f} s" if model.get("seconds") else ""
-    what = f"{model['kind']} from {model['load']}" if model.get("load") else _model_name(model)
-    return what + took
-
-
-def device_map_figure(groups: list[list[dict]], titled: bool = True) -> bytes:
-    """One panel per placement (:func:`placements`): a bar per device (its bytes), the modules on it written beside
-    the bar. ``titled``: each panel names its loads and where its map comes from (pytest-html's extras, which have no
-    text beside them); the HTML report says those in HTML, and draws each placement alone, untitled."""
-    from matplotlib.figure import Figure
-
-    heights = [(1.3 if titled else 0.75) + 0.5 * max(1, len(g[0]["devices"])) for g in groups]
-    fig = Figure(figsize=(WIDTH_IN, sum(heights)), layout="constrained")
-    axes = fig.subplots(len(groups), 1, squeeze=False, gridspec_kw={"height_ratios": heights})[:, 0]
-    for ax, group in zip(axes, groups):
-        drawn = placement(group[0])
-        devices = drawn["devices"]
-        known = all(d["bytes"] is not None for d in devices)
-        raw = [d["bytes"] if known else len(d["modules"]) for d in devices]
-        unit, scale = _unit(max(raw, default=0)) if known else ("", 1.0)
-        values = [v / scale for v in raw]
-        largest = max(values, default=0) or 1
-        y = list(range(len(devices)))[::-1]
-        ax.barh(y, values, color=[device_colour(d["device"]) for d in devices], height=0.62, edgecolor="#333333",
-                linewidth=0.6)
-        ax.set_yticks(y, [d["device"] for d in devices], fontsize=11.5, fontweight="bold")
-        ax.set_xlim(0, largest * 1.02)
-        ax.set_ylim(-0.6, len(devices) - 0.4)
-        for yi, d, v in zip(y, devices, values):
-            count = len(d["modules"])
-            size = format_bytes(d["bytes"]) if known else "size unknown"
-            text = f"{size} \u00b7 {count} module{'s' if count != 1 else ''}: {compress_modules(d['modules'])}"
-            inside = v > 0.55 * largest
-            dark = inside and d["device"] not in ("cpu",)
-            room = v / largest if inside else 1 - v / largest  # of the axes' width, ~150 characters at this size
-            width = max(30, int(140 * room))
-            ax.text(v - largest * 0.015 if inside else v + largest * 0.012, yi, _wrap(_short(text, 3 * width), width),
-                    va="center", ha="right" if inside else "left", fontsize=10,
-                    color="white" if dark else "black")
-        label = ("weights on the device ({}, as stored in the checkpoint)".format(unit) if known
-                 else "modules on the device (the checkpoint's sizes could not be read)")
-        if drawn["unmatched_bytes"]:
-            label += f"; {format_bytes(drawn['unmatched_bytes'])} of tensors under no device-map entry"
-        ax.set_xlabel(label, fontsize=10)
-        _style(ax)
-        if titled:
-            title = "; ".join(load_line(m) for m in group)
-            detail = f"device map: {group[0]['map_source']}"
-            ax.set_title(_wrap(_short(title, 280), 110), fontsize=11, fontweight="bold", loc="left", pad=18)
-            ax.text(0, 1.02, _wrap(detail, 140), transform=ax.transAxes, fontsize=9.5, color="#424a53", va="bottom")
-    return _png(fig)
-
-
-def _phase_label(p: dict) -> str:
-    import textwrap
-
-    label = ("\u2717 " if p.get("error") else "") + (p.get("label") or p["name"])
-    lines = textwrap.wrap(label, PHASE_LABEL_WIDTH, break_on_hyphens=False) or [label]
-    if len(lines) > 2:
-        lines = [lines[0], _short(" ".join(lines[1:]), PHASE_LABEL_WIDTH)]
-    indent = "   " * int(p.get("depth") or 0)
-    return "\n".join(indent + line for line in lines)
-
-
-def memory_rows(phases: list[dict]) -> list[dict]:
-    """What the memory figure draws of a test's phases (the phases with a figure), and nothing else: two tests
-    with the same rows have the same picture."""
-    return [{"label": _phase_label(p), "error": p.get("error") or "", "child": bool(p.get("child")),
-             "rss_before": p.get("rss_before") or 0,
-             "rss_peak": p["rss_peak"] if p.get("rss_peak") is not None else (p.get("rss_after") or 0),
-             "cuda_after": {str(i): int(v[0]) for i, v in (p.get("cuda_after") or {}).items()},
-             "cuda_peak": {str(i): int(v) for i, v in (p.get("cuda_peak") or {}).items()}}
-            for p in phases
-            if p.get("rss_peak") is not None or p.get("rss_after") is not None or p.get("cuda_peak")]
-
-
-def axis_start(values: list[int]) -> int:
-    """Where a memory axis starts, in bytes: 0 where the values span most of the way from 0 (or one is 0), else a
-    round number a little under the lowest value, so that the differences between the bars are what is seen."""
-    low, high = min(values, default=0), max(values, default=0)
-    if low <= 0 or high - low > MEMORY_SPAN_FROM_ZERO * high:
-        return 0
-    _, scale = _unit(high)  # (round in the axis' unit: it starts at 320 MiB, not at 335544320 bytes)
-    span = max(high - low, high / 50) / scale  # (a flat test: the bars' ends still apart from the axis)
-    step = 10 ** math.floor(math.log10(span))
-    return max(0, int((low / scale - 0.3 * span) // step * step * scale))
-
-
-def memory_figure(rows: list[dict]) -> Optional[bytes]:
-    """Per phase (:func:`memory_rows`): the process RSS before it and at its peak (from the kernel), and each GPU's
-    peak allocation; each axis starts near the lowest value it shows (:func:`axis_start`), and says so."""
-    from matplotlib.figure import Figure
-
-    if not rows:
-        return None
-    cuda = sorted({i for p in rows for i in p["cuda_peak"]}, key=int)
-    panels = [None, *cuda]
-    height = 1.0 + 0.5 * len(rows)
-    fig = Figure(figsize=(WIDTH_IN, height * len(panels)), layout="constrained")
-    axes = fig.subplots(len(panels), 1, squeeze=False)[:, 0]
-    children = {p["child"] for p in rows}  # {True}: every phase ran in an isolated child
-    y = list(range(len(rows)))[::-1]
-    for ax, index in zip(axes, panels):
-        if index is None:
-            before, peak = [p["rss_before"] for p in rows], [p["rss_peak"] for p in rows]
-            colour, what = "#e6862e", "process RSS"
-            title = ("Process RSS: grey = before the phase, orange = its peak during the phase (the kernel's "
-                     "high-water mark)" + ("; every phase ran in the check's isolated child process"
-                                           if children == {True} else "; [child]: in the check's isolated child "
-                                           "process" if True in children else ""))
-        else:
-            before = [p["cuda_after"].get(index, 0) for p in rows]
-            peak = [p["cuda_peak"].get(index, 0) for p in rows]
-            colour, what = device_colour(f"cuda:{index}"), f"cuda:{index} allocated"
-            title = f"cuda:{index}: grey = allocated by torch at the end of the phase, coloured = its peak during it"
-        start = axis_start([*before, *peak])
-        unit, scale = _unit(max([*peak, *before, 1]))
-        low, largest = start / scale, max([*peak, *before, 1]) / scale
-        room = (largest - low) or 1.0
-        ax.barh([v + 0.19 for v in y], [b / scale for b in before], height=0.36, color="#b9b9b9")
-        ax.barh([v - 0.19 for v in y], [k / scale for k in peak], height=0.36, color=colour)
-        for yi, b, k, p in zip(y, before, peak, rows):
-            grew = f"  (+{format_bytes(k - b)})" if index is None and k > b else ""
-            ax.text(k / scale + room * 0.01, yi - 0.19, f"{format_bytes(k)}{grew}", va="center", fontsize=9.5)
-            if p["error"] and index is None:
-                ax.text(k / scale + room * 0.01, yi + 0.19, _short(f"raised {p['error']}", 34), va="center",
-                        fontsize=9, color="#c00000")
-        ax.set_xlim(low, low + room * 1.5)  # (room on the right for the figures written beside the bars)
-        ax.set_ylim(-0.65, len(rows) - 0.35)
-        ax.set_yticks(y, [p["label"] + ("  [child]" if p["child"] and len(children) > 1 else "") for p in rows],
-                      fontsize=9.5)
-        for tick, p in zip(ax.get_yticklabels(), rows):
-            if p["error"]:
-                tick.set_color("#c00000")
-        ax.set_xlabel(f"{what} ({unit})" + (f"; the axis starts at {format_bytes(start)}, not 0" if start else ""),
-                      fontsize=10, color="#c00000" if start else "black")
-        ax.set_title(_wrap(title, 84), fontsize=10, loc="left", color="#424a53")
-        _style(ax)
-    return _png(fig)
-
-
-def figures(record: dict, nodeid: str) -> list[tuple[str, bytes]]:
-    """The PNGs of one test for pytest-html's extras: its device maps (a panel per placement) and its memory per
-    phase (only for a test that loaded a model)."""
-    if not record.get("models"):
-        return []
-    found = [("llmload: device map", device_map_figure(placements(record["models"])))]
-    memory = memory_figure(memory_rows(record.get("phases", [])))
-    if memory is not None:
-        found.append(("llmload: memory per phase", memory))
-    return found
-
-
-def placement_text(model: dict) -> str:
-    """A placement in words (its picture's caption): ``cpu 224.5 KiB (model.embed_tokens, model.layers.0); ...``."""
-    return "; ".join(f"{d['device']} {format_bytes(d['bytes']) if d['bytes'] is not None else '?'} "
-                     f"({compress_modules(d['modules'])})" for d in model["devices"])
-
-
-def memory_text(phases: list[dict]) -> str:
-    """The highest peak in words (the figure's caption)."""
-    peaks = [(p["rss_peak"], p.get("label") or p["name"]) for p in phases if p.get("rss_peak") is not None]
-    parts = []
-    if peaks:
-        peak, label = max(peaks)
-        parts.append(f"peak process RSS {format_bytes(peak)} in phase '{label}'")
-    cuda: dict[str, tuple[int, str]] = {}
-    for p in phases:
-        for index, peak in (p.get("cuda_peak") or {}).items():
-            if peak > cuda.get(index, (-1, ""))[0]:
-                cuda[index] = (peak, p.get("label") or p["name"])
-    parts += [f"cuda:{i} peak allocated {format_bytes(b)} in phase '{label}'" for i, (b, label) in sorted(cuda.items())]
-    return "; ".join(parts)
 
 
 # --- the session: rows, and the file ---------------------------------------------------------------------

@@ -13,7 +13,9 @@ import re
 import pytest
 
 from fixtures import warm_runs
-from pytest_llmload.reports.html_report import axis_start, compress_modules, render_html
+from pytest_llmload.instruments.device_map_summary import compress_modules
+from pytest_llmload.reports.html_pictures import axis_start
+from pytest_llmload.reports.html_report import render_html
 
 SUITE = ("--pyargs", "pytest_llmload.suite", "-p", "no:cacheprovider")
 OFFLOAD = "check_offload_inference"

@@ -12,7 +12,7 @@ import io
 import pytest
 
 from pytest_llmload.failures.fp16_unscale import FAILURE
-from pytest_llmload.reports.html_report import DEVICE_COLOURS
+from pytest_llmload.reports.html_pictures import DEVICE_COLOURS
 
 FAILING, PASSING = "check_fp16_train_request_keeps_fp32_master_weights", "check_offload_inference"
 RUN = ("--pyargs", "pytest_llmload.suite", "-p", "no:cacheprovider", "-k", f"{FAILING} or {PASSING}",
