@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import pytest
 
+from pytest_llmload.config.stash_keys import configuration_key
 from pytest_llmload.config.vocabulary import SETTING, SETTINGS, Setting
 
 GPUS_OFF = "off"
@@ -105,7 +106,11 @@ def register(parser: pytest.Parser) -> None:
 
 def given(config: pytest.Config, key: str) -> "tuple[Any, str] | None":
     """Setting ``key``, typed, and where it came from (the option, its environment variable, the ini key), or
-    ``None`` when none sets it. An empty text reads as ``None``; a bad value is a usage error naming its source."""
+    ``None`` when none sets it. An empty text reads as ``None``; a bad value is a usage error naming its source.
+    Read once: a configured run's values are its :class:`~pytest_llmload.config.stash_keys.Configuration`'s."""
+    configuration = config.stash.get(configuration_key, None)
+    if configuration is not None and key in configuration.settings:
+        return configuration.settings[key]
     setting = SETTING[key]
     option = config.getoption(setting.dest, None)
     if option is not None:
@@ -133,6 +138,12 @@ def value(config: pytest.Config, key: str) -> Any:
     return found[0]
 
 
+def every_setting(config: pytest.Config) -> dict[str, "tuple[Any, str] | None"]:
+    """Every setting as :func:`given` reads it, at once (a bad value is a usage error now): a run that sets any is
+    configured, and its configuration keeps them."""
+    return {setting.key: given(config, setting.key) for setting in SETTINGS}
+
+
 def any_given(config: pytest.Config) -> bool:
-    """Whether the run sets any setting: the plugin is then configured, and checks every value at once."""
-    return any(given(config, setting.key) is not None for setting in SETTINGS)
+    """Whether the run sets any setting: the plugin is then configured."""
+    return any(found is not None for found in every_setting(config).values())

@@ -8,7 +8,8 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-from collections.abc import Iterator
+import types
+from collections.abc import Iterator, Mapping
 from typing import Any, Callable, Optional
 
 import pytest
@@ -30,6 +31,9 @@ class Configuration:
     loader_declarations: tuple[tuple[str, Any], ...] = ()  # (LoaderUnderTest field, value) the configuration declares
     trains: frozenset[str] = frozenset()  # the training declarations set (vocabulary.TRAINING_DECLARATIONS)
     strict: bool = False  # llmload_strict: a check that did not judge fails
+    # Every setting, typed, and where it came from (config.settings.given reads it here): None where none sets it.
+    settings: Mapping[str, Optional[tuple[Any, str]]] = dataclasses.field(
+        default_factory=lambda: types.MappingProxyType({}), repr=False)
     import_spec: Optional[Callable[[Any], Callable]] = dataclasses.field(default=None, repr=False, compare=False)
 
     @functools.cached_property
@@ -90,4 +94,3 @@ def add_note(text: str) -> None:
     notes = check_notes.get()
     if notes is not None and text not in notes:
         notes.append(text)
-

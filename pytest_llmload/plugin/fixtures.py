@@ -21,10 +21,12 @@ if TYPE_CHECKING:
 # by the fixture that needs it.
 
 
-def read_configuration(config: pytest.Config) -> Configuration:
+def read_configuration(config: pytest.Config, every_setting: dict) -> Configuration:
     """The run's one :class:`~pytest_llmload.config.stash_keys.Configuration` (its precedence is stated there), read
-    at configure by the plugin; a bad value is a usage error naming it and where it came from."""
-    from pytest_llmload.config import settings
+    at configure by the plugin from ``every_setting`` (:func:`pytest_llmload.config.settings.every_setting`); a bad
+    value is a usage error naming it and where it came from."""
+    import types
+
     from pytest_llmload.config.vocabulary import HOOK_INI, LOADER_INI, TRAINING_DECLARATIONS
     from pytest_llmload.fixes.reference_loader import REFERENCE
     from pytest_llmload.loader import seam
@@ -33,13 +35,14 @@ def read_configuration(config: pytest.Config) -> Configuration:
         loader = seam.choose_loader(config.getoption("llmload_loader"), os.environ, config.getini(LOADER_INI),
                                     default=REFERENCE)
         hook = seam.choose_training_args_hook(config.getoption("llmload_training_args_hook"), config.getini(HOOK_INI))
-        declared = ((field, settings.given(config, key), parse) for key, field, parse in seam.declaration_parsers())
+        declared = ((field, every_setting[key], parse) for key, field, parse in seam.declaration_parsers())
         loader_declarations = tuple((field, parse(*given)) for field, given, parse in declared if given)
     except seam.LoaderSpecError as exc:
         raise pytest.UsageError(str(exc)) from None
     return Configuration(loader=loader, training_args_hook=hook, loader_declarations=loader_declarations,
-                         trains=frozenset(key for key in TRAINING_DECLARATIONS if settings.value(config, key)),
-                         strict=settings.value(config, "strict"), import_spec=seam.import_loader)
+                         trains=frozenset(key for key in TRAINING_DECLARATIONS if every_setting[key]),
+                         strict=bool(every_setting["strict"]), settings=types.MappingProxyType(every_setting),
+                         import_spec=seam.import_loader)
 
 
 def configuration_of(config: pytest.Config) -> Configuration:

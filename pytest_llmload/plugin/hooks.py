@@ -150,9 +150,12 @@ def pytest_configure(config: pytest.Config) -> None:
     for line in (vocabulary.NEEDS_GPUS_HELP, vocabulary.GPU_HELP, vocabulary.DEEPSPEED_HELP, vocabulary.ISOLATED_HELP,
                  vocabulary.MEMORY_LIMIT_HELP):
         config.addinivalue_line("markers", line)
-    if _configured(config):  # else the reference loader, no hook, defaults: nothing to check, nothing to import
-        config.stash[in_use_key] = True
-        _read_configuration(config)
+    from pytest_llmload.config import settings
+
+    every_setting = settings.every_setting(config)  # read once, here
+    if any(found is not None for found in every_setting.values()):  # else the reference loader, no hook, defaults:
+        config.stash[in_use_key] = True  # nothing to check, nothing to import
+        _read_configuration(config, every_setting)
     # A row in pytest's own report files (JUnit XML, pytest-reportlog's), written where they are: not by a worker.
     if not hasattr(config, "workerinput") and (getattr(config.option, "xmlpath", None)
                                                or getattr(config.option, "report_log", None)):
@@ -162,14 +165,14 @@ def pytest_configure(config: pytest.Config) -> None:
     _register_gates(config, (module for module in SUB_PLUGINS if module not in _BEFORE_CONFIGURE))
 
 
-def _read_configuration(config: pytest.Config) -> None:
+def _read_configuration(config: pytest.Config, every_setting: dict) -> None:
     """Every setting read once at configure: a bad value is one usage error before any test runs; what the run's
     readers share, into its one :class:`~pytest_llmload.config.stash_keys.Configuration`."""
     from pytest_llmload.config import settings
     from pytest_llmload.plugin.fixtures import read_configuration
 
     writer = _progress_writer(config)  # first: a check spec that gives no checks, below, is told through it
-    config.stash[configuration_key] = read_configuration(config)
+    config.stash[configuration_key] = read_configuration(config, every_setting)
     extra = settings.given(config, "checks")
     # The repo's own checks, this run: a spec that gives none is a usage error now. A run that writes progress (the
     # main job's) reads every check here, installed packages' too: a broken one is the main job's usage error,
@@ -193,9 +196,6 @@ def _read_configuration(config: pytest.Config) -> None:
                          expected_failed_checks=parse_expected_failures(*expected))
         except pytest.UsageError as exc:
             raise pytest.UsageError(str(exc) if str(exc).startswith(source) else f"{source}: {exc}") from None
-    for key in ("phase_progress_seconds", "near_deadline", "gpus_per_worker", "wait_after_hang", "require_gpus",
-                "html"):
-        settings.value(config, key)  # parsed now, read where used
     _read_prediction(config)
 
 

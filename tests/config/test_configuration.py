@@ -1,6 +1,7 @@
 """The run's configuration is read once, into one frozen record on ``config.stash`` that every reader takes as it is:
-the loader (and the training-args hook) imported once a process, and a value given by an option, the ini file, the
-environment or the loader's own attribute seen the same by the plugin, its fixtures and the checks."""
+every setting read at configure, the loader (and the training-args hook) imported once a run, and a value given by
+an option, the ini file, the environment or the loader's own attribute seen the same by the plugin, its fixtures and
+the checks."""
 
 import re
 
@@ -28,6 +29,7 @@ import dataclasses
 import pytest
 
 from pytest_llmload.checks.base import Check, KnownFailure
+from pytest_llmload.config import settings
 from pytest_llmload.config.stash_keys import configuration_key
 from pytest_llmload.fixes.reference_loader import chosen_loader
 
@@ -44,10 +46,14 @@ def test_a_check_gets_the_configuration_without_asking(check, llmload_loader, tm
     check(llmload_loader, tmp_path, tmp_path)
 
 
-def test_every_reader_sees_the_same(request, llmload_loader, llmload_check_options, tmp_path):
+def test_every_reader_sees_the_same(request, monkeypatch, llmload_loader, llmload_check_options, tmp_path):
     configuration = request.config.stash[configuration_key]
     with pytest.raises(dataclasses.FrozenInstanceError):
         configuration.strict = True
+    # read once, at configure: an option or a variable changed afterwards is no reader's business
+    monkeypatch.setattr(request.config.option, "llmload_loader", "changed:later")
+    monkeypatch.setenv("PYTEST_LLMLOAD_LOADER", "changed:later")
+    print(f"READ setting {settings.value(request.config, 'loader')}")
     print(f"READ loader {llmload_loader.name} ({llmload_loader.source}) = {chosen_loader(request.config)}")
     print(f"READ configuration {configuration.declares('trains_with_trainer', llmload_loader)}")
     print(f"READ fixture {llmload_check_options.get('trains_with_trainer', False)}")
@@ -94,6 +100,7 @@ def test_every_reader_sees_a_value_as_its_source_gave_it_and_the_loader_is_impor
     assert f"llmload: loader {spec} (from {source[1:-1]}); " in result.stdout.str()  # the header
     reads = re.findall(r"READ .*", result.stdout.str())  # (after the progress dots: -s)
     assert reads == ["READ check True True", "READ check True True",
+                     f"READ setting {spec}",
                      f"READ loader {spec} {source} = LoaderChoice(spec={spec!r}, source={source[1:-1]!r})",
                      "READ configuration True", f"READ fixture {'my_loaders:declaring' not in loader}",
                      "READ check True True"]
