@@ -82,7 +82,8 @@ def test_a_long_phase_prints_progress_lines_at_the_configured_interval(pytester)
 @pytest.mark.timeout(120)
 def test_the_option_wins_over_the_ini_key_and_zero_turns_progress_off(pytester):
     pytester.makepyfile(test_off="""
-        from pytest_llmload.instruments.phases import heartbeat, phase
+        from pytest_llmload.instruments.heartbeat import heartbeat
+        from pytest_llmload.instruments.phases import phase
 
         def test_off():
             with phase("generate"):
@@ -195,7 +196,7 @@ def test_a_model_loaded_whole_is_summarised_as_such(pytester):
 SUMMARY = """
 import pytest
 from pytest_llmload.checks.ground_truth import offload_budget
-from pytest_llmload.instruments.phases import note_deadline
+from pytest_llmload.instruments.recorder import note_deadline
 
 @pytest.mark.timeout(120)
 def test_loads(llmload_load):
