@@ -57,6 +57,21 @@ EXPECTED = {
     "pytest_llmload.fixes.reference_loader:load_model_and_tokenizer": {},
 }
 
+# The rows a loader cannot be judged on, by design: each must skip "not exercised" (the repo's tests run with
+# llmload_strict, which fails such a skip in a row that expected a verdict), and one that starts judging fails here.
+IGNORES_4BIT = ("check_trainer_does_not_wrap_placed_model", "check_quantized_request_keeps_dtype")
+IGNORES_ADAPTER = ("check_adapter_on_offloaded_base",)
+NEVER_OFFLOADS = ("check_offload_inference", "check_load_writes_only_offload_folder", "check_offloaded_model_not_moved",
+                  "check_adapter_on_offloaded_base")  # write-up 003's loader: 4-bit whole, or whole on cpu
+NOT_EXERCISED = {
+    "fixtures.loaders.before_offload_hang:load": IGNORES_4BIT + IGNORES_ADAPTER,
+    "fixtures.loaders.before_meta_backward:load": IGNORES_4BIT + IGNORES_ADAPTER,
+    "fixtures.loaders.before_dp_dtype:load": NEVER_OFFLOADS,
+    "fixtures.loaders.before_distributed_device_map:load": IGNORES_4BIT + IGNORES_ADAPTER,
+    "fixtures.loaders.downstream_fixed:load": IGNORES_ADAPTER,
+    "pytest_llmload.fixes.reference_loader:load_model_and_tokenizer": (),
+}
+
 # Each check runs in children forked from this process: warm_forks does once, here, what each of them would redo
 # (fixtures/warm_runs.py); the checks and their verdicts are the same.
 pytestmark = [pytest.mark.llmload_deepspeed, pytest.mark.usefixtures("warm_forks")]
@@ -64,4 +79,8 @@ pytestmark = [pytest.mark.llmload_deepspeed, pytest.mark.usefixtures("warm_forks
 
 @parametrize_with_loader_checks(list(EXPECTED), expected_failed_checks=lambda loader: EXPECTED[loader.name])
 def test_sample_loader(loader, check, llmload_checkpoint, tmp_path):
-    check(loader, llmload_checkpoint, tmp_path)
+    if check.name not in NOT_EXERCISED[loader.name]:
+        check(loader, llmload_checkpoint, tmp_path)
+        return
+    with pytest.raises(pytest.skip.Exception, match=f"^not exercised: {check.name}: "):
+        check(loader, llmload_checkpoint, tmp_path)

@@ -326,12 +326,19 @@ def merged_then_offloaded(request):
 
     base = AutoModelForCausalLM.from_pretrained(request.model_path, device_map={"": "cpu"}, local_files_only=True)
     return adapters.merge_and_dispatch(PeftModel.from_pretrained(base, request.adapter_path), request.max_memory_dict,
-                                  request.offload_folder)
+                                       request.offload_folder)
 
 
-@pytest.mark.parametrize("loader", [whole_on_one_device, merged_then_offloaded], ids=lambda f: f.__name__)
-def test_check_passes_on_other_correct_loaders(loader, llmload_checkpoint, tmp_path):
-    aoo.check_adapter_on_offloaded_base(loader, llmload_checkpoint, tmp_path)
+def test_check_passes_on_a_correct_loader_that_offloads(llmload_checkpoint, tmp_path):
+    aoo.check_adapter_on_offloaded_base(merged_then_offloaded, llmload_checkpoint, tmp_path)
+
+
+def test_check_cannot_judge_the_field_fix_which_never_offloads(llmload_checkpoint, tmp_path):
+    # Correct, but nothing is offloaded under the budget: the check says so rather than passing (llmload_strict
+    # fails such a skip in a row; here it is the expected answer).
+    with pytest.raises(pytest.skip.Exception, match="not exercised: check_adapter_on_offloaded_base: the loader "
+                                                    "loaded the base whole on cpu .*nothing was offloaded"):
+        aoo.check_adapter_on_offloaded_base(whole_on_one_device, llmload_checkpoint, tmp_path)
 
 
 def test_the_merged_model_really_is_offloaded(llmload_checkpoint, adapter, tmp_path):
