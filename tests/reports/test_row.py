@@ -138,3 +138,50 @@ def test_a_strict_run_counts_a_not_exercised_row_as_failed_in_the_row_too(pytest
     (row,) = [r for r in map(json.loads, (pytester.path / "progress.jsonl").read_text().splitlines())
               if r.get("event") == "result"]
     assert (row["outcome"], row["verdict"]) == (("failed", "failed") if strict else ("skipped", "not exercised"))
+
+
+def test_json_gives_each_verdict_kind_its_whole_reason_and_its_fix(tmp_path):
+    """Every verdict kind, built by row_of, through the progress file to ``--json``: ``reason`` is the row's whole
+    sentence wherever there is one (a FAILED row's too: issue 47 found it empty), ``fix`` the failure's where the row
+    names it. Cheap: no pytest run, the report object the progress writer reads."""
+    from types import SimpleNamespace
+
+    from pytest_llmload.checks.base import Check, KnownFailure
+    from pytest_llmload.main_job.table import json_records
+    from pytest_llmload.reports.progress import ProgressWriter
+    from pytest_llmload.reports.verdict import row_of
+
+    failure = KnownFailure(id="use-cache-off", title="t", write_up="myrepo#12", signatures=(), root_cause="r",
+                           fix="set use_cache only for train requests", occurs="o")
+
+    def own_thing(loader, checkpoint, workdir):
+        pass
+
+    class PredictedFailure(Exception):  # (judged by its name, as prediction.predict's)
+        failure = "use-cache-off"
+
+    check = Check(own_thing, failure)
+    rows = {"failed": row_of(check, raised=AssertionError("use_cache off:\n  in the inference load")),
+            "predicted": row_of(check, raised=PredictedFailure("would hit use-cache-off on 1x24GB")),
+            "error": row_of(check, raised=KeyError("missing")),
+            "setup error": row_of(check, failed="fixture 'x' not found", failed_in="setup"),
+            "not exercised": row_of(check, skipped="not exercised: never sets use_cache"),
+            "not applicable": row_of(check, skipped="declared not applicable: we never offload"),
+            "skipped": row_of(check, skipped="needs 1 GPU, 0 visible"),
+            "xfailed": row_of(check, xfail=(False, "myrepo#12, known")),
+            "passed": row_of(check)}
+    writer = ProgressWriter(str(tmp_path / "progress.jsonl"))
+    for name, row in rows.items():
+        writer.pytest_runtest_logreport(SimpleNamespace(nodeid=name, when="call", outcome="passed",
+                                                        user_properties=row.properties()))
+    writer.close()
+    results = [json.loads(line) for line in (tmp_path / "progress.jsonl").read_text().splitlines()]
+    got = {name: (r["verdict"], r["reason"], r["fix"]) for name, r in zip(rows, json_records(results))}
+    fix = "set use_cache only for train requests"
+    assert got["failed"] == ("failed", "use_cache off:\n  in the inference load", fix)
+    assert got["predicted"] == ("predicted", "would hit use-cache-off on 1x24GB", fix)
+    assert got["error"][:2] == ("error", rows["error"].sentence) and "KeyError: 'missing'" in got["error"][1]
+    assert got["setup error"] == ("error", "fixture 'x' not found", None) and rows["setup error"].cause == "setup"
+    for kind in ("not exercised", "not applicable", "skipped", "xfailed"):
+        assert got[kind] == (kind, rows[kind].sentence, None) and got[kind][1], got[kind]
+    assert got["passed"] == ("passed", "", None)
