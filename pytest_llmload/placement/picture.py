@@ -1,6 +1,6 @@
 """A prediction's placement in words: how many modules and bytes go to each of gpu, cpu and disk, a line per device
 against its capacity, and the block the main job's table and pytest's terminal print. Read from the plain record a
-prediction makes (:meth:`pytest_llmload.prediction.predict.Prediction.record`), so the main job's parent, which
+prediction makes (:meth:`pytest_llmload.prediction.records.Prediction.record`), so the main job's parent, which
 imports no check, says it from the progress file. Imports nothing but the size printer."""
 
 from __future__ import annotations

@@ -9,608 +9,45 @@ What the loader sees, as on each rank of that runner: the request in the profile
 profile's capacities, or under a launcher each rank's own budget; ``gpu_count`` its GPUs, ``device``
 ``cuda:<rank>``, the dtype one the loader declares), the launcher's environment for the distributed scenarios,
 DeepSpeed ZeRO-3 enabled for the ZeRO-3 one (``from_pretrained`` refuses a ``device_map`` there, to the loader, as
-transformers does), and ``torch.cuda`` answering as the runner's while the loader runs (:func:`_cuda_as_on`).
+transformers does), and ``torch.cuda`` answering as the runner's while the loader runs
+(:func:`~pytest_llmload.prediction.simulated_machine.cuda_as_on`).
 
 A failure is predicted only where its mechanism is, and the row names the loader's line that reaches it: offloaded
-modules are those a ``device_map`` with an accelerator in it sends to cpu or disk (:func:`offloaded`), never a model
-loaded whole on the host.
+modules are those a ``device_map`` with an accelerator in it sends to cpu or disk
+(:func:`~pytest_llmload.prediction.interception.offloaded`), never a model loaded whole on the host.
+
+This module holds the scenarios; what a prediction says is :mod:`~pytest_llmload.prediction.records`, how the
+loader's calls are seen without loading is :mod:`~pytest_llmload.prediction.interception`, and the runner it runs on
+is :mod:`~pytest_llmload.prediction.simulated_machine`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import json
-import os
-import sys
-import threading
 import time
-import types
-import warnings
-from unittest import mock
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional
 
 from pytest_llmload.placement import architectures, planned, planner
 from pytest_llmload.placement.profiles import RunnerProfile
-from pytest_llmload.placement.picture import TIERS, device_order, placement_lines, placement_tiers, tier_of
 from pytest_llmload.loader.request import LoadRequest
 from pytest_llmload.system.sizes import format_bytes
 from pytest_llmload.system.words import a
-
-PREDICTION_PREFIX = "predict_"
-DEFAULT_DTYPE = "bfloat16"  # what runs on these runners use; --llmload-dtype changes it
-
-
-class PredictedFailure(AssertionError):
-    """A scenario predicts that the runner would hit ``failure`` (a catalog id, or ``"OOM"``); ``prediction`` is
-    the :meth:`Prediction.record` of where the model would go, where the scenario planned one."""
-
-    def __init__(self, failure: str, message: str, prediction: Optional[dict] = None) -> None:
-        super().__init__(message)
-        self.failure = failure
-        self.prediction = prediction
-
-    def __reduce__(self):  # crosses a process boundary (an isolated child) as itself
-        return PredictedFailure, (self.failure, str(self), self.prediction)
-
-
-class DevicePrediction(NamedTuple):
-    device: str
-    modules: int
-    weights: int  # bytes of weights placed there
-    peak: int  # the scenario's predicted peak there (load, or a training step)
-    capacity: Optional[int]  # None: disk, unbounded here
-
-
-class Prediction(NamedTuple):
-    scenario: str
-    runner: str
-    model: str
-    placement: dict  # {module: device}, from the loader's own from_pretrained arguments
-    devices: tuple[DevicePrediction, ...]
-    asked: dict  # the placement arguments the loader passed (device_map, max_memory, quantization)
-    simulated: tuple[str, ...]
-    failure: Optional[str] = None
-    reason: str = ""
-    seconds: float = 0.0
-    at: str = ""  # the loader's line the verdict comes from (its from_pretrained call, or what it did after loading)
-
-    def summary(self) -> str:
-        """One line: the verdict's reason, then how many modules and bytes go to each of gpu, cpu and disk, and
-        the fullest device against its capacity."""
-        if not self.placement and not self.devices:
-            return self.reason
-        record = self.record()
-        sized = [d for d in self.devices if d.capacity]
-        fullest = max(sized, key=lambda d: d.peak / d.capacity, default=None)
-        fill = "" if fullest is None else (f"; the fullest {fullest.device} {format_bytes(fullest.peak)} of "
-                                           f"{format_bytes(fullest.capacity)}")
-        return f"{self.reason} [{placement_tiers(record)}{fill}]"
-
-    def table(self) -> str:
-        """The verdict, then per tier and per device: the modules, the weights, the predicted peak against the
-        capacity, which modules they are; then what was simulated."""
-        lines = [f"on {self.runner} with {self.model}, would hit {self.failure}: {self.reason}" if self.failure
-                 else f"on {self.runner} with {self.model}, nothing known: {self.reason}"]
-        if self.placement or self.devices:
-            record = self.record()
-            lines += [f"  {placement_tiers(record)}", *(f"  {line}" for line in placement_lines(record))]
-        lines += [f"  simulated: {note}" for note in self.simulated]
-        return "\n".join(lines)
-
-    def record(self) -> dict:
-        """Where the model would go, as plain data (a row's :attr:`~pytest_llmload.reports.row.Row.prediction`,
-        ``--json``'s, the HTML report's): per device (``devices``, accelerators first) its modules, weights, peak
-        and capacity in bytes; per tier (``tiers``: gpu, cpu, disk) the modules, bytes and devices; per device the
-        modules it holds, layers as ranges (``placement``: ``{"cuda:0": "model.embed_tokens, model.layers.0-41"}``);
-        and the whole map, module by module (``device_map``)."""
-        from pytest_llmload.instruments.device_map_summary import compress_modules
-
-        device_map = {name: _device_name(str(where)) for name, where in self.placement.items()}
-        held: dict[str, list[str]] = {}
-        for name, device in device_map.items():
-            held.setdefault(device, []).append(name)
-        known = {d.device: {"device": d.device, "tier": tier_of(d.device), **d._asdict()} for d in self.devices}
-        unsized = {"weights": None, "peak": None, "capacity": None}  # a map planned without its sizes
-        devices = [*known.values(), *({"device": device, "tier": tier_of(device), "modules": len(names), **unsized}
-                                      for device, names in held.items() if device not in known)]
-        devices.sort(key=lambda d: device_order(d["device"]))
-        tiers = {}
-        for tier in TIERS:
-            there = [d for d in devices if tier_of(d["device"]) == tier]
-            weights = [d["weights"] for d in there]
-            tiers[tier] = {"modules": sum(d["modules"] for d in there), "devices": len(there),
-                           "bytes": None if None in weights else sum(weights)}
-        return {"scenario": self.scenario, "runner": self.runner, "model": self.model, "failure": self.failure,
-                "reason": self.reason, "tiers": tiers, "devices": devices,
-                "placement": {device: compress_modules(names, dash="-") for device, names in
-                              sorted(held.items(), key=lambda item: device_order(item[0]))},
-                "device_map": device_map, "simulated": list(self.simulated)}
-
-
-def bare_record(scenario: str, runner: str, model: str, failure: Optional[str], reason: str) -> dict:
-    """The :meth:`Prediction.record` of a row that planned no map (Trainer's decision, a placement from_pretrained
-    refuses)."""
-    return Prediction(scenario, runner, model, {}, (), {}, (), failure, reason).record()
-
-
-class _Intercepted(BaseException):
-    """Raised in place of loading: a BaseException so that a loader's ``except Exception`` does not swallow it."""
-
-
-class _Stopped(_Intercepted):
-    """Raised where the loader meets a failure's mechanism after loading (a move of an offloaded model, a dtype cast of
-    a quantized one, an adapter on an offloaded base): the runner raises there too, and nothing after it would run."""
-
-
-class Call(NamedTuple):
-    """One ``from_pretrained`` call of the loader (``kwargs`` ``None``: it never called it): where in the loader's
-    code it was made (``at``, ``path:line``), and transformers' refusal of it where the runner's own set-up refuses
-    it (``refusal``: a ``device_map`` under ZeRO-3), which the loader got raised as from_pretrained raises it. Or a
-    placement accelerate makes of a model the loader built itself (``model``: ``load_checkpoint_and_dispatch``,
-    ``dispatch_model``), ``kwargs`` then holding the map accelerate made and the dtype it loads in."""
-
-    kwargs: Optional[dict]
-    at: str = ""
-    refusal: Optional[str] = None
-    model: Any = None
-
-
-def _shown(filename: str) -> str:
-    """A file as rows name it: from the working directory where it lies below it."""
-    relative = os.path.relpath(filename)
-    return filename if relative.startswith("..") else relative
-
-
-def _loader_line() -> str:
-    """Where the loader's own code made the call being recorded (``path:line``): the innermost frame that is neither
-    a library's nor this package's plumbing (the loader's line that called ``from_pretrained``, ``.to()``, peft,
-    ...; the built-in loader's own lines, in ``pytest_llmload.fixes``, count as a loader's)."""
-    from pytest_llmload.system import tracebacks
-
-    frame = sys._getframe(1)
-    while frame is not None:
-        filename, module = frame.f_code.co_filename, tracebacks.module_of(frame)
-        ours = module.startswith("pytest_llmload.") and not module.startswith("pytest_llmload.fixes.")
-        if not (ours or tracebacks.is_installed(filename) or tracebacks.is_frozen(filename)):
-            return f"{_shown(filename)}:{frame.f_lineno}"
-        frame = frame.f_back
-    return ""
-
-
-def _zero3_refusal(device_map: Any) -> Optional[str]:
-    """transformers' own refusal of ``device_map`` while a ZeRO-3 set-up is alive in this process (the simulated one
-    of the ZeRO-3 scenario, as accelerate or Trainer makes it before the training script loads), ``None`` otherwise.
-    Asked inside the set-up, where from_pretrained asks it."""
-    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
-
-    from pytest_llmload.loader.transformers_compat import zero3_device_map_refusal
-
-    return zero3_device_map_refusal(device_map) if is_deepspeed_zero3_enabled() else None
-
-
-def _from_pretrained_intercepted(calls: list, stand_in: Optional[Callable[[dict], Any]] = None):
-    """``from_pretrained`` records the loader's :class:`Call` and stops the loader there: nothing is read or
-    allocated. A call the runner's set-up refuses (a ``device_map`` under ZeRO-3) raises transformers' refusal into
-    the loader, as from_pretrained would (a loader may catch it and load again). With ``stand_in``, it returns
-    ``stand_in(kwargs)`` instead (an empty model placed as planned), so that what the loader does after loading can
-    be seen."""
-    from transformers import PreTrainedModel
-
-    def stop(klass, *args, **kwargs):
-        call = Call({"class": klass.__name__, **kwargs}, _loader_line(), _zero3_refusal(kwargs.get("device_map")))
-        calls.append(call)
-        if call.refusal is not None:
-            raise ValueError(call.refusal)
-        if stand_in is not None:
-            return stand_in(kwargs)
-        raise _Intercepted()
-
-    return mock.patch.object(PreTrainedModel, "from_pretrained", classmethod(stop))
-
-
-def _placed_after_loading(model: Any, device_map: Optional[dict], dtype: Any = None) -> Call:
-    """The loader's :class:`Call` for a placement accelerate makes of ``model`` after it is built (``dtype``:
-    load_checkpoint_and_dispatch's, else the model's own floating parameters')."""
-    import torch
-
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    dtype = dtype or next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    device_map = {name: str(where) for name, where in (device_map or {"": "cpu"}).items()}
-    return Call({"class": type(model).__name__, "device_map": device_map, "dtype": dtype}, _loader_line(), model=model)
-
-
-def _placed_by_accelerate(calls: list, stand_in: Optional["_StandIn"]):
-    """A placement made after the model is built, as from_pretrained's ``device_map`` is: the loader's
-    ``load_checkpoint_and_dispatch`` plans with accelerate's own code (``get_balanced_memory``,
-    ``infer_auto_device_map``) on the runner's devices, and is recorded where it would read the checkpoint
-    (``load_checkpoint_in_model``: nothing is read); a ``dispatch_model`` the loader calls with a map of its own is
-    recorded with that map. Each is the loader's :class:`Call` (with its ``model``), and stops it there; with
-    ``stand_in``, the map becomes the stand-in's placement and the loader runs on (``dispatch_model`` is then the
-    after-loading recorder's, :func:`_after_loading_recorded`)."""
-    import accelerate
-    import accelerate.big_modeling as big_modeling
-
-    def placed(model, device_map, dtype=None) -> None:
-        call = _placed_after_loading(model, device_map, dtype)
-        if stand_in is not None:
-            stand_in.dispatched(call)
-            return
-        calls.append(call)
-        raise _Intercepted()
-
-    def load_checkpoint_in_model(model, checkpoint, device_map=None, dtype=None, *args, **kwargs):
-        placed(model, device_map, dtype)
-
-    def dispatch_model(model, device_map, *args, **kwargs):
-        placed(model, device_map)
-        return model
-
-    patches = contextlib.ExitStack()
-    patches.enter_context(mock.patch.object(big_modeling, "load_checkpoint_in_model", load_checkpoint_in_model))
-    if stand_in is None:
-        for module in (accelerate, big_modeling):
-            patches.enter_context(mock.patch.object(module, "dispatch_model", dispatch_model))
-    return patches
-
-
-def offloaded(device_map: dict) -> list[str]:
-    """The modules ``device_map`` offloads: those it sends to disk, and those it sends to the cpu where it also puts
-    modules on an accelerator (accelerate's hooks then bring them to it at each forward). A model whole on the host
-    (no ``device_map``, or a map of the cpu alone) is not offloaded: it is a model on the cpu, which a training
-    script, DDP or DeepSpeed moves whole."""
-    on_accelerator = any(str(where) not in ("cpu", "disk", "meta") for where in device_map.values())
-    tiers = ("cpu", "disk") if on_accelerator else ("disk",)
-    return [name for name, where in device_map.items() if str(where) in tiers]
-
-
-class Event(NamedTuple):
-    """What the loader did to the model after loading, on the stand-in: ``name`` (a move or cast method,
-    ``generate``, ``PeftModel.from_pretrained``, ``load_adapter``, ``dispatch_model``), the dtype a cast asks for,
-    the device a move sends the model to, the loader's line that did it, and the modules the model's own
-    ``hf_device_map`` offloaded at that moment (:func:`offloaded`)."""
-
-    name: str
-    dtype: Any = None
-    device: Optional[str] = None
-    at: str = ""
-    on_offloaded: tuple[str, ...] = ()
-
-
-# What a loader may do to the model after loading: moves, and casts (method: the dtype it casts to).
-_MOVES = ("to", "cuda", "cpu")
-_CASTS = {"half": "float16", "float": "float32", "bfloat16": "bfloat16"}
-
-
-# torch.nn.init's in-place initialisers (what nn.Linear and peft's LoRA layers call as they are built).
-_INITIALISERS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "xavier_uniform_",
-                 "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_")
-
-
-def _left_as_allocated(tensor: Any, *args: Any, **kwargs: Any) -> Any:
-    return tensor
-
-
-@contextlib.contextmanager
-def _after_loading_recorded(seen: list, on_dispatch: Optional[Callable] = None):
-    """What the loader does to the stand-in (a model on meta) after loading, recorded in ``seen`` as :class:`Event`:
-    moves and casts of the model (the stand-in, or peft's model around it; of its blocks, skipped), ``dispatch_model``
-    (the map kept as ``hf_device_map``, nothing placed), adapters, test generations; none of them done. peft's objects
-    are its own: ``get_peft_model``, ``PeftModel.from_pretrained`` (its adapter's weights not read: the stand-in has
-    none either) and ``merge_and_unload`` run as written, on meta. Where a call meets a failure's mechanism (a move
-    of an offloaded model, a dtype cast of a quantized one, an adapter on an offloaded base) the loader is stopped
-    there (:class:`_Stopped`), as the runner would stop it."""
-    import torch
-    from transformers import PreTrainedModel
-    from transformers.generation import GenerationMixin
-
-    def offloads_of(model) -> tuple[str, ...]:
-        return tuple(offloaded(getattr(model, "hf_device_map", None) or {}))
-
-    def recorder(owner, name):
-        real = getattr(owner, name)
-
-        def record(self, *args, **kwargs):
-            if not any(p.is_meta for p in self.parameters()):  # a real module of the loader's own: its own method
-                return real(self, *args, **kwargs)
-            device = dtype = None
-            if name == "to":
-                device, dtype = torch._C._nn._parse_to(*args, **kwargs)[:2]
-            elif name == "cuda":
-                index = args[0] if args else kwargs.get("device")
-                device = f"cuda:{torch.cuda.current_device() if index is None else index}" if isinstance(
-                    index, (int, type(None))) else str(torch.device(index))
-            elif name == "cpu":
-                device = "cpu"
-            else:
-                dtype = getattr(torch, _CASTS[name])
-            if not isinstance(self, PreTrainedModel) and not hasattr(self, "get_base_model"):
-                return self  # a block of the model (QLoRA casts its norms to float32): not the model moved or cast
-            event = Event(name, dtype, None if device is None else _device_name(str(device)), _loader_line(),
-                          offloads_of(self))
-            seen.append(event)
-            if (device is not None and event.on_offloaded) or (
-                    dtype is not None and getattr(self, "hf_quantizer", None) is not None):
-                raise _Stopped()  # accelerate refuses the move; transformers refuses the cast of a quantized model
-            return self
-        return record
-
-    def generate(self, *args, **kwargs):  # a loader's test generation: recorded, as on the runner it would run
-        seen.append(Event("generate", at=_loader_line()))
-        return kwargs.get("input_ids", args[0] if args else None)
-
-    def load_adapter(self, *args, **kwargs):  # transformers' own adapter loading: recorded, not done
-        seen.append(Event("load_adapter", at=_loader_line(), on_offloaded=offloads_of(self)))
-        if seen[-1].on_offloaded:
-            raise _Stopped()
-
-    def dispatch_model(model, device_map, *args, **kwargs):  # the map kept, nothing placed (the weights are meta)
-        seen.append(Event("dispatch_model", at=_loader_line()))
-        model.hf_device_map = {name: str(where) for name, where in dict(device_map).items()}
-        if on_dispatch is not None:
-            on_dispatch(_placed_after_loading(model, model.hf_device_map))
-        return model
-
-    from pytest_llmload.instruments import device_map_summary
-
-    real_offloaded_parts = device_map_summary.offloaded_parts
-
-    def offloaded_parts(model) -> list[str]:  # this package's helper (the adapter fix asks it): of the stand-in, its
-        if all(p.is_meta for p in model.parameters()):  # map says what is offloaded, not its weights (all on meta)
-            parts = offloads_of(model)
-            return [f"hf_device_map offloads {len(parts)} module(s) to cpu/disk"] if parts else []
-        return real_offloaded_parts(model)
-
-    with contextlib.ExitStack() as patches:
-        patches.enter_context(mock.patch.object(device_map_summary, "offloaded_parts", offloaded_parts))
-        # Layers the loader builds on the stand-in (peft's adapters) are never computed with: their initial values
-        # are left as allocated (peft initialises each LoRA layer on the cpu: seconds a row on a busy runner).
-        for name in _INITIALISERS:
-            patches.enter_context(mock.patch.object(torch.nn.init, name, _left_as_allocated))
-        for name in (*_MOVES, *_CASTS):  # nn.Module's, and transformers' own where it overrides them
-            patches.enter_context(mock.patch.object(torch.nn.Module, name, recorder(torch.nn.Module, name)))
-            if name in PreTrainedModel.__dict__:
-                patches.enter_context(mock.patch.object(PreTrainedModel, name, recorder(PreTrainedModel, name)))
-        patches.enter_context(mock.patch.object(PreTrainedModel, "load_adapter", load_adapter, create=True))
-        patches.enter_context(mock.patch.object(GenerationMixin, "generate", generate))
-        for module in ("accelerate", "accelerate.big_modeling"):
-            patches.enter_context(mock.patch(f"{module}.dispatch_model", dispatch_model))
-        with contextlib.suppress(ImportError):
-            import peft.peft_model
-            from peft import PeftModel
-
-            real_from_pretrained = PeftModel.__dict__["from_pretrained"].__func__
-
-            def adapter(klass, model, *args, **kwargs):
-                seen.append(Event("PeftModel.from_pretrained", at=_loader_line(), on_offloaded=offloads_of(model)))
-                if seen[-1].on_offloaded:
-                    raise _Stopped()  # peft would re-dispatch the offloaded base without its budget
-                with warnings.catch_warnings():  # (the adapter's weights, not read, are "missing")
-                    warnings.filterwarnings("ignore", message="Found missing adapter keys")
-                    # its layers made on meta, as the weights they would be given (not initialised for nothing)
-                    return real_from_pretrained(klass, model, *args, **{"low_cpu_mem_usage": True, **kwargs})
-
-            patches.enter_context(mock.patch.object(PeftModel, "from_pretrained", classmethod(adapter)))
-            patches.enter_context(mock.patch.object(peft.peft_model, "load_peft_weights", lambda *a, **k: {}))
-            patches.enter_context(mock.patch.object(peft.peft_model, "dispatch_model", dispatch_model))
-        yield
-
-
-# The compute capability of the shipped profiles' cards (NVIDIA's table); another card is answered as an Ampere
-# (8.0: bfloat16 and flash attention, what loaders ask the capability about).
-_CAPABILITY = {"RTX 4090": (8, 9), "A100": (8, 0), "H100": (9, 0), "H200": (9, 0)}
-
-
-@contextlib.contextmanager
-def _cuda_as_on(profile: RunnerProfile):
-    """``torch.cuda`` as one process of the runner answers it, in the thread that runs the loader: the machine
-    from_pretrained's planner reads (:mod:`pytest_llmload.placement.simulated_devices`: the runner's GPUs, all their
-    memory free, ``torch.device(0)`` a CUDA device, a tensor put on one is made on meta), and what loaders ask
-    besides: the current device (0 until ``set_device`` or ``torch.cuda.device(...)`` changes it), the card's name,
-    properties and capability, bfloat16 support, the allocator's statistics (nothing allocated), ``synchronize`` and
-    ``empty_cache`` (nothing to wait for or free). A device the runner does not have raises as CUDA does."""
-    import torch
-
-    from pytest_llmload.placement.simulated_devices import simulated
-
-    loader_thread = threading.get_ident()
-    current = [0]
-    name = profile.device or "GPU"
-    capability = next((value for card, value in _CAPABILITY.items() if card in name), (8, 0))
-
-    def ordinal(device: Any = None) -> int:
-        if not profile.devices:
-            raise RuntimeError(f"No CUDA GPUs are available (the runner {profile.name} has none)")
-        index = device if isinstance(device, int) else None if device is None else torch.device(device).index
-        index = current[0] if index is None else index
-        if not 0 <= index < profile.devices:
-            raise RuntimeError(f"CUDA error: invalid device ordinal {index} (the runner {profile.name} has "
-                               f"{profile.devices} GPU(s))")
-        return index
-
-    def set_device(device: Any) -> None:
-        current[0] = ordinal(device)
-
-    def exchange(device: int) -> int:  # torch.cuda.device(...)'s way in and out
-        if device < 0:
-            return -1
-        before, current[0] = current[0], ordinal(device)
-        return before
-
-    def properties(device: Any = None) -> Any:
-        ordinal(device)
-        return types.SimpleNamespace(name=name, total_memory=profile.device_memory, is_integrated=False,
-                                     major=capability[0], minor=capability[1], multi_processor_count=132)
-
-    def on_a_device(value: Any) -> Callable:  # a question about one device: the answer, for a device it has
-        return lambda device=None: (ordinal(device), value)[1]
-
-    answers = {
-        "current_device": lambda: ordinal(), "set_device": set_device, "_exchange_device": exchange,
-        "_maybe_exchange_device": exchange, "get_device_properties": properties,
-        "get_device_name": lambda device=None: properties(device).name,
-        "get_device_capability": lambda device=None: (properties(device).major, properties(device).minor),
-        "is_bf16_supported": lambda *args, **kwargs: profile.devices > 0 and capability >= (8, 0),
-        "is_initialized": lambda: profile.devices > 0, "init": lambda: (ordinal(), None)[1],
-        "synchronize": on_a_device(None), "empty_cache": lambda: None, "reset_peak_memory_stats": on_a_device(None),
-        **{stat: on_a_device(0) for stat in ("memory_allocated", "memory_reserved", "max_memory_allocated",
-                                              "max_memory_reserved")},
-    }
-
-    def in_loader_thread(stat: str, answer: Callable) -> Callable:
-        real = getattr(torch.cuda, stat)
-        return lambda *args, **kwargs: (answer if threading.get_ident() == loader_thread else real)(*args, **kwargs)
-
-    with simulated(planned.machine_of(profile)):
-        with mock.patch.multiple(torch.cuda, **{stat: in_loader_thread(stat, answer)
-                                                for stat, answer in answers.items()}):
-            yield
-
-
-@contextlib.contextmanager
-def _zero3_enabled():
-    """DeepSpeed ZeRO-3 as transformers sees it (``is_deepspeed_zero3_enabled()``), as accelerate sets it up."""
-    from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
-
-    config = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
-    try:
-        yield config
-    finally:
-        unset_hf_deepspeed_config()
-
-
-def launcher_env(rank: int, world_size: int) -> dict:
-    """What torchrun sets in rank ``rank`` of ``world_size`` on one node."""
-    return {"WORLD_SIZE": world_size, "RANK": rank, "LOCAL_RANK": rank, "LOCAL_WORLD_SIZE": world_size,
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": 29500}
-
-
-def _preload_outside_the_simulation() -> None:
-    """Import what loaders import (peft, which imports bitsandbytes) before ``torch.cuda`` is made to report the
-    runner's GPUs: bitsandbytes picks its CUDA backend at import when CUDA looks available, and that fails on a
-    machine without it. Where GPUs are visible the report is the machine's own, and nothing is imported early (an
-    import that initialises CUDA here would stop the isolated checks from forking)."""
-    from pytest_llmload.system import gpus
-
-    if gpus.visible_gpu_count() == 0:
-        for module in ("peft", "bitsandbytes"):
-            with contextlib.suppress(ImportError):
-                __import__(module)
-
-
-def run_loader(loader: Callable, request: LoadRequest, profile: RunnerProfile, *, env: Optional[dict] = None,
-               zero3: bool = False, stand_in: Optional[Callable[[dict], Any]] = None,
-               after: Optional[list] = None) -> Call:
-    """Run ``loader(request)`` as on the runner (:func:`_cuda_as_on`), stopped at ``from_pretrained`` (or, with
-    ``stand_in``, given that model and run to its end, what it does after loading recorded in ``after``): the
-    loader's call that decides, which is the first one the runner accepts, else the one it refused that the loader
-    let through. The loader's own error propagates as :class:`~pytest_llmload.loader.seam.LoaderError`."""
-    from pytest_llmload.loader.seam import LoaderError
-
-    _preload_outside_the_simulation()
-    calls: list[Call] = []
-    context = _zero3_enabled() if zero3 else contextlib.nullcontext()
-    recorded = _after_loading_recorded(after, getattr(stand_in, "dispatched", None)) if after is not None \
-        else contextlib.nullcontext()
-    environment = mock.patch.dict(os.environ, {key: str(value) for key, value in (env or {}).items()})
-    with environment, context, _cuda_as_on(profile), _from_pretrained_intercepted(calls, stand_in), \
-            _placed_by_accelerate(calls, stand_in), recorded:
-        try:
-            loader(request)
-        except _Intercepted:
-            pass
-        except planned.PlacementRefused as refused:
-            raise PredictedFailure("OOM", f"on {profile.name}, from_pretrained would refuse the placement: "
-                                   f"{type(refused.refusal).__name__}: {refused.refusal}") from None
-        except Exception as exc:
-            original = exc.original if isinstance(exc, LoaderError) else exc
-            let_through = next((call for call in calls if call.refusal is not None and type(original) is ValueError
-                                and str(original) == call.refusal), None)
-            if let_through is not None:
-                return let_through
-            if isinstance(exc, LoaderError):
-                raise
-            raise LoaderError(exc, getattr(loader, "__qualname__", repr(loader)), request) from exc
-    accepted = [call for call in calls if call.refusal is None]
-    return (accepted or calls or [Call(None)])[0]
-
-
-def _capacity(profile: RunnerProfile, device: str) -> Optional[int]:
-    if device == "disk":
-        return profile.disk
-    if device == "cpu":
-        return profile.host_memory
-    return profile.device_memory
-
-
-def _device_name(where: str) -> str:
-    return f"cuda:{where}" if where.isdigit() else where
-
-
-def _devices(model: Any, device_map: dict, profile: RunnerProfile, *, dtype: Any, quantizer: Any = None,
-             step: Any = None) -> tuple[DevicePrediction, ...]:
-    """Per device of ``device_map``: its modules, their bytes as the planner counts them, and the peak there (the
-    weights, and with ``step`` its share of a training step's other memory) against the device's capacity."""
-    shares = planner.shares(model, device_map, dtype=dtype, hf_quantizer=quantizer)
-    total_weights = sum(share.bytes for share in shares.values()) or 1
-    devices = []
-    for where, share in shares.items():
-        extra = 0 if step is None else int((step.total - step["weights"]) * share.bytes / total_weights)
-        devices.append(DevicePrediction(_device_name(str(where)), len(share.modules), share.bytes,
-                                        share.bytes + extra, _capacity(profile, str(where))))
-    return tuple(devices)
-
-
-class _StandIn:
-    """What ``from_pretrained`` returns on the runner, without weights: the model built empty (its quantizer's own
-    layers where it asks for one), with the ``hf_device_map`` from_pretrained would leave on it
-    (:func:`~pytest_llmload.loader.transformers_compat.leaves_hf_device_map`). Keeps the planned map, the devices'
-    shares and whether a quantized model was asked for."""
-
-    def __init__(self, config: dict, request: LoadRequest, profile: RunnerProfile) -> None:
-        self.config, self.request, self.profile = config, request, profile
-        self.placement: dict = {}
-        self.devices: tuple[DevicePrediction, ...] = ()
-        self.quantized = False
-        self.dispatch: Optional[Call] = None  # the loader's own placement of the model after loading, where it made one
-
-    def dispatched(self, call: Call) -> None:
-        """The loader placed the model after loading (``dispatch_model``, ``load_checkpoint_and_dispatch``: ``call``):
-        where it goes now, its bytes counted on the model it placed, as the planner counts them."""
-        self.dispatch, self.placement = call, dict(call.kwargs["device_map"])
-        self.devices = _devices(call.model, self.placement, self.profile, dtype=call.kwargs["dtype"],
-                                quantizer=getattr(call.model, "hf_quantizer", None))
-
-    def __call__(self, kwargs: dict) -> Any:
-        from pytest_llmload.loader.transformers_compat import leaves_hf_device_map
-
-        model, device_map, quantizer, dtype = planned.place(self.config, kwargs, self.request, self.profile)
-        self.placement.update(device_map)
-        self.devices = _devices(model, device_map, self.profile, dtype=dtype, quantizer=quantizer)
-        # the planned model is built once per architecture, and the loader may change what it gets: a copy of it
-        # (quantized layers, whose parameters do not copy, are built again, each with a quantizer of its own)
-        fresh = copy.deepcopy(model) if quantizer is None else architectures.empty_model(
-            self.config, dtype, quantizer=planned.quantizer_of(kwargs), device_map=kwargs.get("device_map"))
-        if kwargs.get("device_map") is not None and leaves_hf_device_map(device_map):
-            fresh.hf_device_map = dict(device_map)
-        if quantizer is not None:
-            self.quantized = True
-            fresh.hf_quantizer, fresh.is_loaded_in_4bit = quantizer, self.request.quantization == "4bit"
-        return fresh
+from pytest_llmload.prediction.interception import CASTS, Event, MOVES, offloaded
+from pytest_llmload.prediction.records import DEFAULT_DTYPE, DevicePrediction, PredictedFailure, Prediction, bare_record
+from pytest_llmload.prediction.simulated_machine import StandIn, device_shares, launcher_env, run_loader
 
 
 def predict_placement(scenario: str, loader: Callable, request: LoadRequest, profile: RunnerProfile,
                       config: dict, model_name: str, *, env: Optional[dict] = None, zero3: bool = False,
                       simulated: tuple[str, ...] = (), training: bool = False, to_the_end: bool = False) -> Prediction:
     """One rank's load on ``profile``: where each module goes, bytes and peaks per device. ``to_the_end``: the loader
-    gets the :class:`_StandIn` and runs on, so that what it does with the model it got counts (a loader that checks
+    gets the :class:`StandIn` and runs on, so that what it does with the model it got counts (a loader that checks
     the placement after loading and refuses it, naming the budget, raises here)."""
     from pytest_llmload.fixes.training_memory import estimate_training_memory, model_tensors
 
     start = time.perf_counter()
-    ran_on = {"stand_in": _StandIn(config, request, profile), "after": []} if to_the_end else {}
+    ran_on = {"stand_in": StandIn(config, request, profile), "after": []} if to_the_end else {}
     call = run_loader(loader, request, profile, env=env, zero3=zero3, **ran_on)
     notes = (f"torch.cuda reports {profile.devices} GPU(s) of {format_bytes(profile.device_memory)}"
              if profile.devices else "torch.cuda reports no GPU",) + simulated + (
@@ -643,8 +80,8 @@ def predict_placement(scenario: str, loader: Callable, request: LoadRequest, pro
     step = estimate_training_memory(request, tensors=model_tensors(model)) if training else None
     moved = _moved_whole_to(request, profile, kwargs, device_map)
     # (a model moved whole to its GPU trains there: the host holds its weights only while it loads)
-    devices = _devices(model, device_map, profile, dtype=dtype, quantizer=quantizer,
-                       step=None if moved else step)
+    devices = device_shares(model, device_map, profile, dtype=dtype, quantizer=quantizer,
+                            step=None if moved else step)
     prediction = Prediction(scenario, profile.name, model_name, device_map, devices, asked, notes,
                             seconds=time.perf_counter() - start, at=call.at)
     if zero3 is not None:  # (the map it asked for, which from_pretrained refuses before placing anything)
@@ -653,7 +90,7 @@ def predict_placement(scenario: str, loader: Callable, request: LoadRequest, pro
     if oom.failure is not None:
         return oom
     if moved is not None:
-        gpu = _devices(model, {"": moved}, profile, dtype=dtype, quantizer=quantizer, step=step)
+        gpu = device_shares(model, {"": moved}, profile, dtype=dtype, quantizer=quantizer, step=step)
         return _over_capacity(prediction._replace(
             placement={"": moved}, devices=gpu, simulated=prediction.simulated + (
                 f"no device_map: from_pretrained loads the model whole on the host, then Trainer (its "
@@ -1055,13 +492,13 @@ class AfterLoading(NamedTuple):
 
 def _after_loading(scenario: str, loader, profile, config, model_name, workdir, **fields) -> AfterLoading:
     """An inference load run to its end on the model from_pretrained would return, without weights
-    (:class:`_StandIn`), what it does after loading recorded (:func:`_after_loading_recorded`)."""
+    (:class:`StandIn`), what it does after loading recorded (:func:`after_loading_recorded`)."""
     from pytest_llmload.loader.seam import LoaderError
 
     start = time.perf_counter()
     request = _request(model_dir(config, workdir), profile, loader, purpose="inference",
                        max_memory=profile.max_memory, offload_folder=Path(workdir) / "offload", **fields)
-    stand_in = _StandIn(config, request, profile)
+    stand_in = StandIn(config, request, profile)
     after: list = []
     try:
         call = run_loader(loader, request, profile, stand_in=stand_in, after=after)
@@ -1084,8 +521,8 @@ def _after_loading(scenario: str, loader, profile, config, model_name, workdir, 
 def _done(events: list) -> str:
     """What the loader did after loading, in a few words: ``.to('cuda:0') at x.py:12, ...``."""
     def one(event: Event) -> str:
-        what = f".{event.name}({event.device!r})" if event.name in _MOVES and event.device else (
-            f".{event.name}()" if event.name in _MOVES or event.name in _CASTS else event.name)
+        what = f".{event.name}({event.device!r})" if event.name in MOVES and event.device else (
+            f".{event.name}()" if event.name in MOVES or event.name in CASTS else event.name)
         return f"{what} at {event.at}" if event.at else what
 
     return ", ".join(dict.fromkeys(one(event) for event in events if event.name != "generate"))
@@ -1099,7 +536,7 @@ def predict_moved_after_loading(loader, profile, config, model_name, workdir, ch
     prediction = loaded.prediction
     if loaded.refused:  # the loader refused the budget: no model to move
         return prediction
-    moves = [event for event in loaded.events if event.name in _MOVES]
+    moves = [event for event in loaded.events if event.name in MOVES]
     offloaded_moves = [event for event in moves if event.on_offloaded]
     if offloaded_moves:
         move = offloaded_moves[0]

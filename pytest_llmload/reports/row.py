@@ -9,7 +9,7 @@ progress file, the main job's table and ``--json``, JUnit XML, the HTML report a
 ``pytest_llmload_check_result`` hook read its fields; none of them reads another's text.
 
 A prediction's row carries where the model would go (:attr:`Row.prediction`, the record
-:meth:`pytest_llmload.prediction.predict.Prediction.record` makes); :mod:`pytest_llmload.placement.picture` says it in words, the same for the main job's table, pytest's terminal and
+:meth:`pytest_llmload.prediction.records.Prediction.record` makes); :mod:`pytest_llmload.placement.picture` says it in words, the same for the main job's table, pytest's terminal and
 the failure's text.
 
 Imports nothing but the size printer: the progress writer reads it, and the main job's parent reads its fields from

@@ -12,7 +12,7 @@ import pytest
 from fixtures import warm_runs
 from pytest_llmload.loader.seam import LoaderChoice, as_loader_under_test, import_loader
 from pytest_llmload.placement import architectures, planner, profiles
-from pytest_llmload.prediction import predict
+from pytest_llmload.prediction import interception, predict, simulated_machine
 
 pytestmark = [pytest.mark.llmload_deepspeed, pytest.mark.timeout(300)]
 
@@ -166,10 +166,10 @@ def test_corpus_training_loads_without_a_device_map_are_not_predicted_meta_backw
 
 
 def test_offload_is_a_map_with_an_accelerator_sending_modules_to_cpu_or_disk():
-    assert predict.offloaded({"": "cpu"}) == []
-    assert predict.offloaded({"a": "cpu", "b": "disk"}) == ["b"]  # a cpu runner: the cpu computes, disk is offload
-    assert predict.offloaded({"a": 0, "b": "cpu", "c": "disk"}) == ["b", "c"]
-    assert predict.offloaded({"a": "cuda:0", "b": "cuda:1"}) == []
+    assert interception.offloaded({"": "cpu"}) == []
+    assert interception.offloaded({"a": "cpu", "b": "disk"}) == ["b"]  # a cpu runner: the cpu computes, disk is offload
+    assert interception.offloaded({"a": 0, "b": "cpu", "c": "disk"}) == ["b", "c"]
+    assert interception.offloaded({"a": "cuda:0", "b": "cuda:1"}) == []
 
 
 def test_a_model_moved_whole_to_a_gpu_too_small_is_an_oom_at_the_move(tmp_path):
@@ -222,7 +222,7 @@ def test_a_gpu_the_runner_does_not_have_raises_as_cuda_does(tmp_path):
 
     own = (torch.cuda.device_count(), torch.cuda.is_available())
     with pytest.raises(Exception, match="invalid device ordinal 3"):
-        predict.run_loader(asks_for_gpu_3, predict.LoadRequest(tmp_path), _runner("2xH100-80GB"))
+        simulated_machine.run_loader(asks_for_gpu_3, predict.LoadRequest(tmp_path), _runner("2xH100-80GB"))
     assert (torch.cuda.device_count(), torch.cuda.is_available()) == own  # this machine's own, afterwards
 
 
@@ -263,7 +263,7 @@ def test_write_up_004_for_a_loader_that_places_by_its_budget(tmp_path):
     request = predict._request(predict.model_dir(config, tmp_path), profile, places_by_its_budget, purpose="train",
                                max_memory=predict.rank_budget(profile, 0, 2))
     spread = predict.predict_placement("predict_launcher_ddp", places_by_its_budget, request, profile, config,
-                                       "llama-3-70b", env=predict.launcher_env(0, 2))
+                                       "llama-3-70b", env=simulated_machine.launcher_env(0, 2))
     assert planner.spreads(spread.placement)  # (what accelerate refuses in any distributed mode)
     fits = predict.predict_launcher_ddp(places_by_its_budget, profile, _model("llama-3-8b"), "llama-3-8b",
                                         tmp_path / "8b")
