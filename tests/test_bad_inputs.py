@@ -366,7 +366,7 @@ def test_the_fixes_a_training_script_imports_pull_in_no_test_framework():
     code = ("import sys\n"
             "from pytest_llmload.fixes.trainer_guard import prepare_training_args_for_placed_model\n"
             "from pytest_llmload.fixes.training_scripts import upcast_trainable_parameters\n"
-            "from pytest_llmload.failures.distributed_device_map import is_distributed\n"
+            "from pytest_llmload.fixes.training_scripts import is_distributed\n"
             "print(sorted(m for m in ('pytest', '_pytest', 'hypothesis') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
