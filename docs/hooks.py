@@ -128,7 +128,7 @@ API_MODULES = {
     "pytest_llmload.fixes.trainer_guard": None,
     "pytest_llmload.fixes.adapters": None,
     "pytest_llmload.fixes.training_memory": None,
-    "pytest_llmload.fixes.reference_loader": None,
+    "pytest_llmload.fixes.reference_loader": ("placement_kwargs", "load_model_and_tokenizer"),  # not the run's choice
     "pytest_llmload.failures.move_offloaded": ("may_move",),
     "pytest_llmload.instruments.phases": ("phase", "timed_generate", "recording"),
 }
