@@ -6,6 +6,7 @@ processes that load the plugin."""
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import importlib.util
 import re
@@ -38,7 +39,12 @@ def _modules() -> dict[str, Path]:
 
 
 MODULES = _modules()
-TREES = {module: ast.parse(path.read_text(), str(path)) for module, path in MODULES.items()}  # each read once
+
+
+# Parsed on first use, not at collection: every pytest run imports this file, most (`-m gpu`, `-k`) run none of it.
+@functools.cache
+def _tree(module: str) -> ast.Module:
+    return ast.parse(MODULES[module].read_text(), str(MODULES[module]))
 
 
 def _layer(module: str) -> int:
@@ -52,7 +58,7 @@ def _imports(module: str) -> set[str]:
     path = MODULES[module]
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found = set()
-    for node in ast.walk(TREES[module]):
+    for node in ast.walk(_tree(module)):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names if alias.name.split(".")[0] == "pytest_llmload")
         elif isinstance(node, ast.ImportFrom):
@@ -68,13 +74,15 @@ def _imports(module: str) -> set[str]:
     return {name for name in found if name in MODULES and name != module}
 
 
-GRAPH = {module: _imports(module) for module in MODULES}
+@functools.cache
+def _graph() -> dict[str, set[str]]:
+    return {module: _imports(module) for module in MODULES}
 
 
 def test_no_module_imports_a_higher_layer():
     upward = [f"{module} ({LAYERS[_layer(module)] if _layer(module) < TOP else 'top'}) imports {imported} "
               f"({LAYERS[_layer(imported)] if _layer(imported) < TOP else 'top'})"
-              for module, imported_set in sorted(GRAPH.items()) for imported in sorted(imported_set)
+              for module, imported_set in sorted(_graph().items()) for imported in sorted(imported_set)
               if _layer(imported) > _layer(module)]
     assert not upward, "\n".join(upward)
 
@@ -92,7 +100,7 @@ def _named_module(dotted: str) -> str:
 def _strings_in_code(module: str) -> list[ast.Constant]:
     """The string constants of a module's code (an f-string's literal parts included), not its docstrings: a
     docstring may point its reader anywhere, as a comment may."""
-    nodes = list(ast.walk(TREES[module]))
+    nodes = list(ast.walk(_tree(module)))
     docstrings = {id(node.body[0].value) for node in nodes
                   if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
                   and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
@@ -121,7 +129,7 @@ def test_no_circle_of_imports():
     def visit(module: str) -> None:
         index[module] = low[module] = len(index)
         stack.append(module)
-        for imported in GRAPH[module]:
+        for imported in _graph()[module]:
             if imported not in index:
                 visit(imported)
                 low[module] = min(low[module], low[imported])
@@ -137,7 +145,7 @@ def test_no_circle_of_imports():
             if len(component) > 1:
                 circles.append(sorted(component))
 
-    for module in GRAPH:
+    for module in _graph():
         if module not in index:
             visit(module)
     assert not circles, circles

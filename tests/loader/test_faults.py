@@ -9,18 +9,21 @@ this plugin's spy (failures/adapter_on_offloaded.py:173).
 import importlib.util
 import pickle
 
+from importlib import metadata
+
 import pytest
-import torch
-import transformers
 from packaging.version import Version
 
 from fixtures.loaders import fault_cuda_current_device, fault_transformers4_keywords
 from pytest_llmload.loader.faults import DEVICE_FIX, PAD_TOKEN_FIX, REMOVED_KEYWORDS, diagnose
 from pytest_llmload.loader.request import LoadRequest
 from pytest_llmload.loader.seam import LoaderError, call_loader
+from pytest_llmload.system.gpus import visible_gpu_count
 
-TRANSFORMERS_5 = Version(transformers.__version__).major >= 5
-needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA pin is honoured on this machine")
+# torch and transformers are imported by the tests that use them: every pytest run of this repo imports this file at
+# collection (`pytest -m gpu` too), and the stack costs seconds there.
+TRANSFORMERS_5 = Version(metadata.version("transformers")).major >= 5
+needs_no_cuda = pytest.mark.skipif(visible_gpu_count() > 0, reason="a CUDA pin is honoured on this machine")
 
 
 def raised(call) -> BaseException:
@@ -37,6 +40,8 @@ def as_raised_by(library_file: str, exc: BaseException) -> BaseException:
 
 
 def transformers_file(name: str) -> str:
+    import transformers
+
     return f"{transformers.__path__[0]}/{name}"
 
 
@@ -48,6 +53,8 @@ def transformers_file(name: str) -> str:
 ])
 def test_a_keyword_transformers_5_removed_names_the_version_and_its_replacement(llmload_checkpoint, keyword, value,
                                                                                 fix):
+    import transformers
+
     exc = raised(lambda: transformers.AutoModelForCausalLM.from_pretrained(llmload_checkpoint, **{keyword: value}))
     found = diagnose(exc)
     assert found is not None and (found.fault, found.fix) == ("removed keyword", fix), exc
@@ -57,6 +64,8 @@ def test_a_keyword_transformers_5_removed_names_the_version_and_its_replacement(
 
 def test_both_keyword_styles_at_once_say_keep_the_quantization_config(llmload_checkpoint):
     """longqlora's style: load_in_4bit= beside quantization_config=. 4.x refuses the pair, 5.x the keyword."""
+    import transformers
+
     config = transformers.BitsAndBytesConfig(load_in_4bit=True)
     exc = raised(lambda: transformers.AutoModelForCausalLM.from_pretrained(
         llmload_checkpoint, load_in_4bit=True, quantization_config=config))
@@ -69,6 +78,8 @@ def test_both_keyword_styles_at_once_say_keep_the_quantization_config(llmload_ch
 def test_a_second_generation_config_handed_to_transformers_4s_pipeline(llmload_checkpoint):
     """localGPT's style: pipeline(model=..., generation_config=GenerationConfig.from_pretrained(...)); 4.56's pipeline
     passes its own and Python refuses the second (pipelines/base.py); 5.x takes it."""
+    import transformers
+
     message = ("GenerationMixin._prepare_generation_config() got multiple values for keyword argument "
                "'generation_config'")
     if TRANSFORMERS_5:
@@ -86,6 +97,8 @@ def test_a_second_generation_config_handed_to_transformers_4s_pipeline(llmload_c
 
 def test_a_tokenizer_type_the_installed_transformers_does_not_know(llmload_checkpoint):
     """transformers 5 no longer knows "llama" (4.x does: there, a type neither knows raises the same words)."""
+    import transformers
+
     tokenizer_type = "llama" if TRANSFORMERS_5 else "llama_v0"
     exc = raised(lambda: transformers.AutoTokenizer.from_pretrained(llmload_checkpoint, tokenizer_type=tokenizer_type))
     found = diagnose(exc)
@@ -93,13 +106,33 @@ def test_a_tokenizer_type_the_installed_transformers_does_not_know(llmload_check
     assert f"tokenizer_type={tokenizer_type!r}) names a tokenizer type the installed transformers" in found.cause
 
 
+def _tensor_to_cuda(checkpoint):
+    import torch
+
+    return torch.zeros(1).cuda()
+
+
+def _current_device(checkpoint):
+    import torch
+
+    return torch.cuda.current_device()
+
+
+def _device_map_on_gpu_0(checkpoint):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(checkpoint, device_map={"": 0})
+
+
+def _device_0(checkpoint):
+    import torch
+
+    return torch.device(0)
+
+
 @needs_no_cuda
-@pytest.mark.parametrize("pin", [
-    lambda checkpoint: torch.zeros(1).cuda(),
-    lambda checkpoint: torch.cuda.current_device(),
-    lambda checkpoint: transformers.AutoModelForCausalLM.from_pretrained(checkpoint, device_map={"": 0}),
-    lambda checkpoint: torch.device(0),
-], ids=[".cuda()", "current_device", "device_map={'': 0}", "torch.device(0)"])
+@pytest.mark.parametrize("pin", [_tensor_to_cuda, _current_device, _device_map_on_gpu_0, _device_0],
+                         ids=[".cuda()", "current_device", "device_map={'': 0}", "torch.device(0)"])
 def test_a_cuda_pin_the_runner_cannot_honour_says_why_and_derives_the_device(llmload_checkpoint, pin):
     exc = raised(lambda: pin(llmload_checkpoint))
     found = diagnose(exc)
@@ -115,11 +148,16 @@ def test_a_cuda_pin_the_runner_cannot_honour_says_why_and_derives_the_device(llm
                   "driver from http://www.nvidia.com/Download/index.aspx"), "this runner has no NVIDIA driver (no GPU)"),
 ])
 def test_torchs_cuda_initialisation_on_a_runner_without_gpus(exc, why):
+    import torch
+
     found = diagnose(as_raised_by(torch.cuda.__file__, exc))
     assert found is not None and found.fault == "device pin" and found.cause.endswith(why)
 
 
 def test_flash_attention_hard_coded_on_a_runner_without_it_falls_back_to_sdpa(llmload_checkpoint):
+    import torch
+    import transformers
+
     if torch.cuda.is_available() and importlib.util.find_spec("flash_attn"):
         pytest.skip("flash-attn runs on this machine")
     exc = raised(lambda: transformers.AutoModelForCausalLM.from_pretrained(
@@ -133,6 +171,8 @@ def test_flash_attention_hard_coded_on_a_runner_without_it_falls_back_to_sdpa(ll
 
 
 def test_a_pad_token_past_the_embedding_rows_says_resize_them():
+    import torch
+
     embeddings = torch.nn.Embedding(8, 2)
     found = diagnose(raised(lambda: embeddings(torch.tensor([[1, 8]]))))  # (8: a pad token added, never resized)
     assert found is not None and (found.fault, found.fix) == ("pad token", PAD_TOKEN_FIX)
@@ -140,6 +180,8 @@ def test_a_pad_token_past_the_embedding_rows_says_resize_them():
 
 def test_a_fault_raised_in_a_child_is_known_by_the_frames_of_its_traceback_text():
     """An exception a child handed back has no traceback of its own: its frames are the child's traceback text."""
+    import torch
+
     import traceback
 
     embeddings = torch.nn.Embedding(8, 2)
@@ -152,6 +194,8 @@ def test_a_fault_raised_in_a_child_is_known_by_the_frames_of_its_traceback_text(
 
 def test_a_backward_with_no_gradient_path_says_enable_input_require_grads():
     """torch's own refusal, raised where it raises it (torch.autograd); the LoRA case itself: tests/reports."""
+    import torch
+
     found = diagnose(raised(lambda: (torch.ones(2) * 2).sum().backward()))
     assert found is not None and found.fault == "no gradient path"
     assert found.fix.startswith("model.enable_input_require_grads()")
@@ -159,6 +203,8 @@ def test_a_backward_with_no_gradient_path_says_enable_input_require_grads():
 
 @pytest.mark.parametrize("backend, package", [("sentencepiece", "sentencepiece"), ("protobuf", "protobuf")])
 def test_a_slow_tokenizer_without_its_package_says_install_it_or_use_the_fast_one(monkeypatch, backend, package):
+    import transformers
+
     from transformers.utils import import_utils
 
     # transformers' own check, as it runs where the package is missing (installed here: its availability is patched)
@@ -170,6 +216,8 @@ def test_a_slow_tokenizer_without_its_package_says_install_it_or_use_the_fast_on
 
 
 def test_a_fast_tokenizer_with_nothing_to_convert_from():
+    import transformers
+
     if TRANSFORMERS_5:
         exc = raised(lambda: transformers.PreTrainedTokenizerFast())
     else:  # (4.x raises it where a slow tokenizer's class exists but could not load: tries tiktoken first here)
@@ -182,6 +230,8 @@ def test_a_fast_tokenizer_with_nothing_to_convert_from():
 
 
 def test_a_tiktoken_file_without_tiktoken():
+    import transformers
+
     pytest.importorskip("transformers.convert_slow_tokenizer")
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
@@ -202,6 +252,8 @@ def test_transformers_4s_auto_tokenizer_without_sentencepiece():
 
 def test_a_name_the_loader_binds_only_where_a_gpu_is_says_to_bind_it_before(llmload_checkpoint):
     """qlora's get_accelerate_model: `if torch.cuda.is_available(): n_gpus = ...`, then `range(n_gpus)`."""
+    import torch
+
     from fixtures.corpus import qlora_accelerate_model
 
     error = raised(lambda: call_loader(qlora_accelerate_model.load, LoadRequest(llmload_checkpoint)))
@@ -210,6 +262,8 @@ def test_a_name_the_loader_binds_only_where_a_gpu_is_says_to_bind_it_before(llml
 
 
 def _gpus_read_unbound(verbose: bool, gpus_elsewhere: bool):
+    import torch
+
     if verbose:
         n_gpus = 1
     if gpus_elsewhere and torch.cuda.is_available():
@@ -240,6 +294,8 @@ def test_the_same_words_from_the_loaders_own_code_are_no_known_fault(call):
 
 @needs_no_cuda
 def test_a_fault_the_loader_wrapped_in_its_own_error_is_still_found():
+    import torch
+
     def load():
         try:
             torch.zeros(1, device="cuda")
@@ -251,6 +307,8 @@ def test_a_fault_the_loader_wrapped_in_its_own_error_is_still_found():
 
 @needs_no_cuda
 def test_the_loader_error_says_the_cause_and_the_fix_and_keeps_them_across_a_process_boundary(llmload_checkpoint):
+    import torch
+
     error = raised(lambda: call_loader(fault_cuda_current_device.load, LoadRequest(llmload_checkpoint),
                                        loader_name="fixtures.loaders.fault_cuda_current_device:load"))
     assert isinstance(error, LoaderError) and error.fix == DEVICE_FIX

@@ -100,3 +100,20 @@ def test_each_sub_plugin_has_one_gate_and_is_switched_on_by_its_flag(pytester, t
     result.assert_outcomes(**{outcome: 1})
     expected = sorted(module for module, flag in SUB_PLUGINS.items() if flag in flags)
     result.stdout.fnmatch_lines([f"SUB-PLUGINS: {expected}".replace("[", "[[]"), f"GATES: {len(SUB_PLUGINS)}"])
+
+
+def test_this_repos_gpu_tests_where_no_gpu_is_visible_import_no_stack():
+    """``pytest -m gpu`` on a runner without GPUs skips every test, and collecting this repo's tests to learn which
+    those are must not import the stack (issue 18's goal, 3 s; issue 47: a test file importing torch at its top had
+    made it 6.7 s)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    probe = ("import sys, pytest\n"
+             "code = pytest.main(['-m', 'gpu', '-q', '-p', 'no:cacheprovider'])\n"
+             f"print('HEAVY IMPORTED:', sorted(m for m in {HEAVY!r} if m in sys.modules), 'EXIT:', int(code))\n")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=Path(__file__).resolve().parents[2], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert "HEAVY IMPORTED: [] EXIT: 0" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]

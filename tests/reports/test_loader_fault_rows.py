@@ -10,9 +10,9 @@ import dataclasses
 import json
 import xml.etree.ElementTree as ET
 
+from importlib import metadata
+
 import pytest
-import torch
-import transformers
 from packaging.version import Version
 
 from fixtures import warm_runs
@@ -23,11 +23,13 @@ from pytest_llmload.loader.request import LoadRequest
 from pytest_llmload.loader.seam import LoaderModelError, as_loader_under_test, call_loader
 from pytest_llmload.reports import verdict
 from pytest_llmload.runners.isolation import ChildError
+from pytest_llmload.system.gpus import visible_gpu_count
 
 pytestmark = pytest.mark.timeout(180)
-needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA pin is honoured on this machine")
+# (torch where a test uses it: every run of this repo imports this file at collection, `pytest -m gpu` too)
+needs_no_cuda = pytest.mark.skipif(visible_gpu_count() > 0, reason="a CUDA pin is honoured on this machine")
 FAILURE = BY_ID["offload-hang"]
-TRANSFORMERS_5 = Version(transformers.__version__).major >= 5
+TRANSFORMERS_5 = Version(metadata.version("transformers")).major >= 5
 
 
 def raised(call) -> BaseException:
@@ -56,6 +58,8 @@ def test_a_loader_error_that_is_no_known_fault_has_no_fix_and_its_whole_reason()
 
 
 def test_the_models_index_error_in_a_checks_forward_is_the_loaders_pad_token_not_a_bug_of_the_check():
+    import torch
+
     embeddings = torch.nn.Embedding(8, 2)
     judged = verdict.of_exception(raised(lambda: embeddings(torch.tensor([[8]]))), FAILURE)
     assert (judged.kind, judged.cause, judged.fix) == ("error", "model", PAD_TOKEN_FIX), judged
