@@ -38,10 +38,11 @@ FIXES, FAILURES = "pytest_llmload.fixes", "pytest_llmload.failures"
 @pytest.mark.parametrize(("text", "links"), [
     (f"use {FIXES}.training_scripts.device_map_for_rank.",
      {f"{FIXES}.training_scripts.device_map_for_rank": f"{FIXES}.training_scripts.device_map_for_rank"}),
-    # re-exported through another module, and a sibling after a slash
-    (f"({FAILURES}.adapter_on_offloaded.adapter_placement_kwargs / put_adapter)",
-     {f"{FAILURES}.adapter_on_offloaded.adapter_placement_kwargs": f"{FIXES}.adapters.adapter_placement_kwargs",
-      "put_adapter": f"{FIXES}.adapters.put_adapter"}),
+    # re-exported through another module (dp-dtype's fix names the guard so), and a sibling after a slash
+    (f"({FIXES}.training_scripts.prepare_training_args_for_placed_model / device_map_for_rank)",
+     {f"{FIXES}.training_scripts.prepare_training_args_for_placed_model":
+      f"{FIXES}.trainer_guard.prepare_training_args_for_placed_model",
+      "device_map_for_rank": f"{FIXES}.training_scripts.device_map_for_rank"}),
     # from the module's own name on
     (".to() only when move_offloaded.may_move says so",
      {"move_offloaded.may_move": f"{FAILURES}.move_offloaded.may_move"}),

@@ -21,7 +21,7 @@ from pytest_llmload.failures import CATALOG
 
 ROOT = Path(__file__).resolve().parents[2]
 SCREENSHOTS_ENV = "LLMLOAD_DOCS_SCREENSHOTS"
-# A failure page whose Fix names two helpers, one of them as its failure module re-exports it.
+# A failure page whose Fix names two helpers, the second after a slash.
 FAILURE = "adapter-on-offloaded"
 FAILURE_HELPERS = {"adapter_placement_kwargs": "pytest_llmload.fixes.adapters.adapter_placement_kwargs",
                    "put_adapter": "pytest_llmload.fixes.adapters.put_adapter"}
