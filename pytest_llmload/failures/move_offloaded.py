@@ -170,11 +170,17 @@ def _where(frame, lineno: int) -> str:
     return f"{shown}:{lineno} in {frame.f_code.co_name} (`{_statement(filename, lineno)}`)"
 
 
+# The package whose wrappers stand between the loader and torch while a check runs (loader/cuda_pins.py's .to).
+SEAM_PACKAGE = "pytest_llmload.loader."
+
+
 def _made_by(frames: list, index: int) -> str:
     """The innermost frame before ``frames[index]`` that is not a library's, and the library call between."""
     library_call = None
     for frame, lineno in reversed(frames[:index]):
         module = module_of(frame)
+        if module.startswith(SEAM_PACKAGE):  # the seam's own wrappers (a CUDA pin mapped to the cpu): not the caller
+            continue
         if is_library(module, LIBRARIES):
             if library_call is None:
                 library_call = f"{module}.{frame.f_code.co_name}"
