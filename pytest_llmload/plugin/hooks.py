@@ -563,9 +563,11 @@ def _record(item: pytest.Item, report: pytest.TestReport, pairs: list) -> None:
 
 def pytest_report_teststatus(report: pytest.TestReport, config: pytest.Config):
     """A PREDICTED row the repo does not gate on passed the run, and says what it is: ``P``, ``PREDICTED``."""
+    if report.when != "call" or not report.passed or not config.stash.get(in_use_key, False):
+        return None  # (a run that never uses the plugin imports none of its reports)
     from pytest_llmload.reports.row import VERDICT_PROPERTY
 
-    if report.when == "call" and report.passed and (VERDICT_PROPERTY, "predicted") in report.user_properties:
+    if (VERDICT_PROPERTY, "predicted") in report.user_properties:
         return "predicted", "P", "PREDICTED (not gated)"
     return None
 
