@@ -357,10 +357,14 @@ CORRECT = ("pytest_llmload.fixes.reference_loader:load_model_and_tokenizer", "fi
 
 
 @pytest.mark.parametrize("spec", CORRECT)
-def test_a_correct_loader_exits_0_with_runner(spec):
+def test_a_correct_loader_exits_0_with_runner(spec, tmp_path):
     """The reference loader, the README newcomer's and write-up 004's fix, on a runner where the model fits every
-    scenario: every prediction passes, and the main job exits 0."""
-    run = warm_runs.main_job("--loader", spec, "--runner", "8xH100-80GB", "-k", "predict")
+    scenario: every prediction passes, and the main job exits 0. Run outside this repo, as a user's repo without
+    llmload_strict runs it: the newcomer's loader does not declare how it trains, so its Trainer row rests on an
+    assumption, which this repo's strict ini fails (tests/main_job/test_assumptions.py)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(warm_runs.REPO),
+                                                                     os.environ.get("PYTHONPATH"))))}
+    run = warm_runs.main_job("--loader", spec, "--runner", "8xH100-80GB", "-k", "predict", cwd=tmp_path, env=env)
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.count("PREDICTED") >= 8 and "FAILED" not in run.stdout, run.stdout
 
