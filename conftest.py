@@ -105,8 +105,11 @@ SLOW_FILES = (
     "tests/docs/test_docs_render.py",
 )
 SLOW_TESTS = {
-    "tests/checks/test_contract.py": ("test_every_check_goes_through_the_contract[check_train_request_trains]",),
-    "tests/failures/test_adapter_on_offloaded.py": ("test_check_passes_on_the_fixed_loader",),
+    "tests/checks/test_contract.py": ("test_every_check_goes_through_the_contract[check_train_request_trains]",
+                                      "test_every_check_goes_through_the_contract[check_trainer_does_not_wrap_placed_model]"),
+    "tests/failures/test_adapter_on_offloaded.py": (
+        "test_check_passes_on_the_fixed_loader",
+        "test_check_fails_on_the_silent_way_naming_the_adapter_weights_on_meta"),
     "tests/failures/test_distributed_device_map.py": (
         "test_check_passes_on_the_reference_loader", "test_every_mode_is_judged_even_when_the_first_cannot_run_here"),
     "tests/failures/test_dp_dtype.py": (
@@ -146,13 +149,16 @@ SLOW_TESTS = {
         "test_pytest_html_gets_the_same_pictures_as_extras",
         "test_under_xdist_the_workers_records_reach_the_controllers_report",
         "test_a_run_without_the_report_draws_nothing_and_imports_no_matplotlib",
-        "test_the_failing_row_comes_first_and_each_picture_is_drawn_once"),
+        "test_the_failing_row_comes_first_and_each_picture_is_drawn_once",
+        "test_a_prediction_run_draws_a_bar_group_per_prediction_with_its_devices_and_capacities"),
     "tests/test_docs.py": ("test_the_site_builds_with_warnings_as_errors",),
     "tests/failures/test_homes.py": ("test_a_gpu_variant_runs_in_a_forkserver_child_on_cuda_0",
                                      "test_a_12th_failure_is_its_three_files_and_nothing_else"),
     "tests/loader/test_seam.py": ("test_a_shorter_timeout_than_a_checks_own_deadline_wins",
+                                  "test_a_loader_module_that_imports_too_long_is_a_usage_error_with_progress_meanwhile",
                                   "test_a_cuda_pin_is_a_row_that_says_it_ran_on_the_cpu_and_a_spread_one_skips"),
     "tests/system/test_offline.py": ("test_offline_only_while_llmload_tests_run_under_xdist",),
+    "tests/system/test_gpus.py": ("test_a_test_that_may_fill_a_shared_gpu_holds_it_alone",),
     "tests/prediction/test_mechanisms.py": (
         "test_a_correct_loader_exits_0_with_runner", "test_a_correct_loader_is_predicted_no_known_failure",
         "test_the_suite_skips_a_scenario_the_loader_is_not_declared_for"),
