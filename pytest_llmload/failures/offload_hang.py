@@ -136,10 +136,11 @@ def _cache_roots(workdir) -> list[str]:
     return [root for root in roots if not _under(os.path.realpath(workdir), root)]
 
 
-def is_cache_write(write, workdir) -> bool:
+def _is_cache_write(write, cache_roots: list[str]) -> bool:
     """Whether ``write`` (a :class:`~pytest_llmload.instruments.probes.Write`) is a compiler's or a library's cache:
-    made by their cache code, under a cache directory, or under inductor's default ``<tmp>/torchinductor_<user>``."""
-    return (_in_module(write.by, CACHE_CODE) or any(_under(write.path, root) for root in _cache_roots(workdir))
+    made by their cache code, under one of ``cache_roots`` (:func:`_cache_roots`), or under inductor's default
+    ``<tmp>/torchinductor_<user>``."""
+    return (_in_module(write.by, CACHE_CODE) or any(_under(write.path, root) for root in cache_roots)
             or any(part.startswith("torchinductor_") for part in Path(write.path).parts))
 
 
@@ -170,7 +171,8 @@ def weight_writes(writes, offload_folder, workdir, *, offloaded: bool = True) ->
     for a model that ends whole on the cpu (``device_map="auto"`` on a machine without a GPU), write-up 000's silence
     with no offload to show for it; a loader's own copies of its weights (a merged model saved) are not that."""
     outside = [w for w in writes if not w.at_import and not _under(w.path, str(offload_folder))]
-    candidates = [w for w in outside if not is_cache_write(w, workdir)]
+    cache_roots = _cache_roots(workdir)  # (read once: the environment and the home do not change meanwhile)
+    candidates = [w for w in outside if not _is_cache_write(w, cache_roots)]
     weight_files = {w.path for w in candidates if w.path.endswith(WEIGHT_SUFFIXES)}
     folders = {w.path for w in candidates if w.event in ("os.mkdir", "os.rmdir", "shutil.rmtree")}
     holding = {f for f in folders if any(_under(path, f) for path in weight_files) or _holds_weight_files(f)}

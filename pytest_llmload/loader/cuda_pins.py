@@ -34,7 +34,6 @@ from typing import Any, Iterator, NamedTuple, Optional
 from pytest_llmload.system import gpus, tracebacks
 
 GPU_RUNNER = "a GPU runner (`pytest -m gpu`)"
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class Pin(NamedTuple):
@@ -56,7 +55,7 @@ _NOT_THE_LOADERS = ("/site-packages/", "/lib/python", "<frozen")
 def loaders_line() -> str:
     """``path:line`` of the innermost frame of the calling stack in the loader's own code: outside installed
     libraries and this package (else outside installed libraries: a loader of this package's, the reference one)."""
-    frame = (tracebacks.culprit(sys._getframe(1), _NOT_THE_LOADERS + (_PACKAGE + os.sep,))
+    frame = (tracebacks.culprit(sys._getframe(1), _NOT_THE_LOADERS + (tracebacks.PACKAGE_DIR,))
              or tracebacks.culprit(sys._getframe(1), _NOT_THE_LOADERS))
     if frame is None:
         return "an unknown line"

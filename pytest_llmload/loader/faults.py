@@ -221,8 +221,8 @@ def _diagnosed(exc: BaseException, raising_module: str) -> Optional[Diagnosis]:
     return None
 
 
-# A frame of an installed file in traceback text: its path under site-packages.
-_INSTALLED_FRAME = re.compile(r'File "[^"]*[/\\]site-packages[/\\]([^"]+)\.py", line \d+')
+# A frame's file in traceback text.
+_FRAME_FILE = re.compile(r'File "([^"]+)", line \d+')
 
 
 def _raising_module(exc: BaseException, traceback_text: str) -> str:
@@ -230,7 +230,7 @@ def _raising_module(exc: BaseException, traceback_text: str) -> str:
     if exc.__traceback__ is not None:
         modules = [tracebacks.installed_module(frame.filename) for frame in traceback.extract_tb(exc.__traceback__)]
     else:
-        modules = [path.replace("\\", "/").replace("/", ".") for path in _INSTALLED_FRAME.findall(traceback_text)]
+        modules = [tracebacks.installed_module(path) for path in _FRAME_FILE.findall(traceback_text)]
     return next((module for module in reversed(modules) if module), "")
 
 

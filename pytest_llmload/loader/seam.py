@@ -83,13 +83,10 @@ class LoaderModelError(Portable, Exception):
         super().__init__(message)
 
 
-# This package's own files: a spy or a check's code the loader's call passed through is never "the loader's code".
-_PLUGIN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-
-
 def _own_frames(exc: BaseException, loader_name: str = "", keep: int = 3) -> list:
     """The innermost frames of the traceback in the loader's own code, innermost first: outside installed libraries
-    and this package (the reference loader's module excepted, where it is the loader)."""
+    and this package (a spy or a check's code the call passed through; the reference loader's module excepted, where
+    it is the loader)."""
     import traceback
 
     module = sys.modules.get(loader_name.partition(":")[0]) if ":" in loader_name else None
@@ -97,7 +94,7 @@ def _own_frames(exc: BaseException, loader_name: str = "", keep: int = 3) -> lis
 
     def is_loaders(filename: str) -> bool:
         path = os.path.abspath(filename)
-        return not tracebacks.is_installed(filename) and (not path.startswith(_PLUGIN_DIR) or path == loader_file)
+        return not tracebacks.is_installed(filename) and (not tracebacks.is_ours(path) or path == loader_file)
 
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if is_loaders(f.filename)]
     return list(reversed(frames[-keep:]))  # (traceback.FrameSummary: where, and its source line)

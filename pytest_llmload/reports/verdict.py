@@ -228,7 +228,6 @@ def _repos_check_frame(check: Any, text: str) -> str:
     """The innermost frame of traceback ``text`` in the file of ``check``'s function, as ``name (path:line)``, where
     that file is a repo's own (not this package's); ``''`` otherwise."""
     import inspect
-    import os
     import re
 
     function = getattr(check, "function", None)
@@ -237,8 +236,7 @@ def _repos_check_frame(check: Any, text: str) -> str:
         path = inspect.getsourcefile(function) if function is not None else None
     except TypeError:
         return ""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if not path or os.path.abspath(path).startswith(package + os.sep):
+    if not path or tracebacks.is_ours(path):
         return ""
     found = re.findall(rf'File "{re.escape(path)}", line (\d+), in (\S+)', text)
     if not found:

@@ -74,6 +74,15 @@ def is_installed(filename: str) -> bool:
     return "site-packages" in filename or "/lib/python" in filename
 
 
+# This package's own folder: a frame there is a check's, a spy's or the seam's, never a loader's or a repo's own check.
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def is_ours(filename: str) -> bool:
+    """A file of this package (pytest_llmload)."""
+    return os.path.abspath(filename).startswith(PACKAGE_DIR)
+
+
 def is_frozen(filename: str) -> bool:
     """Python's frozen modules (importlib's bootstrap, ``os``, ...): never where a user's code raised."""
     return filename.startswith("<frozen")
