@@ -45,8 +45,9 @@ class Row:
     loader that really ran), ``guards`` (the failure the check guards against) and where that failure comes from,
     ``guards_origin`` (``002``: its write-up in shared/seeds; ``field``: upstream issue trackers; ``extension``: a
     repo's own), ``not_run`` (an ``error`` that did not wait: the loader under test hung in an earlier check,
-    :mod:`pytest_llmload.plugin.loader_hang`), ``assumptions`` (the notes its verdict rests on as assumptions), and
-    ``prediction`` (a prediction's row: where the model would go,
+    :mod:`pytest_llmload.plugin.loader_hang`), ``assumptions`` (the notes its verdict rests on as assumptions),
+    ``seconds`` (how long it took), ``artefacts`` (what the HTML report shows of it: models' placement, phases'
+    memory) and ``prediction`` (a prediction's row: where the model would go,
     per device against its capacity, and the whole map; plain data, :func:`placement_lines`)."""
 
     check: str
@@ -64,6 +65,11 @@ class Row:
     # The notes the verdict rests on as assumptions (each starts "assumed: " and names the declaration that settles
     # it, checks.base.ASSUMED): listed under the tables; --llmload-strict counts the row as not judged.
     assumptions: tuple[str, ...] = ()
+    # How long the check's test took, in seconds (its call, or the phase that decided it).
+    seconds: Optional[float] = None
+    # What the HTML report shows of the test, as plain data: ``{"models": [...], "phases": [...]}``, its models'
+    # placement and its phases' memory, from wherever the check ran (an isolated child's come back in its answer).
+    artefacts: Optional[dict] = None
 
     @property
     def note(self) -> str:
