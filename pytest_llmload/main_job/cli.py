@@ -19,6 +19,7 @@ import textwrap
 from pathlib import Path
 from typing import Optional
 
+from pytest_llmload.config.vocabulary import SETTING
 from pytest_llmload.loader.seam import ENV_VAR, LoaderSpecError, choose_loader
 from pytest_llmload.main_job.process import (
     EXIT_OK,
@@ -32,6 +33,7 @@ from pytest_llmload.main_job.process import (
     signals_interrupt,
 )
 from pytest_llmload.main_job.table import report
+from pytest_llmload.system.output_files import UnsafeOutputFile, open_output, unsafe_reason
 
 # What --log and --json need free at least before the run starts (the log of a run is tens of KiB).
 MIN_FREE_BYTES = 1 << 20
@@ -130,8 +132,10 @@ def _check_prediction_args(args: argparse.Namespace) -> None:
 
 
 def _check_output_path(path: str, option: str) -> None:
-    """``--log`` / ``--json``: a file in an existing directory, checked before anything runs."""
+    """``--log`` / ``--json``: a file in an existing directory, not a link another user may have made, checked
+    before anything runs."""
     target = Path(path)
+    _check_not_planted(path, option)
     if target.is_dir():
         raise UsageError(f"{option} {path!r} is a directory; name a file, e.g. {option} {target / 'llmload.out'}.")
     if not target.parent.is_dir():
@@ -148,6 +152,29 @@ def _check_output_path(path: str, option: str) -> None:
                          "few for the run's output; free some space or name a file elsewhere.")
 
 
+def _check_not_planted(path: str, option: str) -> None:
+    unsafe = unsafe_reason(path)
+    if unsafe is not None:
+        raise UsageError(f"{option} {path!r} {unsafe}")
+
+
+# The report files pytest writes for options after '--' (their directories made as they are written): checked for a
+# planted link before the run starts.
+REPORT_OPTIONS = ("--junitxml", "--junit-xml", SETTING["html"].option)
+
+
+def _report_paths(pytest_args: list[str]) -> list[tuple[str, str]]:
+    """``(path, option)`` for each report file named after '--' (``--junitxml=PATH`` or ``--junitxml PATH``)."""
+    found = []
+    for index, arg in enumerate(pytest_args):
+        option, equals, path = arg.partition("=")
+        if option in REPORT_OPTIONS:
+            path = path if equals else (pytest_args[index + 1] if index + 1 < len(pytest_args) else "")
+            if path:
+                found.append((path, option))
+    return found
+
+
 def _free_bytes(directory: Path) -> Optional[int]:
     try:
         stat = os.statvfs(directory)
@@ -161,7 +188,10 @@ def _hold_log(path: Path):
     refused instead of truncating the first one's log mid-run. ``None`` where the file system has no locks."""
     import fcntl
 
-    handle = path.open("a", encoding="utf-8")
+    try:
+        handle = open_output(path, append=True)
+    except UnsafeOutputFile as exc:  # (a link planted since the check before the run)
+        raise UsageError(f"--log {exc}") from None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -218,6 +248,8 @@ def run(argv: Optional[list[str]] = None, out=None, popen=None) -> int:
         for path, option in ((args.log, "--log"), (args.json_path, "--json")):
             if path:
                 _check_output_path(path, option)
+        for path, option in _report_paths(args.pytest_args):
+            _check_not_planted(path, option)
     except (LoaderSpecError, UsageError) as exc:
         print(f"llmload: error: {in_main_job_terms(str(exc))}", file=sys.stderr)
         return EXIT_USAGE

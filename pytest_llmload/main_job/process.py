@@ -35,7 +35,7 @@ from pytest_llmload.config.vocabulary import (
     WAIT_OPTION,
 )
 from pytest_llmload.main_job.terminal import columns, cut, wrapped
-from pytest_llmload.system import json_lines
+from pytest_llmload.system import json_lines, output_files
 
 # pytest's exit codes (pytest.ExitCode: this process does not import pytest), passed on as pytest means them.
 EXIT_OK, EXIT_FAILED, INTERRUPTED, EXIT_USAGE, EXIT_NO_TESTS = 0, 1, 2, 4, 5
@@ -202,7 +202,7 @@ class MainJob:
         env = {**{k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"},  # (the main job decides; see above)
                "TMPDIR": str(self.tmp), PARENT_ENV: str(os.getpid()),
                PARENT_WORKDIR_ENV: str(self.workdir)}
-        with self.log_path.open("w", encoding="utf-8") as log:
+        with output_files.open_output(self.log_path) as log:  # (--log: no link another user made)
             # Its own process group: a Ctrl-C in the terminal reaches this process only, which passes it on once.
             self.child = self.popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                     process_group=0)

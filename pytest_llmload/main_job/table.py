@@ -28,6 +28,7 @@ from pytest_llmload.main_job.process import (
 from pytest_llmload.main_job.terminal import NAME_PARTS, at_most, wrap
 from pytest_llmload.placement.picture import where_the_model_goes
 from pytest_llmload.reports.row import assumption_lines
+from pytest_llmload.system.output_files import open_output
 
 if TYPE_CHECKING:
     from pytest_llmload.main_job.process import MainJob
@@ -136,7 +137,8 @@ def report(job: "MainJob", code: int) -> tuple[int, bool]:
             job.say(in_main_job_terms(line))  # (an assumption may name a pytest option)
     if args.json_path:
         try:
-            Path(args.json_path).write_text(json.dumps(json_document(job), indent=1) + "\n", encoding="utf-8")
+            with open_output(args.json_path) as document:  # (no link another user made)
+                document.write(json.dumps(json_document(job), indent=1) + "\n")
         except OSError as exc:  # (the rows are above: the table was printed first)
             print(f"llmload: --json {args.json_path!r} could not be written after the run ({type(exc).__name__}: "
                   f"{exc}); the table above is the run's", file=sys.stderr)
@@ -156,7 +158,7 @@ def report(job: "MainJob", code: int) -> tuple[int, bool]:
 def _append_to_log(path: Path, lines: list[str]) -> None:
     """The table whole at the end of pytest's log (the terminal's copy cuts long reasons to its width)."""
     try:
-        with path.open("a", encoding="utf-8") as log:
+        with open_output(path, append=True) as log:
             log.write("\n".join(lines) + "\n")
     except OSError:  # (the table above is the run's; a log that cannot take it loses nothing else)
         pass

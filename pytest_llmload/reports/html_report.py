@@ -68,6 +68,7 @@ from pytest_llmload.reports.html_pictures import (
 )
 from pytest_llmload.reports.row import Row
 from pytest_llmload.placement.picture import placement_tiers
+from pytest_llmload.system.output_files import open_output
 from pytest_llmload.system.sizes import format_bytes
 
 RECORD_ATTRIBUTE = "llmload_html"  # the report attribute a worker's record travels in
@@ -214,8 +215,9 @@ class HtmlReport:
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text(render_html(self.config, list(self.rows.values()), self.started, time.time()),
-                                 encoding="utf-8")
+            page = render_html(self.config, list(self.rows.values()), self.started, time.time())
+            with open_output(self.path) as report:  # (no link another user made)
+                report.write(page)
             self.written = str(self.path)
         except OSError as exc:
             self.write_error = f"{type(exc).__name__}: {exc}"

@@ -7,9 +7,11 @@ import json
 import os
 from pathlib import Path
 
+from pytest_llmload.system import output_files
+
 
 def open_for_appending(path: "str | os.PathLike[str]") -> int:
-    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    return output_files.open_output_fd(path, append=True, mode=0o644)  # (a progress path another user linked: refused)
 
 
 def append(fd: int, record: dict, default=None) -> None:

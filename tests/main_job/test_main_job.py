@@ -741,14 +741,14 @@ def test_a_json_that_cannot_be_written_after_the_run_says_so_and_keeps_the_table
     from pytest_llmload.main_job import table
 
     out = odd_loaders / "out.json"
-    real = table.Path.write_text
+    real = table.open_output
 
-    def full(self, *args, **kwargs):
-        if self == out:
+    def full(path, **kwargs):
+        if Path(path) == out:
             raise OSError(28, "No space left on device")
-        return real(self, *args, **kwargs)
+        return real(path, **kwargs)
 
-    monkeypatch.setattr(table.Path, "write_text", full)
+    monkeypatch.setattr(table, "open_output", full)
     run = warm_main_job("--loader", "odd_loaders:for_evaluation", "-k", "pad_token and not cuda", "--json", str(out),
                         cwd=odd_loaders)
     assert run.returncode == 1, run.stdout + run.stderr
