@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from typing import Any, Callable
 
 import pytest
@@ -34,14 +35,22 @@ def _bool(value: Any, where: str, setting: Setting) -> bool:
     raise pytest.UsageError(f"{where}={value!r} is not true or false; use true or false.")
 
 
+# A number as a person writes one, in ASCII digits: float() and int() also read '1e3', 'inf', '1_000', '-1' and
+# other scripts' digits ('²' passes str.isdigit, then int() raises), none of which a count or seconds means.
+_DECIMAL = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)", re.ASCII)
+_WHOLE = re.compile(r"[0-9]+", re.ASCII)
+
+
 def _number(value: str, where: str, setting: Setting, *, low: float, high: float = float("inf"), what: str) -> float:
-    try:
-        number = float(str(value).strip())
-    except ValueError:
-        number = float("nan")
+    text = str(value).strip()
+    number = float(text) if _DECIMAL.fullmatch(text) else float("nan")
     if not low <= number <= high or not math.isfinite(number):
         raise pytest.UsageError(f"{where}={value!r} is not {what}; give e.g. {setting.option} {setting.default}.")
     return number
+
+
+def _positive_whole(text: str) -> "int | None":
+    return int(text) if _WHOLE.fullmatch(text) and int(text) > 0 else None
 
 
 def _seconds(value: str, where: str, setting: Setting) -> float:
@@ -58,8 +67,9 @@ def _gpus(value: str, where: str, setting: Setting) -> "int | str | None":
         return None
     if text == GPUS_OFF:
         return GPUS_OFF
-    if text.isdigit() and int(text) > 0:
-        return int(text)
+    count = _positive_whole(text)
+    if count is not None:
+        return count
     raise pytest.UsageError(
         f"{where}={value!r} is neither a positive number of GPUs nor '{GPUS_OFF}'; pass e.g. {setting.option} 2 "
         f"(each xdist worker holds 2 GPUs) or {setting.option} {GPUS_OFF}."
@@ -67,9 +77,9 @@ def _gpus(value: str, where: str, setting: Setting) -> "int | str | None":
 
 
 def _count(value: str, where: str, setting: Setting) -> int:
-    text = str(value).strip()
-    if text.isdigit() and int(text) > 0:
-        return int(text)
+    count = _positive_whole(str(value).strip())
+    if count is not None:
+        return count
     raise pytest.UsageError(f"{where}={value!r} is not a positive whole number; give e.g. {setting.option} 2.")
 
 

@@ -74,3 +74,27 @@ def test_the_old_spelling_of_the_phase_progress_option_still_works(pytester):
     pytester.makepyfile(READER.format(key="phase_progress_seconds"))
     result = pytester.runpytest("-s", "--llmload-phase-progress", "5")
     assert "VALUE=5.0\n" in result.stdout.str()
+
+
+# What float() and int() read but no count or seconds means: a superscript digit (str.isdigit, then int() raised: an
+# INTERNALERROR), an exponent, a sign, infinity, digit groups, another script's digits (issue 49, point 8).
+NOT_PLAIN_NUMBERS = ["²", "1e3", "-1", "inf", "1_0", "٣", "+2", "0x10"]
+
+
+@pytest.mark.parametrize("kind", ["seconds", "fraction", "gpus", "count"])
+@pytest.mark.parametrize("text", NOT_PLAIN_NUMBERS)
+def test_a_number_is_read_strictly_in_plain_digits(kind, text):
+    from pytest_llmload.config import settings
+
+    setting = next((s for s in SETTINGS if s.kind == kind), None) or SETTINGS[0]
+    with pytest.raises(pytest.UsageError, match=re.escape(f"--option={text!r} is ")):
+        settings.PARSERS[kind](text, "--option", setting)
+    assert settings.PARSERS[kind](" 1 ", "--option", setting) == 1  # (what it reads still)
+
+
+def test_a_superscript_digit_is_a_usage_error_naming_the_option_not_a_traceback(pytester):
+    pytester.makepyfile(READER.format(key="gpus_per_worker"))
+    result = pytester.runpytest("-p", "no:randomly", "--llmload-gpus-per-worker", "²")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--llmload-gpus-per-worker='²' is neither a positive number of GPUs nor 'off'*"])
+    assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
