@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from pytest_llmload.plugin.hooks import SUB_PLUGINS
+from pytest_llmload.plugin.gates import SUB_PLUGINS
 from pytest_llmload.system.gpus import physical_devices, visible_devices
 from pytest_llmload.runners.warm_server import DEEPSPEED_PRELOAD
 

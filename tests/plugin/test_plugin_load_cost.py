@@ -61,7 +61,7 @@ def test_a_run_that_never_uses_the_plugin_imports_only_its_vocabulary_and_fixtur
     # pytest_addhooks must at start-up; settings: the one reader of the settings, which every run asks whether the
     # plugin is configured; the header line is printed, and its module
     # imported, only where a run configures or uses the plugin.) Nothing of the plugin's work is compiled or run in such a
-    # run: each sub-plugin is registered as a light gate (plugin.hooks._Gate, defined in the hooks module itself), which
+    # run: each sub-plugin is registered as a light gate (plugin.gates.Gate, one of the hooks modules), which
     # imports its module only once the run's flag for it is set. The header (not shown under -q) imports what it reads.
     monkeypatch.setenv(ONLY_THIS_PLUGIN, "1")
     pytester.makeconftest(PACKAGE_PROBE)
@@ -69,7 +69,8 @@ def test_a_run_that_never_uses_the_plugin_imports_only_its_vocabulary_and_fixtur
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "llmload", *args)
     result.assert_outcomes(passed=1)
     expected = sorted({"pytest_llmload", "pytest_llmload.config", "pytest_llmload.plugin", "pytest_llmload.plugin.fixtures", "pytest_llmload.plugin.hookspecs", "pytest_llmload.config.stash_keys",
-                       "pytest_llmload.plugin.hooks", "pytest_llmload.config.settings", "pytest_llmload.config.vocabulary",
+                       "pytest_llmload.plugin.hooks", "pytest_llmload.plugin.gates", "pytest_llmload.plugin.configuration",
+                       "pytest_llmload.plugin.collection", "pytest_llmload.plugin.check_row", "pytest_llmload.config.settings", "pytest_llmload.config.vocabulary",
                        *(f"pytest_llmload.{name}" for name in header)})
     result.stdout.fnmatch_lines([f"PACKAGE IMPORTED: {expected}".replace("[", "[[]")])
 
@@ -91,7 +92,7 @@ def test_each_sub_plugin_has_one_gate_and_is_switched_on_by_its_flag(pytester, t
     """Every sub-plugin's gate is registered once, in every run; a sub-plugin is registered (its module imported) only
     where its flag is set: one flag for what every use of the plugin needs (xdist's and a launcher's are the subject
     of tests/plugin/test_xdist_gpus.py and the launcher's tests)."""
-    from pytest_llmload.plugin.hooks import SUB_PLUGINS, in_use_key
+    from pytest_llmload.plugin.gates import SUB_PLUGINS, in_use_key
 
     flags = {{"in use": in_use_key}[name] for name in switched_on}
     pytester.makeconftest(REGISTERED_PROBE)
