@@ -25,7 +25,7 @@ LAYOUT_PAGE = REPO / "docs" / "layout.md"
 # Lowest first: a module imports from its own layer or a lower one. The package's top (its __init__, __main__)
 # and the shipped suite stand above every layer.
 LAYERS = ("config", "system", "instruments", "runners", "loader", "fixes", "placement", "checks", "failures",
-          "prediction", "reports", "plugin", "main_job")
+          "prediction", "reports", "plugin", "main_job", "commands")
 TOP = len(LAYERS)
 
 

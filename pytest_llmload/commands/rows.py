@@ -1,0 +1,194 @@
+"""A command's run judged: the command's own row (it finished its bounded run, crashed at the repo's line, or passed
+its deadline) and one row per known failure, each a :class:`~pytest_llmload.reports.row.Row` as the checks make.
+
+A known failure is caught where the run raised its error (its texts, :meth:`KnownFailure.matches`, the detector the
+checks' reports use) or hung inside a load where a hang is its mechanism; else its row says whether the run reached
+the failure's mechanism (:data:`REACHED`, from what each process recorded: a load that offloaded, an optimizer step,
+a GradScaler that unscaled, Trainer's GPU count, a distributed process), so that a row that passed says what it
+watched, and one that could not happen on this runner says why.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from pytest_llmload.checks.base import NOT_EXERCISED
+from pytest_llmload.commands.command import CommandRun
+from pytest_llmload.commands.in_process import GENERATE_TOKENS
+from pytest_llmload.failures import CATALOG
+from pytest_llmload.reports.row import Row
+from pytest_llmload.reports.verdict import failure_origin
+
+COMMAND_ROW = "command"
+
+
+class Facts:
+    """What the run's processes did, together."""
+
+    def __init__(self, run: CommandRun) -> None:
+        processes = run.processes
+        self.loads = [load for p in processes for load in p["loads"]]
+        self.offloaded = [load for load in self.loads if load["offloaded"]]
+        self.steps = max((p["steps"] for p in processes), default=0)
+        self.unscales = sum(p["unscales"] for p in processes)
+        self.generates = sum(p["generates"] for p in processes)
+        self.trainers = [t for p in processes for t in p["trainers"]]
+        self.distributed = [p for p in processes if p["distributed"]]
+        self.crashes = [p["crash"] for p in processes if p["crash"]]
+
+
+def _placements(loads: list) -> str:
+    return "; ".join(f"{load['where']}: {', '.join(load['places']) or 'one device'}" for load in loads)
+
+
+def _offload_hang(facts: Facts) -> tuple[bool, str]:
+    if facts.offloaded:
+        return True, f"{len(facts.offloaded)} load(s) offloaded and returned ({_placements(facts.offloaded)})"
+    return False, (f"no load offloaded ({_placements(facts.loads) or 'no model loaded'}): the temporary round-trip "
+                   "happens only where from_pretrained offloads")
+
+
+def _inference_stall(facts: Facts) -> tuple[bool, str]:
+    if facts.generates:
+        return True, f"generate ran {facts.generates} time(s), {GENERATE_TOKENS} new tokens at most, and returned"
+    return False, "the command never called generate"
+
+
+def _backward_through_offload(facts: Facts) -> tuple[bool, str]:
+    if not facts.steps:
+        return False, "no optimizer step ran"
+    if facts.offloaded:
+        return True, f"{facts.steps} optimizer step(s) on a model with offloaded weights ({_placements(facts.offloaded)})"
+    return False, f"{facts.steps} optimizer step(s), but no load offloaded ({_placements(facts.loads)})"
+
+
+def _dp_dtype(facts: Facts) -> tuple[bool, str]:
+    if not facts.trainers:
+        return False, "the command built no Trainer"
+    gpus = max(t["n_gpu"] for t in facts.trainers)
+    if gpus > 1:
+        return True, f"Trainer saw {gpus} GPUs and did not wrap the placed model"
+    return False, (f"Trainer at {facts.trainers[0]['where']} saw {gpus} GPU(s); it wraps a model in DataParallel "
+                   "only where it sees 2 or more (not reachable on this runner)")
+
+
+def _distributed_device_map(facts: Facts) -> tuple[bool, str]:
+    mapped = [load for load in facts.loads if load["device_map"] is not None and load["distributed"]]
+    if not facts.distributed:
+        return False, "the command started no distributed process (no WORLD_SIZE, RANK or LOCAL_RANK)"
+    if not mapped:
+        return True, f"{len(facts.distributed)} distributed process(es) loaded without a device_map"
+    spread = [load for load in mapped if len(load["places"]) > 1]
+    if spread:
+        return True, f"device_map spread a model over {_placements(spread)} in a distributed process"
+    return False, (f"device_map={mapped[0]['device_map']} at {mapped[0]['where']} placed the model on one device "
+                   "here; the refusal needs it spread over 2 or more (a GPU runner)")
+
+
+def _zero3_device_map(facts: Facts) -> tuple[bool, str]:
+    zero3 = [load for load in facts.loads if load["zero3"]]
+    if zero3:
+        return True, f"{len(zero3)} load(s) under ZeRO-3 ({_placements(zero3)})"
+    return False, "ZeRO-3 was not enabled at any from_pretrained call"
+
+
+def _fp16_unscale(facts: Facts) -> tuple[bool, str]:
+    if facts.unscales:
+        return True, f"a GradScaler unscaled gradients {facts.unscales} time(s)"
+    return False, "no enabled GradScaler unscaled gradients"
+
+
+def _move_offloaded(facts: Facts) -> tuple[bool, str]:
+    if facts.offloaded:
+        return True, f"{len(facts.offloaded)} load(s) offloaded ({_placements(facts.offloaded)})"
+    return False, "no load offloaded"
+
+
+def _quantized_cast(facts: Facts) -> tuple[bool, str]:
+    quantized = [load for load in facts.loads if load["quantized"]]
+    if quantized:
+        return True, f"{len(quantized)} quantized load(s)"
+    return False, "no quantized load"
+
+
+def _adapter_on_offloaded(facts: Facts) -> tuple[bool, str]:
+    if facts.offloaded:
+        return False, "a load offloaded, but adapters are not watched by `run` yet"
+    return False, "no load offloaded"
+
+
+# Failure id -> whether the run reached its mechanism, and what it saw (a failure missing here: not watched yet).
+REACHED: dict[str, Callable[[Facts], tuple[bool, str]]] = {
+    "offload-hang": _offload_hang, "inference-stall": _inference_stall, "meta-backward": _backward_through_offload,
+    "dp-dtype": _dp_dtype, "distributed-device-map": _distributed_device_map, "zero3-device-map": _zero3_device_map,
+    "fp16-unscale": _fp16_unscale, "move-offloaded": _move_offloaded, "quantized-cast": _quantized_cast,
+    "adapter-on-offloaded": _adapter_on_offloaded,
+}
+
+
+def _first_line(text: str) -> str:
+    return next((line.strip() for line in text.splitlines() if line.strip()), "")
+
+
+def _where(crash: dict) -> str:
+    return crash["repo_frames"][-1] if crash["repo_frames"] else "a library's code (no frame of the repo)"
+
+
+def _hung_in_load(run: CommandRun) -> bool:
+    return run.hung and any("from_pretrained" in text for text in run.stacks.values())
+
+
+def failure_rows(run: CommandRun, facts: Facts) -> list[Row]:
+    rows = []
+    for failure in CATALOG:
+        common = {"check": f"watch_{failure.slug}", "guards": failure.id, "guards_origin": failure_origin(failure),
+                  "loader": COMMAND_ROW}
+        caught = next((crash for crash in facts.crashes if failure.matches(crash["text"])), None)
+        if caught is not None:
+            rows.append(Row(verdict="failed", failure=failure.id, fix=failure.fix, **common,
+                            sentence=f"{failure.id} caught at {_where(caught)}: {_first_line(caught['message'])}"))
+            continue
+        if failure.hang_is_mechanism and _hung_in_load(run):
+            rows.append(Row(verdict="failed", failure=failure.id, fix=failure.fix, **common,
+                            sentence=f"{failure.id}: a from_pretrained call did not return within the run's "
+                                     f"{run.deadline:g} s deadline"))
+            continue
+        judge = REACHED.get(failure.id)
+        reached, seen = judge(facts) if judge else (False, f"`run` does not watch {failure.id} yet")
+        if reached:
+            rows.append(Row(verdict="passed", notes=(f"watched: {seen}",), **common))
+        else:
+            rows.append(Row(verdict="not exercised", sentence=f"{NOT_EXERCISED}{failure.id}: {seen}", **common))
+    return rows
+
+
+def command_row(run: CommandRun, facts: Facts) -> Row:
+    """The command's own outcome: finished (bounded), crashed (where in the repo, the known fault's fix), hung."""
+    common = {"check": COMMAND_ROW, "loader": " ".join(run.argv), "seconds": round(run.seconds, 2)}
+    if run.hung:
+        return Row(verdict="error", cause="hang", **common, sentence=(
+            f"the command did not end within its {run.deadline:g} s deadline; every process was ended, their stacks "
+            f"({len(run.stacks)}) are in the log {run.log}"))
+    if facts.crashes:
+        crash = facts.crashes[0]
+        fault: Optional[dict] = crash["fault"]
+        cause = f" ({fault['cause']})" if fault else ""
+        return Row(verdict="error", cause="command", fix=fault and fault["fix"], **common, sentence=(
+            f"the command crashed at {_where(crash)}: {crash['type']}: {_first_line(crash['message'])}{cause}"))
+    if not run.processes:
+        return Row(verdict="error", cause="command", **common, sentence=(
+            f"the command exited {run.returncode} and no Python process of it started the bootstrap (run with "
+            f"python -S or -I, or not Python): nothing was watched; its output: {run.log}"))
+    if run.returncode != 0:
+        return Row(verdict="error", cause="died", **common, sentence=(
+            f"the command exited {run.returncode} without a Python traceback; its output: {run.log}"))
+    bounded = any(p["outcome"] == "bounded" for p in run.processes) or any(facts.trainers)
+    ended = f"stopped after {facts.steps} optimizer step(s)" if bounded and facts.steps else \
+        f"finished ({facts.steps} optimizer step(s))"
+    notes = (f"{ended} in {len(run.processes)} process(es); {len(facts.loads)} model load(s) on tiny weights",)
+    return Row(verdict="passed", notes=notes, **common)
+
+
+def rows_of(run: CommandRun) -> list[Row]:
+    facts = Facts(run)
+    return [command_row(run, facts), *failure_rows(run, facts)]

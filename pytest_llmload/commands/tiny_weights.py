@@ -1,0 +1,128 @@
+"""Tiny weights for a model a command names: the real architecture's config found offline (a local folder's
+``config.json``, a shipped architecture by its hub id, or the run's ``--model ID=CONFIG`` mapping), shrunk to a few
+layers of a small width with the same module structure and dtype, and built once into a cache shared by runs.
+
+The cache key is the shrunk config and the installed transformers' version: the same model named twice, by two
+ranks or two runs, loads the same checkpoint, built by whichever process came first (built aside, then renamed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+from pytest_llmload.loader import tiny_models
+from pytest_llmload.placement import architectures
+
+CACHE_VARIABLE = "PYTEST_LLMLOAD_TINY_CACHE"
+# The suffixes of a fine-tuned release of a shipped base model: the same architecture (only the chat template and the
+# special tokens differ, which tiny weights do not keep anyway).
+SAME_ARCHITECTURE_SUFFIXES = ("-Instruct", "-instruct", "-Chat", "-chat", "-hf", "-it")
+# The sizes a tiny model takes (the shipped tiny llama's), each only where the real config has the field.
+TINY_SIZES = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 4, "num_experts": 4,
+              "num_experts_per_tok": 2, "moe_intermediate_size": 64, "sliding_window": 64}
+# Fields derived from the layer count, which the config rebuilds at its new size.
+PER_LAYER_FIELDS = ("layer_types", "max_window_layers")
+TOKENIZER_VOCABULARY = 320  # the tokenizer trained here (loader.tiny_models), and the tiny model's embeddings
+MAX_POSITIONS = 4096
+
+
+class UnmappedModel(OSError):
+    """A model name this run cannot find a config for offline; the message names the call and the mapping to give.
+    An ``OSError``, as transformers' own for a model it cannot find: a script that handles that one handles this."""
+
+
+def cache_root() -> Path:
+    explicit = os.environ.get(CACHE_VARIABLE)
+    if explicit:
+        return Path(explicit)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pytest-llmload" / "tiny-checkpoints"
+
+
+def shipped_hub_ids() -> dict[str, str]:
+    """``{hub id: shipped architecture}``, read from each shipped config's ``_source``."""
+    ids = {}
+    for name in architectures.shipped_names():
+        source = json.loads((architectures.SHIPPED / f"{name}.json").read_text()).get("_source", "")
+        ids[source.removesuffix(" config.json")] = name
+    return ids
+
+
+def real_config(name_or_path: str, mapping: dict[str, str], call: str) -> dict:
+    """The full-size config ``name_or_path`` names: the mapping the run was given, a local folder's ``config.json``,
+    or a shipped architecture by its hub id (or a fine-tuned release of one). ``call`` says where the name came from
+    for the error (:class:`UnmappedModel`)."""
+    given = mapping.get(name_or_path)
+    if given is not None:
+        return architectures.load_config(given, source=f"--model {name_or_path}=")
+    if (Path(name_or_path) / "config.json").is_file():
+        return architectures.load_config(name_or_path, source=call)
+    ids = shipped_hub_ids()
+    base = next((name_or_path.removesuffix(s) for s in SAME_ARCHITECTURE_SUFFIXES if name_or_path.endswith(s)), None)
+    for candidate in (name_or_path, base):
+        if candidate in ids:
+            return architectures.load_config(ids[candidate])
+    raise UnmappedModel(
+        f"{call} names {name_or_path!r}, which pytest-llmload run cannot find offline: it is neither a local folder "
+        f"with a config.json nor a shipped architecture's hub id ({', '.join(sorted(ids))}); map it to one with "
+        f"--model {name_or_path}=llama-3-8b (a shipped name, --list-models lists them) or "
+        f"--model {name_or_path}=path/to/config.json.")
+
+
+def shrunk(config: dict) -> dict:
+    """``config`` at tiny size: the same model type, architecture, dtype and tying, a few layers of a small width."""
+    tiny = {key: value for key, value in config.items() if key not in PER_LAYER_FIELDS and not key.startswith("_")}
+    for key, size in TINY_SIZES.items():
+        if isinstance(tiny.get(key), int):
+            tiny[key] = min(tiny[key], size)
+    tiny["vocab_size"] = TOKENIZER_VOCABULARY
+    tiny["bos_token_id"], tiny["eos_token_id"] = 0, 1  # the tokenizer's (loader.tiny_models)
+    tiny.pop("pad_token_id", None)
+    if isinstance(tiny.get("max_position_embeddings"), int):
+        tiny["max_position_embeddings"] = min(tiny["max_position_embeddings"], MAX_POSITIONS)
+    return tiny
+
+
+def _key(tiny: dict) -> str:
+    import transformers
+
+    text = json.dumps({"config": tiny, "transformers": transformers.__version__}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def tiny_checkpoint(config: dict, root: Optional[Path] = None) -> Path:
+    """The tiny checkpoint of the architecture ``config`` describes, built here on first use."""
+    tiny = shrunk(config)
+    root = root or cache_root()
+    dest = root / f"{tiny.get('model_type', 'model')}-{_key(tiny)}"
+    if (dest / "config.json").is_file():
+        return dest
+    root.mkdir(parents=True, exist_ok=True)
+    building = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
+    try:
+        _build(tiny, building)
+        try:
+            os.rename(building, dest)
+        except OSError:  # another process built it first: theirs is the same
+            pass
+    finally:
+        shutil.rmtree(building, ignore_errors=True)
+    return dest
+
+
+def _build(tiny: dict, dest: Path) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtype = tiny.get("torch_dtype") or tiny.get("dtype") or "float32"
+    config = AutoConfig.for_model(**{k: v for k, v in tiny.items() if k not in ("torch_dtype", "dtype")})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype))
+    model.save_pretrained(dest, safe_serialization=True)
+    tiny_models.save_tokenizer(tiny_models.build_tokenizer(TOKENIZER_VOCABULARY), dest, TOKENIZER_VOCABULARY)
