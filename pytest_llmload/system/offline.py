@@ -16,9 +16,11 @@ gethostbyname`` made earlier, a library's own reference to the function).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import ipaddress
 import os
 import sys
+import tempfile
 from collections.abc import Iterator
 from typing import Optional
 
@@ -66,7 +68,8 @@ def _culprit() -> str:
     return "unknown caller" if found is None else tracebacks.where(found)
 
 
-# One entry per guard entered and not yet left, ``[its record list or None]``: the hook refuses while any is.
+# One entry per guard entered and not yet left, ``[its record list or None, the pid that entered it, its spool]``:
+# the hook refuses while any is.
 _active: list[list] = []
 _hook_installed = False
 
@@ -79,9 +82,14 @@ def _audit(event: str, args: tuple) -> None:
         return
     what, shown = event.removeprefix("socket."), address[0] if len(address) == 1 else address
     culprit = _culprit()
-    for (record,) in _active:
-        if record is not None:
+    for record, owner, spool in _active:
+        if record is None:
+            continue
+        if os.getpid() == owner:
             record.append(f"{what} {shown!r} from {culprit}")
+        else:  # a forked child's attempt: its list is its own copy, the spool file is shared with the guard's process
+            with contextlib.suppress(OSError):
+                os.write(spool, f"{what} {shown!r} from {culprit}\n".encode("utf-8", "replace"))
     access = "a name lookup of" if len(address) == 1 else "a network connection to"
     raise NetworkAccessBlocked(
         f"pytest-llmload blocked {access} {shown!r} from {culprit}: llmload fixtures and checks "
@@ -100,17 +108,44 @@ def network_guard(record: Optional[list] = None) -> Iterator[None]:
     """Close the network to everything but loopback for the duration, in the whole process; nests safely.
 
     With ``record``, each refused attempt is also appended to it (``"getaddrinfo ('huggingface.co', 443) from
-    <caller>"``), so a check sees an attempt even when the code under test catches the error and goes on."""
+    <caller>"``), so a check sees an attempt even when the code under test catches the error and goes on, or makes
+    it in a process it forked (read back when the guard is left)."""
     global _hook_installed
     if not _hook_installed:  # an audit hook cannot be removed: one, idle while no guard is entered
         sys.addaudithook(_audit)
         _hook_installed = True
-    entry = [record]  # its own object: guards with equal record lists nest too
+    spool = _open_spool() if record is not None else None
+    entry = [record, os.getpid(), spool]  # its own object: guards with equal record lists nest too
     _active.append(entry)
     try:
         yield
     finally:
         del _active[next(i for i, e in enumerate(_active) if e is entry)]
+        if spool is not None:
+            record.extend(_read_spool(spool))
+
+
+def _open_spool() -> int:
+    """An unnamed file, appended to by forked children (one write a line: their lines never interleave); in memory
+    where the system has them (no temp dir needed)."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("llmload-network-attempts")
+    else:
+        fd, name = tempfile.mkstemp(prefix="llmload-network-")
+        os.unlink(name)
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_APPEND)
+    return fd
+
+
+def _read_spool(fd: int) -> list[str]:
+    try:
+        data, chunk = b"", os.pread(fd, 1 << 16, 0)
+        while chunk:
+            data += chunk
+            chunk = os.pread(fd, 1 << 16, len(data))
+    finally:
+        os.close(fd)
+    return data.decode("utf-8", "replace").splitlines()
 
 
 def _offline_by_environment() -> bool:

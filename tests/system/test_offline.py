@@ -128,6 +128,25 @@ def test_guard_lets_loopback_through_and_nests():
     assert (len(outer), len(inner)) == (2, 1), (outer, inner)
 
 
+def test_a_forked_childs_refused_attempt_is_counted_where_the_guard_was_entered():
+    """Before (issue 49, point 8): the child appended to its own copy of the list, and the check saw nothing."""
+    import os
+
+    attempts = []
+    with network_guard(record=attempts):
+        for host in ("10.0.0.3", "10.0.0.4"):
+            child = os.fork()
+            if child == 0:  # the loader's own process, swallowing the refusal
+                try:
+                    socket.gethostbyname(host)
+                except NetworkAccessBlocked:
+                    pass
+                os._exit(0)
+            assert os.waitpid(child, 0)[1] == 0
+    assert len(attempts) == 2 and all("gethostbyname" in a and "from " in a for a in attempts), attempts
+    assert [a.split()[1] for a in attempts] == ["'10.0.0.3'", "'10.0.0.4'"]
+
+
 def test_hub_constant_of_a_module_imported_under_the_guard_is_restored(monkeypatch, online_environment):
     # huggingface_hub first imported while offline reads HF_HUB_OFFLINE=1 into its constant: afterwards the
     # constant must say what the restored environment says, not stay offline.
