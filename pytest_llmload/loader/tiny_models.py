@@ -10,8 +10,10 @@ is exercised.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 from importlib import resources
 from pathlib import Path
 
@@ -142,6 +144,7 @@ def build_tiny_checkpoint(
     """
     from pytest_llmload.loader.request import DTYPES
 
+    _check_tokenizers_can_write(Path(dest))
     raw = config_dict(arch)
     if dtype not in DTYPES:  # before torch's own AttributeError
         raise ValueError(f"tiny checkpoint dtype={dtype!r} is not supported; use one of {', '.join(DTYPES)}.")
@@ -160,6 +163,29 @@ def build_tiny_checkpoint(
     model.save_pretrained(dest, max_shard_size=max_shard_size, safe_serialization=True)
     save_tokenizer(tokenizer, dest, raw["vocab_size"])
     return dest
+
+
+class CheckpointPathError(ValueError):
+    """A tiny checkpoint's folder that the tokenizers library would write elsewhere, or not at all."""
+
+
+def _check_tokenizers_can_write(dest: Path) -> None:
+    """tokenizers (Rust) takes a path as UTF-8 text, and Python gives it the file name as the locale decoded it:
+    under ``LANG=C`` with Python's UTF-8 mode off, or a Latin-1 locale, a non-ASCII folder is then a
+    ``UnicodeEncodeError`` deep in ``save_pretrained``, or a file written under another name. Loading the
+    tokenizer from there fails the same way, so the fix is the process's locale, said here once."""
+    text = str(dest)
+    with contextlib.suppress(UnicodeEncodeError):  # (a name Python could not decode holds surrogates: no UTF-8)
+        if text.encode("utf-8") == os.fsencode(text):
+            return
+    shown = ascii(os.fsencode(text).decode("utf-8", "replace"))  # (in ASCII: this process's output may be no more)
+    locale = next((f"{name}={os.environ[name]}" for name in ("LC_ALL", "LC_CTYPE", "LANG") if os.environ.get(name)),
+                  "no LANG")
+    raise CheckpointPathError(
+        f"the tiny checkpoint's folder {shown} is not UTF-8 text in this process: its locale ({locale}) makes "
+        f"Python read file names as {sys.getfilesystemencoding()!r}, and the tokenizers library takes paths only as "
+        "UTF-8, so no tokenizer can be saved or loaded there; run with PYTHONUTF8=1 (or LC_ALL=C.UTF-8), or give "
+        "pytest a temp dir in ASCII (TMPDIR, or --basetemp).")
 
 
 def shard_files(checkpoint: os.PathLike | str) -> list[Path]:
