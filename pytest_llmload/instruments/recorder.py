@@ -22,6 +22,30 @@ from pytest_llmload.system.sizes import format_bytes
 Phase = Any
 
 
+# What a model's class does for a name it lacks: getattr(model, name, default) and hasattr (transformers' and
+# accelerate's too) catch AttributeError only.
+MODEL_ATTRIBUTE_FIX = ("raise AttributeError(name)  # in the model class's __getattr__, for a name it does not have "
+                       "(not KeyError or another error)")
+
+
+class ModelAttributeError(Exception):
+    """The loader's model raised when its attribute was read (a ``__getattr__`` that raises ``KeyError`` for a name
+    it lacks, say): the model's fault, not the reader's. The loader's seam gives it to the judging as the model's."""
+
+    def __init__(self, model: Any, attribute: str, error: BaseException) -> None:
+        self.attribute, self.error = attribute, error
+        super().__init__(f"the loader's model ({type(model).__name__}) raised {type(error).__name__}: {error} when "
+                         f"pytest-llmload read its attribute {attribute!r}; a model's __getattr__ must raise "
+                         "AttributeError for a name it does not have")
+
+
+def _read(model: Any, attribute: str, default: Any = None) -> Any:
+    try:
+        return getattr(model, attribute, default)
+    except Exception as exc:
+        raise ModelAttributeError(model, attribute, exc) from exc
+
+
 class LoadedModel:
     """A model loaded during a test: what it is, where from, how long it took, where it went. Holds the
     model weakly: a test that frees a model to load the next one is not kept from doing so."""
@@ -30,7 +54,7 @@ class LoadedModel:
         self.kind = type(model).__name__
         self.source = source
         self.seconds = seconds
-        device_map = getattr(model, "hf_device_map", None)
+        device_map = _read(model, "hf_device_map")
         self.device_map = dict(device_map) if isinstance(device_map, dict) else None
         self.where = self._where(model)
         try:
@@ -51,8 +75,12 @@ class LoadedModel:
                 if name not in seen:
                     seen.append(name)
             return "+".join(seen)
-        for parameter in getattr(model, "parameters", lambda: ())():
-            return str(parameter.device)
+        parameters = _read(model, "parameters", lambda: ())
+        try:
+            for parameter in parameters():
+                return str(parameter.device)
+        except Exception as exc:
+            raise ModelAttributeError(model, "parameters()", exc) from exc
         return "?"
 
     def as_dict(self) -> dict:

@@ -273,6 +273,7 @@ def call_loader(loader: Callable[["LoadRequest"], Any], request: "LoadRequest", 
     if isinstance(loader, LoaderUnderTest):
         return loader(request)
     from pytest_llmload.instruments.phases import phase, track_model
+    from pytest_llmload.instruments.recorder import MODEL_ATTRIBUTE_FIX, ModelAttributeError
     from pytest_llmload.loader import cuda_pins
 
     name = loader_name or getattr(loader, "__qualname__", None) or repr(loader)
@@ -291,7 +292,11 @@ def call_loader(loader: Callable[["LoadRequest"], Any], request: "LoadRequest", 
         closed = "sys.stdout" if getattr(sys.stdout, "closed", False) else "sys.stderr"
         raise LoaderContractError(f"loader {name} closed {closed} while loading ({_phase_detail(request)}): the "
                                   "process it runs in still writes there; a loader must leave the process's streams open.")
-    track_model(result.model, request.model_path, timed.seconds)
+    try:
+        track_model(result.model, request.model_path, timed.seconds)
+    except ModelAttributeError as exc:  # (the first reader of the model's attributes: a hostile model fails here)
+        raise LoaderModelError(f"loader {name} returned a model that fails when read: {exc}",
+                               fix=MODEL_ATTRIBUTE_FIX) from exc
     return result
 
 

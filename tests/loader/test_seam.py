@@ -536,3 +536,27 @@ def test_a_cuda_pin_is_a_row_that_says_it_ran_on_the_cpu_and_a_spread_one_skips(
     assert rows["spreads"]["verdict"] == "skipped", rows["spreads"]
     assert "the loader places the model on cuda:0, cuda:1" in json.dumps(rows["spreads"]), rows["spreads"]
     assert "a GPU runner (`pytest -m gpu`) judges it" in json.dumps(rows["spreads"]), rows["spreads"]
+
+
+def test_a_model_whose_getattr_raises_is_the_models_fault_naming_the_attribute():
+    """Issue 49, point 7: the recorder's read of hf_device_map raised the model's KeyError from the plugin's frames,
+    reported as a bug in pytest-llmload; now the loader's model error, which the judging names as the model's."""
+    import torch
+
+    from pytest_llmload.instruments.recorder import MODEL_ATTRIBUTE_FIX, recording
+    from pytest_llmload.loader.seam import LoaderModelError
+
+    class ConfigBacked(torch.nn.Module):  # an attribute lookup through a dict, raising its KeyError
+        def __getattr__(self, name):
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                return {"hidden_size": 8}[name]
+
+    with recording(), pytest.raises(LoaderModelError) as raised:
+        call_loader(lambda request: ConfigBacked(), LoadRequest("hostile"), loader_name="harness")
+    assert str(raised.value).startswith(
+        "loader harness returned a model that fails when read: the loader's model (ConfigBacked) raised KeyError: "
+        "'hf_device_map' when pytest-llmload read its attribute 'hf_device_map'; a model's __getattr__ must raise "
+        "AttributeError for a name it does not have"), raised.value
+    assert raised.value.fix == MODEL_ATTRIBUTE_FIX
