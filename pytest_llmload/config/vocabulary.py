@@ -190,6 +190,11 @@ SETTINGS = (
     Setting("wait_after_hang", "bool", help=(
         "after the loader under test hangs (a deadline passes inside its call), run every later test that uses it "
         "to its own deadline too; by default they fail at once, naming the hang.")),
+    # --- pytest under torchrun/srun/mpirun (pytest_llmload.plugin.launched_run)
+    Setting("bind_all_interfaces", "bool", help=(
+        "under a launcher, let the stores rank 0 hosts for the job listen on every interface when MASTER_ADDR says "
+        "so (0.0.0.0, ::); by default such a MASTER_ADDR is a usage error, so that only the networks the job "
+        "names reach them.")),
 )
 SETTING = {setting.key: setting for setting in SETTINGS}
 

@@ -18,7 +18,15 @@ from pytest_llmload.system import gpus
 from pytest_llmload.plugin.launched_run import meeting_of
 from pytest_llmload.runners import children, isolation, ranks, wire
 from pytest_llmload.runners.children import ChildOutcome
-from pytest_llmload.runners.launcher import RESULT_MARGIN_S, Launch, Meeting, agree, agreed, test_key
+from pytest_llmload.runners.launcher import (
+    PHASE_OUTCOME,
+    RESULT_MARGIN_S,
+    Launch,
+    Meeting,
+    agree,
+    agreed,
+    test_key,
+)
 from pytest_llmload.runners.ranks import DistributedEnv, DistributedRunFailed
 
 
@@ -62,20 +70,21 @@ class LaunchedEnv(DistributedEnv):
                 # thread starts once this rank's child is forked, and the others learn its port only then: a
                 # child forked while that thread serves another rank's connection can inherit the C library's
                 # resolver mid-lookup and hang in its rendezvous for good (see ranks.run_rank_groups).
-                listener = wire.listening_socket(launch.world_size, host=launch.master_addr)
+                listener = wire.listening_socket(launch.world_size, host=launch.master_addr,
+                                                 every_interface_allowed=meeting.every_interface_allowed)
                 port = listener.getsockname()[1]
 
                 def once_forked():
                     nonlocal server, listener
                     server, listener = wire.bound_store(launch.world_size, datetime.timedelta(seconds=timeout),
                                                         host=launch.master_addr, listener=listener), None
-                    meeting.gather(f"{key}/ready", port, abort=abort)
+                    meeting.gather(f"{key}/ready", port, PORT, abort=abort)
             else:
-                port = meeting.gather(f"{key}/ready", None, abort=abort)[0]
+                port = meeting.gather(f"{key}/ready", None, PORT, abort=abort)[0]
             outcome = _run_here(launch, fn, args, kwargs, backend, timeout, env, init_process_group, port,
                                 once_forked)
             deadline = time.monotonic() + timeout + RESULT_MARGIN_S
-            outcomes = meeting.gather(f"{key}/result", _portable(outcome), deadline=deadline)
+            outcomes = meeting.gather(f"{key}/result", _portable(outcome), RESULT, deadline=deadline)
         finally:
             if listener is not None:  # (the ranks did not meet: no store took it over)
                 listener.close()
@@ -95,7 +104,9 @@ def _peer_left(meeting: Meeting, call_key: str, what: str) -> None:
     if not meeting.posted(call_key):
         return
     world = range(meeting.launch.world_size)
-    left = {r: meeting.read(call_key, r) for r in world if meeting.store.check([f"{call_key}/{r}"])}
+    left = {r: meeting.read(call_key, r, PHASE_OUTCOME) for r in world if meeting.store.check([f"{call_key}/{r}"])}
+    if not left:  # (a count raised from outside the job: no rank left)
+        return
     agree(left, meeting.launch.rank, None, "this test")  # a peer's failure or skip: the same here
     raise agreed(pytest.fail.Exception(
         f"{', '.join(f'rank {r}' for r in left)} ended this test without calling {what}: every rank must make "
@@ -119,6 +130,16 @@ def _run_here(launch: Launch, fn, args, kwargs, backend, timeout, env, init_proc
 
 
 _SENT = ("status", "value", "error", "traceback", "exitcode", "stacks", "output", "pid")
+# What each key of a run holds: rank 0's port of the run's store (the others post None); every rank's outcome.
+PORT = wire.Shape("a port number (rank 0's) or None", lambda v: v is None or (type(v) is int and 0 < v < 65536), 64)
+_RESULT_FIELDS = {"status": str, "error": str, "traceback": str, "stacks": str, "output": str, "host": str,
+                  "exitcode": (int, type(None)), "pid": (int, type(None)), "skip": (str, type(None)),
+                  "finished_at": (float, int, type(None))}
+RESULT = wire.Shape(
+    f"a rank's outcome (a dict of {', '.join(('value', *_RESULT_FIELDS))}; the value plain data)",
+    lambda v: type(v) is dict and v.keys() == {"value", *_RESULT_FIELDS} and all(
+        type(v[name]) in (kinds if isinstance(kinds, tuple) else (kinds,)) for name, kinds in _RESULT_FIELDS.items()),
+    256 << 20)
 
 
 def _portable(outcome: ChildOutcome) -> dict:

@@ -45,8 +45,10 @@ from typing import Any, Optional
 
 import pytest
 
-from pytest_llmload.config.vocabulary import RANK_OF_ENV
+from pytest_llmload.config.vocabulary import RANK_OF_ENV, RUN_SECRET_ENV, SETTING
 from pytest_llmload.runners.launcher import (
+    EXIT_STATUS,
+    PHASE_OUTCOME,
     POLL_MAX_S,
     SESSION_END,
     LauncherError,
@@ -55,6 +57,7 @@ from pytest_llmload.runners.launcher import (
     detect,
     test_key,
 )
+from pytest_llmload.runners.wire import Shape, every_interface
 
 # The fixture whose tests run on every rank (the others run on rank 0 only).
 EVERY_RANK_FIXTURE = "distributed_env"
@@ -64,8 +67,11 @@ _REPORT_OPTIONS = {"xmlpath": None, "llmload_progress": None, "report_log": None
                    "htmlpath": None}
 # How long rank 0 keeps hosting the store for the others to read the last keys (srun, mpirun).
 EXIT_READ_S = 30.0
-# Where the ranks meet, besides each test's keys (runners.launcher.test_key) and SESSION_END.
+# Where the ranks meet, besides each test's keys (runners.launcher.test_key) and SESSION_END, and what each holds.
 COLLECTED, REPORT_WRITTEN, LEFT = "collected", "report-written", "left"
+TEST_IDS = Shape("a list of test ids (strings)", lambda v: type(v) is list and all(type(t) is str for t in v),
+                 64 << 20)
+WRITTEN = Shape("true (rank 0 wrote its report)", lambda v: v is True, 64)
 
 meeting_key = pytest.StashKey[Meeting]()
 _devnull_key = pytest.StashKey[Any]()
@@ -85,12 +91,22 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(str(exc)) from None
     if launch is None or hasattr(config, "workerinput"):
         return
+    from pytest_llmload.config import settings
+
+    bind_all = settings.value(config, "bind_all_interfaces")
+    if every_interface(launch.master_addr) and not bind_all:
+        raise pytest.UsageError(
+            f"MASTER_ADDR={launch.master_addr!r} in the environment means every interface of this machine: the "
+            f"stores rank 0 hosts for the {launch.launcher} job would listen there, reachable from every network it "
+            "is on. Set MASTER_ADDR to the address the other ranks reach rank 0 at (this node's name or its address "
+            f"on the cluster network), or pass {SETTING['bind_all_interfaces'].option} (ini "
+            f"{SETTING['bind_all_interfaces'].ini} = true) to listen on every interface knowingly.")
     if getattr(config.option, "numprocesses", None):
         raise pytest.UsageError(
             f"pytest -n {config.option.numprocesses} under {launch.launcher}: each of its {launch.world_size} ranks "
             "would start its own xdist workers, each of them a rank again. Drop -n (or pass -n 0): the launcher's "
             "ranks are the parallel processes.")
-    config.stash[meeting_key] = Meeting(launch)
+    config.stash[meeting_key] = Meeting(launch, every_interface_allowed=bind_all)
     os.environ[RANK_OF_ENV] = f"{launch.launcher} rank {launch.rank} of {launch.world_size}, pid {os.getpid()}"
     if config.option.basetemp:  # a shared --basetemp would be emptied by each rank in turn
         config.option.basetemp = os.path.join(config.option.basetemp, f"rank{launch.rank}")
@@ -121,9 +137,11 @@ def pytest_report_header(config: pytest.Config) -> Optional[list[str]]:
     if meeting is None:
         return None
     launch = meeting.launch
+    signed = (f"signed with ${RUN_SECRET_ENV}" if meeting.secret else
+              f"not signed (no ${RUN_SECRET_ENV}: any process that reaches MASTER_ADDR:MASTER_PORT can post one)")
     return [f"llmload: rank {launch.rank} of {launch.world_size} under {launch.launcher} "
             f"({launch.variables()}, MASTER_ADDR={launch.master_addr}): tests that use {EVERY_RANK_FIXTURE} run on "
-            "every rank, the others on rank 0 only; this report is rank 0's"]
+            f"every rank, the others on rank 0 only; this report is rank 0's; values between the ranks {signed}"]
 
 
 @pytest.hookimpl(trylast=True)
@@ -133,7 +151,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         return
     every_rank = [item.nodeid for item in session.items if EVERY_RANK_FIXTURE in getattr(item, "fixturenames", ())]
     meeting.every_rank = set(every_rank)
-    check_same_tests(meeting.gather(COLLECTED, every_rank))
+    check_same_tests(meeting.gather(COLLECTED, every_rank, TEST_IDS))
     launch = meeting.launch
     if launch.rank != 0:
         rank_0_only = pytest.mark.skip(reason=f"runs on rank 0 only under {launch.launcher}: it does not use "
@@ -191,7 +209,7 @@ def _agreed_phase(item: pytest.Item, phase: str):
         mine = exc
     else:
         mine = None
-    agree(meeting.gather(key, phase_outcome(item, mine)), meeting.launch.rank, mine, what)
+    agree(meeting.gather(key, phase_outcome(item, mine), PHASE_OUTCOME), meeting.launch.rank, mine, what)
     if mine is not None:
         raise mine
     return result
@@ -218,7 +236,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem):
 def pytest_sessionfinish(session: pytest.Session) -> None:
     meeting = meeting_of(session.config)
     if meeting is not None:
-        statuses = meeting.gather(SESSION_END, int(session.exitstatus), abort=lambda: None)
+        statuses = meeting.gather(SESSION_END, int(session.exitstatus), EXIT_STATUS, abort=lambda: None)
         session.config.stash[_statuses_key] = statuses
         session.exitstatus = statuses[0] or max(statuses.values())
 
@@ -230,7 +248,11 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         return
     # The others end only once rank 0 has written its report: torchrun ends every rank as soon as one exits
     # with a failure status, and rank 0 would be ended mid-report.
-    meeting.gather(REPORT_WRITTEN, True, abort=lambda: None)
+    try:
+        meeting.gather(REPORT_WRITTEN, True, WRITTEN, abort=lambda: None)
+    except pytest.exit.Exception as exc:  # (pytest's own catch of an exit is behind us: said as it says one)
+        sys.stderr.write(f"{type(exc).__name__}: {exc}\n")
+        return
     launch = meeting.launch
     meeting.store.add(LEFT, 1)
     if launch.rank == 0 and not launch.agent_store:  # the others are still reading from this process's store

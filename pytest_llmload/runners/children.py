@@ -270,7 +270,7 @@ def _receive(proc, conn, outcome: ChildOutcome) -> None:
     answer = None
     if conn.poll():
         with contextlib.suppress(EOFError, OSError):
-            answer = wire.loads(conn.recv_bytes(), trusted=True)  # (the child runs this process's code)
+            answer = wire.loads(conn.recv_bytes())  # (the child runs this process's code)
     if answer is None:  # the child ended without a word: it died
         proc.join(_JOIN_S)
         outcome.status, outcome.exitcode = "died", proc.exitcode
@@ -282,7 +282,7 @@ def _receive(proc, conn, outcome: ChildOutcome) -> None:
             outcome.error, outcome.traceback, outcome.rendered = answer.error, answer.traceback, answer.rendered
             if answer.exception is not None:
                 with contextlib.suppress(Exception):
-                    outcome.exception = wire.loads(answer.exception, trusted=True)
+                    outcome.exception = wire.loads(answer.exception)
         _keep_notes(answer.notes)
     outcome.finished_at = time.monotonic()
 
@@ -359,7 +359,7 @@ def _child_main(index, spec, conn, workdir, parent_pid, log_level, coverage_sett
         value = spec.fn(*spec.args, **spec.kwargs)
         _end_what_it_left(notes)
         try:
-            answer = wire.dumps(wire.Answer("ok", value, notes=tuple(notes)), trusted=True)
+            answer = wire.dumps(wire.Answer("ok", value, notes=tuple(notes)))
         except Exception as exc:  # noqa: BLE001
             raise TypeError(
                 f"{spec.label} returned {a_type(value)} that cannot be pickled: {exc}") from None
@@ -394,8 +394,7 @@ def _raised(exc: BaseException, render, notes: list) -> bytes:
         with contextlib.suppress(Exception):
             rendered = render(exc)
     return wire.dumps(wire.Answer("raised", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(),
-                                  exception=exception, rendered=rendered, notes=tuple(str(n) for n in notes)),
-                      trusted=True)
+                                  exception=exception, rendered=rendered, notes=tuple(str(n) for n in notes)))
 
 
 def _end_what_it_left(notes: list) -> None:

@@ -17,8 +17,9 @@ Without them a run is a plain run, and ``distributed_env`` forks its ranks as al
 rank's tests start (pytester), though it inherits the launcher's variables (``PYTEST_LLMLOAD_RANK_OF``).
 
 The ranks meet (:class:`Meeting`) through the launcher's store (torchrun's agent store at
-``MASTER_ADDR:MASTER_PORT``; under srun and mpirun, rank 0 hosts one there), exchanging plain data only
-(:mod:`.wire`). Waits: a run's ranks wait for each other's results at most ``timeout`` plus a margin
+``MASTER_ADDR:MASTER_PORT``; under srun and mpirun, rank 0 hosts one there), exchanging plain data only, each key's
+value of the :class:`~.wire.Shape` it holds and signed with the run's secret (:mod:`.wire`): a value refused there
+stops the run with a sentence naming the key and the rank (:func:`refused`). Waits: a run's ranks wait for each other's results at most ``timeout`` plus a margin
 (:data:`RESULT_MARGIN_S`) after their own child ended. Waiting for a peer to reach a test or end a phase has no
 deadline of its own and does not count against this rank's pytest-timeout (:func:`outer_deadline_paused`: rank 1
 skips the rank-0-only tests and waits while rank 0 runs them): a rank that hangs in a test's body is ended by its
@@ -45,6 +46,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import pytest
 
 from pytest_llmload.config.vocabulary import RANK_OF_ENV  # (set by a rank's pytest for what it starts)
+from pytest_llmload.runners.wire import Shape  # (plain Python: the codecs import what they use when a value crosses)
 
 # (launcher, rank, world size, local rank): the variables each one sets, in the order they are looked for.
 LAUNCHERS = (
@@ -113,11 +115,16 @@ def _int(environ: Mapping[str, str], name: str, minimum: int) -> int:
 
 
 class Meeting:
-    """One rank's view of the job: a key-value store all ranks share, and the keys they meet at."""
+    """One rank's view of the job: a key-value store all ranks share, and the keys they meet at. ``secret``: what
+    signs the values (default: ``$PYTEST_LLMLOAD_RUN_SECRET``); ``every_interface_allowed``: the user asked for the
+    stores rank 0 hosts to listen on every interface (``MASTER_ADDR=0.0.0.0``)."""
 
-    def __init__(self, launch: Launch, store=None):
+    def __init__(self, launch: Launch, store=None, *, secret: Optional[bytes] = None,
+                 every_interface_allowed: bool = False):
         self.launch = launch
         self._store = store  # a torch.distributed Store (or the same interface); made on first use
+        self.secret = run_secret(os.environ) if secret is None else secret
+        self.every_interface_allowed = every_interface_allowed
         self.attempts: Counter = Counter()  # per test: how often its setup started here (reruns)
         self.every_rank: set[str] = set()  # node ids of the tests that run on every rank
 
@@ -135,46 +142,55 @@ class Meeting:
             # port shares the server).
             if launch.rank == 0 and not launch.agent_store:
                 store = wire.bound_store(launch.world_size, timeout, host=launch.master_addr,
-                                            port=launch.master_port, multi_tenant=True)
+                                         port=launch.master_port, multi_tenant=True,
+                                         every_interface_allowed=self.every_interface_allowed)
             else:
                 store = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size, is_master=False,
                                       wait_for_workers=False, multi_tenant=True, timeout=timeout)
-            self._store = dist.PrefixStore(meeting_prefix(os.environ), store)
+            self._store = dist.PrefixStore(MEETING_PREFIX, store)
         return self._store
 
-    def post(self, key: str, value: Any) -> None:
-        from pytest_llmload.runners import wire  # (not at plugin load: a plain run never needs it)
+    def post(self, key: str, value: Any, shape: Shape) -> None:
+        from pytest_llmload.runners import wire
 
-        self.store.set(f"{key}/{self.launch.rank}", wire.dumps(value))
+        name = f"{key}/{self.launch.rank}"
+        self.store.set(name, wire.seal(name, value, self.secret, shape))
         self.store.add(f"{key}/count", 1)
 
     def posted(self, key: str) -> int:
+        """How many ranks say they posted under ``key``: a hint for a look at their values (a count is not signed:
+        a process outside the job can raise it), never a value."""
         return self.store.add(f"{key}/count", 0)
 
-    def read(self, key: str, rank: int) -> Any:
-        """Rank ``rank``'s value under ``key``, as plain data only: anything that reaches the store's port can write a
-        key, so nothing read there is unpickled as it is (:mod:`pytest_llmload.runners.wire`)."""
+    def read(self, key: str, rank: int, shape: Shape) -> Any:
+        """Rank ``rank``'s value under ``key``: plain data of ``shape``, signed with this run's secret, or the run
+        stops here (:func:`refused`): anything that reaches the store's port can write a key."""
         from pytest_llmload.runners import wire
 
-        return wire.loads(self.store.get(f"{key}/{rank}"), what=f"rank {rank}'s value under {key!r}")
+        name = f"{key}/{rank}"
+        try:
+            return wire.unseal(name, self.store.get(name), self.secret, shape, rank)
+        except wire.RefusedValue as exc:
+            raise refused(str(exc), self.launch.rank, bool(self.secret)) from None
 
-    def gather(self, key: str, value: Any, *, deadline: Optional[float] = None,
+    def gather(self, key: str, value: Any, shape: Shape, *, deadline: Optional[float] = None,
                abort: Optional[Callable[[], None]] = None) -> dict[int, Any]:
         """Post ``value`` under ``key`` and return every rank's, by rank (see :meth:`collect`)."""
-        self.post(key, value)
-        return self.collect(key, deadline=deadline, abort=abort)
+        self.post(key, value, shape)
+        return self.collect(key, shape, deadline=deadline, abort=abort)
 
-    def collect(self, key: str, *, deadline: Optional[float] = None,
+    def collect(self, key: str, shape: Shape, *, deadline: Optional[float] = None,
                 abort: Optional[Callable[[], None]] = None) -> dict[int, Any]:
-        """Every rank's value under ``key``, by rank. Waits for all of them until ``deadline``
+        """Every rank's value under ``key``, by rank, each of ``shape``. Waits for all of them until ``deadline``
         (``time.monotonic()``; None: as long as it takes) and returns those that came; ``abort()``, called while
         waiting, may raise to stop waiting (default: raise when a peer ended its session)."""
         abort = abort or self._stop_if_a_peer_ended
         world = range(self.launch.world_size)
+        keys = [f"{key}/{r}" for r in world]
         delay = 0.001
         try:
             with outer_deadline_paused():
-                while self.posted(key) < len(world):
+                while not self.store.check(keys):  # (every rank's key: a count is no proof)
                     abort()
                     if deadline is not None and time.monotonic() >= deadline:
                         break
@@ -185,34 +201,63 @@ class Meeting:
             exc.add_note(f"(rank {self.launch.rank} was waiting for the other ranks at {key!r}; "
                          f"{', '.join(missing) + ' had not come' if missing else 'all came meanwhile'})")
             raise
-        return {r: self.read(key, r) for r in world if self.store.check([f"{key}/{r}"])}
+        return {r: self.read(key, r, shape) for r in world if self.store.check([f"{key}/{r}"])}
 
     def _stop_if_a_peer_ended(self) -> None:
         if not self.posted(SESSION_END):
             return
-        ended = {r: self.read(SESSION_END, r) for r in range(self.launch.world_size)
+        ended = {r: self.read(SESSION_END, r, EXIT_STATUS) for r in range(self.launch.world_size)
                  if self.store.check([f"{SESSION_END}/{r}"])}
+        if not ended:  # (a count raised from outside the job: no rank ended)
+            return
         raise pytest.exit.Exception(
-            "; ".join(f"rank {r} ended its session (exit status {int(s)})" for r, s in ended.items())
+            "; ".join(f"rank {r} ended its session (exit status {s})" for r, s in ended.items())
             + f" while rank {self.launch.rank} still had tests to meet it at (-x or --maxfail on a test that ran on "
-            "rank 0 only, or a usage error there): this rank stops too.", returncode=max(map(int, ended.values())))
+            "rank 0 only, or a usage error there): this rank stops too.", returncode=max(ended.values()))
 
 
-def meeting_prefix(environ: Mapping[str, str]) -> str:
-    """Where the ranks' keys live in the launcher's store (torch's ``PrefixStore`` adds the ``/``): ``llmload``, and
-    under it a digest of
-    ``$PYTEST_LLMLOAD_RUN_SECRET`` where the job exports one (every rank inherits it from the launcher): a process that
-    reaches the store's port without it cannot name a key the ranks read."""
-    import hashlib
-
-    from pytest_llmload.config.vocabulary import RUN_SECRET_ENV
-
-    secret = environ.get(RUN_SECRET_ENV, "")
-    return "llmload" + ("/" + hashlib.sha256(secret.encode()).hexdigest()[:32] if secret else "")
-
-
+# Where the ranks' keys live in the launcher's store (torch's PrefixStore adds the "/").
+MEETING_PREFIX = "llmload"
 # Where every rank posts its exit status at the end of its session (a peer still waiting learns of it there).
 SESSION_END = "session-end"
+
+
+def run_secret(environ: Mapping[str, str]) -> bytes:
+    """What signs the values between the ranks: ``$PYTEST_LLMLOAD_RUN_SECRET``, which every rank inherits from the
+    launcher (empty where the job exports none: a signature anyone can make)."""
+    from pytest_llmload.config.vocabulary import RUN_SECRET_ENV
+
+    return environ.get(RUN_SECRET_ENV, "").encode()
+
+
+def refused(reason: str, rank: int, signed: bool) -> BaseException:
+    """What a rank raises for a value it refused (``reason``, naming the key and its rank): the run stops, as
+    pytest stops on ``pytest.exit`` (its sentence printed, no INTERNALERROR), and the other ranks stop at their next
+    meeting, learning this rank's exit status."""
+    from pytest_llmload.config.vocabulary import RUN_SECRET_ENV
+
+    how = (f"signed with this run's ${RUN_SECRET_ENV}" if signed else
+           f"but this job exports no ${RUN_SECRET_ENV}, so any process that reaches the store can post one: export "
+           "one before the launcher (openssl rand -hex 16)")
+    return pytest.exit.Exception(
+        f"{reason} Rank {rank} stops this run: a value between the ranks is plain data of its key's shape, {how} "
+        "(docs/reliability.md).", returncode=pytest.ExitCode.INTERRUPTED)
+
+
+def _is_phase_outcome(value: Any) -> bool:
+    if type(value) is not dict or type(value.get("outcome")) is not str:
+        return False
+    fields = {"passed": {}, "failed": {"text": str, "agreed": bool}, "skipped": {"reason": str, "agreed": bool},
+              "xfailed": {"reason": str, "agreed": bool}}.get(value["outcome"])
+    return fields is not None and value.keys() == {"outcome", *fields} and all(
+        type(value[name]) is kind for name, kind in fields.items())
+
+
+# What each key of this module holds (a test's phases: test_key; the others: plugin.launched_run's).
+EXIT_STATUS = Shape("an exit status (an integer)", lambda v: type(v) is int and -(1 << 31) <= v < 1 << 31, 64)
+PHASE_OUTCOME = Shape(
+    "a phase's outcome ({'outcome': 'passed'}, {'outcome': 'failed', 'text': ..., 'agreed': ...}, or 'skipped' or "
+    "'xfailed' with a 'reason' and 'agreed')", _is_phase_outcome, 16 << 20)
 
 
 @contextlib.contextmanager
