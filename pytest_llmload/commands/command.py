@@ -87,8 +87,7 @@ def run_command(argv: list[str], workdir: Path, *, steps: int, deadline: float, 
             returncode: Optional[int] = process.wait(timeout=deadline)
         except subprocess.TimeoutExpired:
             returncode = None
-            _signal_all(process.pid, run_dir, STACK_SIGNAL)
-            time.sleep(STACKS_GRACE_S)
+            _wait_for_stacks(_signal_all(process.pid, run_dir, STACK_SIGNAL) + [process.pid], run_dir)
         except BaseException:  # an interrupt: nothing of the command outlives the run
             _signal_all(process.pid, run_dir, signal.SIGKILL)
             process.wait()
@@ -99,8 +98,19 @@ def run_command(argv: list[str], workdir: Path, *, steps: int, deadline: float, 
     processes = [json.loads(path.read_text()) for path in sorted(run_dir.glob("process-*.json"))]
     stacks = {int(path.stem.partition("-")[2]): path.read_text(errors="replace")
               for path in sorted(run_dir.glob("stacks-*.txt")) if path.stat().st_size}
+    with log.open("a") as out:  # (the command's output, then where each process was at the deadline)
+        for pid, text in stacks.items():
+            out.write(f"\n--- pytest-llmload run: process {pid}'s stack at the {deadline:g} s deadline ---\n{text}")
     return CommandRun(argv, returncode, seconds, _children_cpu() - cpu_before, deadline, processes, stacks,
                       output_dir, log, [] if returncode is None else left_behind)
+
+
+def _wait_for_stacks(pids: list[int], run_dir: Path) -> None:
+    """Until each of ``pids`` has written its stacks, or :data:`STACKS_GRACE_S` passed."""
+    until = time.monotonic() + STACKS_GRACE_S
+    files = [run_dir / f"stacks-{pid}.txt" for pid in pids if (run_dir / f"pid-{pid}").exists()]
+    while time.monotonic() < until and not all(f.is_file() and f.stat().st_size for f in files):
+        time.sleep(0.05)
 
 
 def _children_cpu() -> float:

@@ -10,6 +10,8 @@ watched, and one that could not happen on this runner says why.
 
 from __future__ import annotations
 
+import os
+import re
 from typing import Callable, Optional
 
 from pytest_llmload.checks.base import NOT_EXERCISED
@@ -18,6 +20,7 @@ from pytest_llmload.commands.in_process import GENERATE_TOKENS
 from pytest_llmload.failures import CATALOG
 from pytest_llmload.reports.row import Row
 from pytest_llmload.reports.verdict import failure_origin
+from pytest_llmload.system import tracebacks
 
 COMMAND_ROW = "command"
 
@@ -131,7 +134,17 @@ def _first_line(text: str) -> str:
 
 
 def _where(crash: dict) -> str:
-    return crash["repo_frames"][-1] if crash["repo_frames"] else "a library's code (no frame of the repo)"
+    return crash["repo_frames"][-1] if crash["repo_frames"] else "a library's code (no file of the repo in its traceback)"
+
+
+# A frame in a faulthandler dump: `  File "train.py", line 12 in main` (innermost first).
+_DUMPED_FRAME = re.compile(r'File "([^"]+)", line (\d+) in (\S+)')
+
+
+def _repo_frames_dumped(text: str) -> list[str]:
+    """The repo's frames of a faulthandler dump, innermost first, as ``path:line in function``."""
+    return [f"{os.path.relpath(path)}:{line} in {name}" for path, line, name in _DUMPED_FRAME.findall(text)
+            if not (tracebacks.is_installed(path) or tracebacks.is_ours(path) or path.startswith("<"))]
 
 
 def _hung_in_load(run: CommandRun) -> bool:
@@ -166,13 +179,17 @@ def command_row(run: CommandRun, facts: Facts) -> Row:
     """The command's own outcome: finished (bounded), crashed (where in the repo, the known fault's fix), hung."""
     common = {"check": COMMAND_ROW, "loader": " ".join(run.argv), "seconds": round(run.seconds, 2)}
     if run.hung:
+        stuck = sorted({frame for text in run.stacks.values() for frame in _repo_frames_dumped(text)[:1]})
+        at = f" stuck at {', '.join(stuck)};" if stuck else ""
         return Row(verdict="error", cause="hang", **common, sentence=(
-            f"the command did not end within its {run.deadline:g} s deadline; every process was ended, their stacks "
-            f"({len(run.stacks)}) are in the log {run.log}"))
+            f"the command did not end within its {run.deadline:g} s deadline:{at} every process was ended, their "
+            f"stacks ({len(run.stacks)}) are at the end of its output {run.log}"))
     if facts.crashes:
         crash = facts.crashes[0]
         fault: Optional[dict] = crash["fault"]
         cause = f" ({fault['cause']})" if fault else ""
+        known = [failure.id for failure in CATALOG if failure.matches(crash["text"])]
+        cause += f" (the known failure {', '.join(known)}: its row says what to change)" if known else ""
         return Row(verdict="error", cause="command", fix=fault and fault["fix"], **common, sentence=(
             f"the command crashed at {_where(crash)}: {crash['type']}: {_first_line(crash['message'])}{cause}"))
     if not run.processes:
@@ -186,6 +203,8 @@ def command_row(run: CommandRun, facts: Facts) -> Row:
     ended = f"stopped after {facts.steps} optimizer step(s)" if bounded and facts.steps else \
         f"finished ({facts.steps} optimizer step(s))"
     notes = (f"{ended} in {len(run.processes)} process(es); {len(facts.loads)} model load(s) on tiny weights",)
+    if run.left_behind:
+        notes += (f"{len(run.left_behind)} process(es) it started still ran after it ended: ended here",)
     return Row(verdict="passed", notes=notes, **common)
 
 

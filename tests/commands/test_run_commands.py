@@ -1,0 +1,128 @@
+"""``python -m pytest_llmload run -- COMMAND...`` on real commands, written as public repos write them
+(``fixtures/commands/``), each run once for the module (a run costs its interpreters: 7-17 s CPU): a Trainer script
+bounded to its optimizer steps, a plain loop whose float16 weights the GradScaler refuses (fp16-unscale) and its fixed
+twin, and an ``accelerate launch`` loop on 2 ranks with write-up 004's ``device_map="auto"``."""
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from pytest_llmload.commands import cli
+
+pytestmark = pytest.mark.timeout(300)
+COMMANDS = Path(__file__).resolve().parents[2] / "fixtures" / "commands"
+
+
+@pytest.fixture(scope="module")
+def tiny_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("tiny-checkpoints")
+
+
+class Ran:
+    def __init__(self, code, text, document, repo, files_before):
+        self.code, self.text, self.document, self.repo, self.files_before = code, text, document, repo, files_before
+        self.rows = {row["check"]: row for row in document["results"]}
+
+    def files_now(self):
+        return sorted(str(p.relative_to(self.repo)) for p in self.repo.rglob("*"))
+
+
+def run(project, tmp_path_factory, tiny_cache, *command, steps=None):
+    """The command run from a copy of ``project`` (nothing of it may change), through the CLI in this process."""
+    import io
+
+    repo = tmp_path_factory.mktemp(project)
+    shutil.copytree(COMMANDS / project, repo, dirs_exist_ok=True)
+    before = sorted(str(p.relative_to(repo)) for p in repo.rglob("*"))
+    report = repo.parent / f"{project}.json"
+    out = io.StringIO()
+    options = ["--cache-dir", str(tiny_cache), "--json", str(report)] + (["--steps", str(steps)] if steps else [])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(repo)
+        patch.setenv("COLUMNS", "1000")
+        code = cli.main([*options, "--", *command], out=out)
+    return Ran(code, out.getvalue(), json.loads(report.read_text()), repo, before)
+
+
+@pytest.fixture(scope="module")
+def trainer_run(tmp_path_factory, tiny_cache):
+    return run("trainer_repo", tmp_path_factory, tiny_cache, sys.executable, "train.py", "--config", "configs/ci.json")
+
+
+@pytest.fixture(scope="module")
+def fp16_before(tmp_path_factory, tiny_cache):
+    return run("fp16_repo", tmp_path_factory, tiny_cache, sys.executable, "train.py", "--config",
+               "configs/before.json")
+
+
+@pytest.fixture(scope="module")
+def fp16_fixed(tmp_path_factory, tiny_cache):
+    return run("fp16_repo", tmp_path_factory, tiny_cache, sys.executable, "train.py", "--config",
+               "configs/fixed.json", steps=3)
+
+
+@pytest.fixture(scope="module")
+def accelerate_run(tmp_path_factory, tiny_cache):
+    launcher = Path(sys.executable).with_name("accelerate")
+    if not launcher.exists():
+        pytest.skip(f"accelerate's launcher is not installed beside {sys.executable}")
+    return run("accelerate_repo", tmp_path_factory, tiny_cache, str(launcher), "launch", "--multi_gpu",
+               "--num_processes", "2", "train_loop.py")
+
+
+def test_a_trainer_script_on_a_hub_id_stops_after_its_steps_on_tiny_weights(trainer_run, tiny_cache):
+    assert trainer_run.code == 0, trainer_run.text
+    command = trainer_run.rows["command"]
+    assert command["verdict"] == "passed"
+    assert "stopped after 2 optimizer step(s) in 1 process(es); 1 model load(s) on tiny weights" in command["note"]
+    assert [p.name.partition("-")[0] for p in tiny_cache.iterdir()] == ["llama"]  # Meta-Llama-3-8B's architecture
+
+
+def test_a_trainer_script_writes_nothing_into_the_repo(trainer_run):
+    # (its TrainingArguments' output_dir, trainer.save_model and tokenizer.save_pretrained went to the run's folder)
+    assert trainer_run.files_now() == trainer_run.files_before
+
+
+def test_each_known_failure_has_a_row_saying_what_the_run_reached(trainer_run):
+    from pytest_llmload.failures import CATALOG
+
+    assert [row["guards"] for row in trainer_run.document["results"][1:]] == [f.id for f in CATALOG]
+    dp_dtype = trainer_run.rows["watch_dp_dtype"]
+    assert dp_dtype["verdict"] == "not exercised"
+    assert "Trainer at train.py:38 saw 0 GPU(s)" in dp_dtype["sentence"]
+    assert "not reachable on this runner" in dp_dtype["sentence"]
+    assert "offload-hang" in trainer_run.text and "watch_meta_backward" in trainer_run.text
+
+
+def test_the_known_failure_is_caught_at_the_repos_line_with_its_fix(fp16_before):
+    assert fp16_before.code == 1, fp16_before.text
+    row = fp16_before.rows["watch_fp16_unscale"]
+    assert row["verdict"] == "failed" and row["failure"] == "fp16-unscale"
+    assert row["sentence"] == "fp16-unscale caught at train.py:29 in main: Attempting to unscale FP16 gradients."
+    assert row["fix"].startswith("Keep the trainable parameters in float32")
+    command = fp16_before.rows["command"]
+    assert command["verdict"] == "error"
+    assert "crashed at train.py:29 in main: ValueError: Attempting to unscale FP16 gradients." in command["sentence"]
+    assert "the known failure fp16-unscale" in command["sentence"]
+    assert "FAILED watch_fp16_unscale" in fp16_before.text
+
+
+def test_the_fixed_twin_passes_with_what_was_watched(fp16_fixed):
+    assert fp16_fixed.code == 0, fp16_fixed.text
+    assert fp16_fixed.rows["watch_fp16_unscale"]["verdict"] == "passed"
+    assert fp16_fixed.rows["watch_fp16_unscale"]["note"] == "watched: a GradScaler unscaled gradients 3 time(s)"
+    assert "stopped after 3 optimizer step(s)" in fp16_fixed.rows["command"]["note"]
+    assert fp16_fixed.files_now() == fp16_fixed.files_before  # (its model.save_pretrained went to the run's folder)
+
+
+def test_every_rank_of_an_accelerate_launch_is_covered(accelerate_run):
+    assert accelerate_run.code == 0, accelerate_run.text
+    # the launcher and its 2 ranks, each with the bootstrap; each rank loaded the model on tiny weights
+    assert "stopped after 2 optimizer step(s) in 3 process(es); 2 model load(s)" in accelerate_run.rows["command"]["note"]
+    row = accelerate_run.rows["watch_distributed_device_map"]
+    assert row["verdict"] == "not exercised"
+    assert "device_map=auto at train_loop.py:15 placed the model on one device here" in row["sentence"]
+    assert accelerate_run.files_now() == accelerate_run.files_before
