@@ -96,6 +96,21 @@ def _package_fix(match: re.Match) -> str:
     return f"pip install {package}  # or AutoTokenizer.from_pretrained(path, use_fast=True) with a tokenizer.json"
 
 
+def _compile_cache(match: re.Match) -> str:
+    """torch's inductor cache directory, as ``torch._inductor`` left it in the environment when it tried to make it."""
+    import os
+
+    folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or "the default, torchinductor_<user> in the temp dir"
+    existing = folder
+    while existing and not os.path.exists(existing):
+        existing = os.path.dirname(existing) if os.path.dirname(existing) != existing else ""
+    why = ("a file, not a directory" if existing and not os.path.isdir(existing) else
+           f"read-only ({existing!r} cannot be written)" if existing and not os.access(existing, os.W_OK) else
+           "not a directory this process could create")
+    return (f"torch's compile cache directory {folder!r} is {why}: the first import of torch._inductor failed making "
+            f"it, and every later import reports only that its {match['type']!r} cache type is already registered")
+
+
 FAULTS: tuple[LoaderFault, ...] = (
     LoaderFault(
         "removed keyword", ("TypeError",), ("transformers.",),
@@ -158,6 +173,12 @@ FAULTS: tuple[LoaderFault, ...] = (
                       "the forward ran with gradients off",
         lambda match: "model.enable_input_require_grads()  # after loading, before training with gradient "
                       "checkpointing; or gradient_checkpointing_kwargs={'use_reentrant': False}"),
+    LoaderFault(  # torch._inductor imported a second time after its first import could not make its cache directory
+        "compile cache", ("AssertionError",), ("torch.compiler._cache",),
+        re.compile(r"Artifact of type=(?P<type>\w+) already registered in mega-cache"),
+        _compile_cache,
+        lambda match: "export TORCHINDUCTOR_CACHE_DIR=<a directory this job can write>  # before pytest starts, e.g. "
+                      "$RUNNER_TEMP/torchinductor"),
     LoaderFault(
         "tokenizer package", ("ImportError",), ("transformers.utils.import_utils",),
         re.compile(r"requires the (?P<package>SentencePiece|protobuf) library but it was not found"),

@@ -347,3 +347,21 @@ def test_the_loaders_code_is_the_loaders_frames_never_this_plugins_spy(tmp_path)
         error = raised(lambda: call_loader(load, LoadRequest(tmp_path)))
     where = str(error).partition("in the loader's code: ")[2]
     assert where.startswith("load (") and __file__ in where and "pytest_llmload" not in where, str(error)
+
+
+def test_a_compile_cache_directory_torch_could_not_make_is_named_with_what_to_set(tmp_path, monkeypatch):
+    """Issue 49, point 7: a second import of torch._inductor after its first could not make the cache directory says
+    only "Artifact of type=precompile already registered": the directory, why, and the variable to set."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    # (what torch._inductor's cache_dir() leaves in the environment before it makes the directory, and fails)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(blocker / "torchinductor"))
+    torch_folder = importlib.util.find_spec("torch").submodule_search_locations[0]  # (torch not imported)
+    cache_module = f"{torch_folder}/compiler/_cache.py"
+    exc = AssertionError("Artifact of type=precompile already registered in mega-cache artifact factory")
+    found = diagnose(as_raised_by(cache_module, exc))
+    assert found.cause == (f"torch's compile cache directory {str(blocker / 'torchinductor')!r} is a file, not a "
+                           "directory: the first import of torch._inductor failed making it, and every later import "
+                           "reports only that its 'precompile' cache type is already registered")
+    assert found.fix.startswith("export TORCHINDUCTOR_CACHE_DIR=<a directory this job can write>")
+    assert diagnose(AssertionError(str(exc))) is None  # (the same words from the loader's own code: nothing known)

@@ -28,8 +28,8 @@ def test_a_non_ascii_folder_under_lang_c_without_utf8_mode_is_named_with_the_fix
                          timeout=120)
     said = run.stdout.decode("utf-8", "replace")
     assert run.returncode == 0 and said.startswith("CheckpointPathError the tiny checkpoint's folder "), said
-    assert (f"{ascii(str(folder / 'llama'))} is not UTF-8 text in this process: its locale (LC_ALL=C) makes Python read "
-            "file names as 'ascii'") in said, said
+    assert (f"{ascii(str(folder / 'llama'))} is not UTF-8 text in this process: its locale (LC_ALL=C) makes Python "
+            "read file names as 'ascii'") in said, said
     assert "run with PYTHONUTF8=1 (or LC_ALL=C.UTF-8), or give pytest a temp dir in ASCII" in said
     assert not (folder / "llama").exists()  # (nothing half-built)
 
