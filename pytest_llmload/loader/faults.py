@@ -96,6 +96,10 @@ def _package_fix(match: re.Match) -> str:
     return f"pip install {package}  # or AutoTokenizer.from_pretrained(path, use_fast=True) with a tokenizer.json"
 
 
+COMPILE_CACHE_FIX = ("export TORCHINDUCTOR_CACHE_DIR=<a directory this job can write>  # before pytest starts, e.g. "
+                     "$RUNNER_TEMP/torchinductor")
+
+
 def _compile_cache(match: re.Match) -> str:
     """torch's inductor cache directory, as ``torch._inductor`` left it in the environment when it tried to make it."""
     import os
@@ -107,8 +111,8 @@ def _compile_cache(match: re.Match) -> str:
     why = ("a file, not a directory" if existing and not os.path.isdir(existing) else
            f"read-only ({existing!r} cannot be written)" if existing and not os.access(existing, os.W_OK) else
            "not a directory this process could create")
-    return (f"torch's compile cache directory {folder!r} is {why}: the first import of torch._inductor failed making "
-            f"it, and every later import reports only that its {match['type']!r} cache type is already registered")
+    return (f"torch's compile cache directory {folder!r} is {why}: torch._inductor's import fails making it (and "
+            "every later import says only that a cache type is already registered)")
 
 
 FAULTS: tuple[LoaderFault, ...] = (
@@ -176,9 +180,11 @@ FAULTS: tuple[LoaderFault, ...] = (
     LoaderFault(  # torch._inductor imported a second time after its first import could not make its cache directory
         "compile cache", ("AssertionError",), ("torch.compiler._cache",),
         re.compile(r"Artifact of type=(?P<type>\w+) already registered in mega-cache"),
-        _compile_cache,
-        lambda match: "export TORCHINDUCTOR_CACHE_DIR=<a directory this job can write>  # before pytest starts, e.g. "
-                      "$RUNNER_TEMP/torchinductor"),
+        _compile_cache, lambda match: COMPILE_CACHE_FIX),
+    LoaderFault(  # the first import of torch._inductor, making its cache directory
+        "compile cache", ("FileNotFoundError", "PermissionError", "NotADirectoryError", "FileExistsError", "OSError"),
+        ("torch._inductor.runtime.cache_dir_utils",), re.compile(r"\[Errno \d+\]"),
+        _compile_cache, lambda match: COMPILE_CACHE_FIX),
     LoaderFault(
         "tokenizer package", ("ImportError",), ("transformers.utils.import_utils",),
         re.compile(r"requires the (?P<package>SentencePiece|protobuf) library but it was not found"),

@@ -15,7 +15,7 @@ import pytest
 from packaging.version import Version
 
 from fixtures.loaders import fault_cuda_current_device, fault_transformers4_keywords
-from pytest_llmload.loader.faults import DEVICE_FIX, PAD_TOKEN_FIX, REMOVED_KEYWORDS, diagnose
+from pytest_llmload.loader.faults import COMPILE_CACHE_FIX, DEVICE_FIX, PAD_TOKEN_FIX, REMOVED_KEYWORDS, diagnose
 from pytest_llmload.loader.request import LoadRequest
 from pytest_llmload.loader.seam import LoaderError, call_loader
 from pytest_llmload.system.gpus import visible_gpu_count
@@ -360,8 +360,12 @@ def test_a_compile_cache_directory_torch_could_not_make_is_named_with_what_to_se
     cache_module = f"{torch_folder}/compiler/_cache.py"
     exc = AssertionError("Artifact of type=precompile already registered in mega-cache artifact factory")
     found = diagnose(as_raised_by(cache_module, exc))
-    assert found.cause == (f"torch's compile cache directory {str(blocker / 'torchinductor')!r} is a file, not a "
-                           "directory: the first import of torch._inductor failed making it, and every later import "
-                           "reports only that its 'precompile' cache type is already registered")
-    assert found.fix.startswith("export TORCHINDUCTOR_CACHE_DIR=<a directory this job can write>")
+    cause = (f"torch's compile cache directory {str(blocker / 'torchinductor')!r} is a file, not a directory: "
+             "torch._inductor's import fails making it (and every later import says only that a cache type is "
+             "already registered)")
+    assert (found.cause, found.fix) == (cause, COMPILE_CACHE_FIX)
+    assert COMPILE_CACHE_FIX.startswith("export TORCHINDUCTOR_CACHE_DIR=<a directory this job can write>")
     assert diagnose(AssertionError(str(exc))) is None  # (the same words from the loader's own code: nothing known)
+    # The first import's own error, raised making the directory
+    first = NotADirectoryError(20, "Not a directory", str(blocker / "torchinductor"))
+    assert diagnose(as_raised_by(f"{torch_folder}/_inductor/runtime/cache_dir_utils.py", first)).cause == cause
