@@ -19,14 +19,14 @@ rank's tests start (pytester), though it inherits the launcher's variables (``PY
 The ranks meet (:class:`Meeting`) through the launcher's store (torchrun's agent store at
 ``MASTER_ADDR:MASTER_PORT``; under srun and mpirun, rank 0 hosts one there), exchanging plain data only, each key's
 value of the :class:`~.wire.Shape` it holds and signed with the run's secret (:mod:`.wire`): a value refused there
-stops the run with a sentence naming the key and the rank (:func:`refused`). Waits: a run's ranks wait for each other's results at most ``timeout`` plus a margin
-(:data:`RESULT_MARGIN_S`) after their own child ended. Waiting for a peer to reach a test or end a phase has no
-deadline of its own and does not count against this rank's pytest-timeout (:func:`outer_deadline_paused`: rank 1
-skips the rank-0-only tests and waits while rank 0 runs them): a rank that hangs in a test's body is ended by its
-own pytest-timeout and reports it to the others, and a rank that dies ends the job (torchrun, mpirun and
-``srun --kill-on-bad-exit=1`` end the others). A rank that ends its session early (``-x`` on a rank-0-only test)
-ends the others' at their next meeting. :func:`agree` decides what a phase ends with on this rank, given every
-rank's outcome.
+stops the run with a sentence naming the key and the rank (:func:`refused`). Waits: a run's ranks wait for each
+other's results at most ``timeout`` plus a margin (:data:`RESULT_MARGIN_S`) after their own child ended. Waiting for
+a peer to reach a test or end a phase has no deadline of its own and does not count against this rank's
+pytest-timeout (:func:`outer_deadline_paused`: rank 1 skips the rank-0-only tests and waits while rank 0 runs them):
+a rank that hangs in a test's body is ended by its own pytest-timeout and reports it to the others, and a rank that
+dies ends the job (torchrun, mpirun and ``srun --kill-on-bad-exit=1`` end the others). A rank that ends its session
+early (``-x`` on a rank-0-only test) ends the others' at their next meeting. :func:`agree` decides what a phase ends
+with on this rank, given every rank's outcome.
 
 This module imports nothing heavy: the plugin loads it with its hooks under a launcher.
 """
