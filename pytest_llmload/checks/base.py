@@ -12,12 +12,8 @@ import re
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional
 
+from pytest_llmload.checks.judgement import DECLARED_NOT_APPLICABLE, NOT_EXERCISED, judged_in_child
 from pytest_llmload.system.words import a
-
-
-# A check that cannot judge (the loader did not put the model in the state its scenario needs) skips with a
-# reason that starts so; `--llmload-strict` (ini `llmload_strict`, the main job's --fail-not-exercised) counts it as a failure.
-NOT_EXERCISED = "not exercised: "
 
 
 # A row whose verdict rests on what the check assumed, neither observed nor declared, notes it (checks.contract.note)
@@ -25,10 +21,6 @@ NOT_EXERCISED = "not exercised: "
 # assumptions: the summaries under pytest's and the main job's tables list them, and `--llmload-strict` counts such
 # a row as not judged.
 ASSUMED = "assumed: "
-
-
-# A check the repo declared not to apply to it (``llmload_not_applicable``) skips with a reason that starts so.
-DECLARED_NOT_APPLICABLE = "declared not applicable: "
 
 
 def not_exercised(check: str, did_instead: str, missing: str) -> None:
@@ -144,10 +136,14 @@ class Check(NamedTuple):
             preload_for_isolated_checks(args[1], peft=self.uses_peft)
         if not self.isolated:
             return self.function(*args, **kwargs)
+        import functools
+
         from pytest_llmload.runners import isolation
 
+        # The child judges its own outcome (its row's judged fields come back with its answer): what it raised is
+        # itself there, pickled or not.
         isolation.run_isolated(self.function, args, kwargs, timeout=self.timeout, label=self.name,
-                               render=isolation.render_failure)
+                               render=isolation.render_failure, judge=functools.partial(judged_in_child, self))
 
     def options_for(self, loader: Any, given: dict[str, Any]) -> dict[str, Any]:
         """The keywords the check function takes, by the one precedence: what the test passes (``given``), else the

@@ -105,6 +105,9 @@ class PhaseRecorder:
         self.phases: list[Phase] = []
         self.models: list[LoadedModel] = []
         self.deadlines: list[tuple[str, float, float]] = []  # (what, seconds taken, deadline seconds)
+        # What the children forked during the test recorded (their models and phases, as plain data): each child's
+        # copy of this recorder dies with it, so they come back with its answer (pytest_llmload.runners.children).
+        self.from_children: list[dict] = []
         self._lock = threading.Lock()
 
     # called by Phase
@@ -135,6 +138,26 @@ class PhaseRecorder:
             self.models.append(loaded)
         return loaded
 
+    def mark(self) -> tuple[int, int, int]:
+        """How much is recorded now: :meth:`artefacts` from a mark gives only what came after it (a forked child's
+        own records, not the parent's it inherited)."""
+        return len(self.models), len(self.phases), len(self.from_children)
+
+    def artefacts(self, since: tuple[int, int, int] = (0, 0, 0)) -> dict:
+        """The models and phases recorded (since :meth:`mark` ``since``), the children's included, as plain data:
+        ``{"models": [...], "phases": [...]}``, each model with its device map as recorded at load, each phase
+        with its label and start (what the HTML report draws)."""
+        models = [_loaded_dict(m) for m in list(self.models)[since[0]:]]
+        phases = [dict(p.as_dict(), label=p.label, started=p.started) for p in list(self.phases)[since[1]:]]
+        for child in list(self.from_children)[since[2]:]:
+            models += child.get("models") or []
+            phases += child.get("phases") or []
+        return {"models": models, "phases": phases}
+
+    def add_from_child(self, artefacts: dict) -> None:
+        """What a child's copy of this recorder saw (its :meth:`artefacts` since the fork)."""
+        self.from_children.append(artefacts)
+
     def running(self) -> list[Phase]:
         return [p for p in self.phases if p.running]
 
@@ -146,6 +169,16 @@ class PhaseRecorder:
     def table(self) -> str:
         """The phases as a small aligned table; the phase running or ended by a failure is marked ``>``."""
         return phase_table(self.phases, marked=self.running() or [self.interrupted()])
+
+
+def _loaded_dict(loaded: LoadedModel) -> dict:
+    """A :class:`LoadedModel` as plain data, its device map as recorded at load."""
+    device_map = loaded.device_map
+    if device_map:
+        device_map = {str(k): v if isinstance(v, int) and not isinstance(v, bool) else str(v)
+                      for k, v in device_map.items()}
+    return {"kind": loaded.kind, "source": str(loaded.source or ""), "seconds": loaded.seconds, "where": loaded.where,
+            "device_map": device_map or None}
 
 
 def phase_table(phases: Sequence[Phase], marked: Sequence[Optional[Phase]] = ()) -> str:

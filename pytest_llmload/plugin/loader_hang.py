@@ -43,7 +43,7 @@ def _uses_loader(item: pytest.Item) -> bool:
 def hang_in_loader(exc: BaseException, test: str) -> Optional[Hang]:
     """The :class:`Hang`, when ``exc`` (``test``'s failure) is a deadline that passed while the loader was being
     called; ``None`` for any other failure."""
-    from pytest_llmload.reports.verdict import children_end
+    from pytest_llmload.runners.children import children_end
     from pytest_llmload.runners.isolation import child_outcomes
 
     outcomes = child_outcomes(exc)

@@ -53,7 +53,7 @@ import pytest
 
 from pytest_llmload.config.distribution import FIELD_REPORT_URL
 from pytest_llmload.reports.known_failures import SECTION as KNOWN_FAILURE_SECTION
-from pytest_llmload.reports.html_data import record_of, spooling
+from pytest_llmload.reports.html_data import record_of
 from pytest_llmload.reports.html_pictures import (
     device_colour,
     device_map_figure,
@@ -138,15 +138,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
                          *(extras.png(base64.b64encode(png).decode("ascii"), name)
                            for name, png in figures(record, report.nodeid))]
     return report
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem):
-    state = item.config.stash.get(state_key, None)
-    if state is None or not state.active:
-        return (yield)
-    with spooling():
-        return (yield)
 
 
 # --- the session: rows, and the file ---------------------------------------------------------------------

@@ -16,7 +16,10 @@ deadline, takes the stacks of those still running, kills them, and returns one :
   (:mod:`.child_output`), measures coverage where the parent does (:mod:`.child_coverage`), and runs one OpenMP
   thread. Whatever its function changes process-wide dies with it; what that function starts is ended with it.
 - **What comes back**: one :class:`~.wire.Answer`, through the child's own pipe (:mod:`.wire`): the value, or the
-  exception as itself with its traceback, and the notes the check made for its row. A child that sends none died.
+  exception as itself with its traceback; an isolated check's row, judged in the child (``ChildSpec.judge``); the
+  notes the check made for its row; and what the test's recorder saw in the child (its models and phases, for the
+  HTML report), which joins the test's own recorder here. A child that sends none died: the parent judges only that,
+  and a child still running at its deadline (:func:`children_end`).
 
 No child and no temporary directory outlives :func:`run_children`, also when it is interrupted (Ctrl-C).
 This module imports nothing heavy.
@@ -37,6 +40,7 @@ import traceback
 from typing import NamedTuple, Optional
 
 from pytest_llmload.runners import child_coverage, child_output, lifeline, warm_server, wire
+from pytest_llmload.system import tracebacks
 from pytest_llmload.system.words import a_type
 
 _JOIN_S = 2.0
@@ -54,6 +58,7 @@ class ChildOutcome:
         self.traceback = ""  # the child's traceback, as Python prints it
         self.exception = None  # the child's exception, unpickled here, where it could be
         self.rendered = None  # the child's own rendering of the failure (a pytest test's report)
+        self.row = None  # an isolated check's row, judged in the child (the judged fields, plain data)
         self.exitcode = None
         self.stacks = ""
         self.output = ""  # the tail of stdout and stderr, for failure messages
@@ -72,6 +77,34 @@ class ChildOutcome:
 
     def __repr__(self) -> str:
         return f"<ChildOutcome {self.label} pid={self.pid} {self.status}>"
+
+
+class ChildrenEnd(NamedTuple):
+    """How the children that ran a check ended (an isolated check's child, the ranks), read in one place: the row's
+    verdict (:mod:`pytest_llmload.checks.judgement`) and the fail-fast after a hang
+    (:mod:`pytest_llmload.plugin.loader_hang`) both go by it."""
+
+    how: str  # "raised": one raised (what it raised is judged); "hung": one was still running at its deadline and
+    # none raised; "died": one ended without an answer, and none raised or hung
+    in_loader: bool = False  # (hung) a hung child's stacks are inside the loader call
+    after_a_death: bool = False  # (hung) another child died: the hung ones may only have been waiting on it
+
+    @property
+    def loader_hung(self) -> bool:
+        """The loader itself hung: a child still in the loader call at its deadline, and none raised or died first
+        (the others then wait on it, which is no hang of the loader's)."""
+        return self.how == "hung" and self.in_loader and not self.after_a_death
+
+
+def children_end(outcomes: list) -> ChildrenEnd:
+    """How the children with these outcomes (:class:`ChildOutcome`) ended."""
+    statuses = [o.status for o in outcomes]
+    if "raised" in statuses:
+        return ChildrenEnd("raised")
+    hung = [o for o in outcomes if o.status == "hung"]
+    if hung:
+        return ChildrenEnd("hung", any(tracebacks.in_loader_call(o.stacks or "") for o in hung), "died" in statuses)
+    return ChildrenEnd("died")
 
 
 def describe_exitcode(code) -> str:
@@ -159,11 +192,13 @@ def start_for(requested: Optional[str] = None, *, backend: Optional[str] = None,
 
 class ChildSpec:
     """One child: ``fn(*args, **kwargs)`` after ``prepare()``; ``render(exc)`` turns an exception raised by
-    ``fn`` into report text in the child (optional); ``merge_output`` sends stderr to stdout's file."""
+    ``fn`` into report text in the child (optional); ``judge(exc)`` (optional) judges in the child what ``fn`` did
+    (``exc``: what it raised, ``None`` where it returned) into plain data, a check's row; ``merge_output`` sends
+    stderr to stdout's file."""
 
-    def __init__(self, label, fn, args=(), kwargs=None, *, prepare=None, render=None, merge_output=False):
+    def __init__(self, label, fn, args=(), kwargs=None, *, prepare=None, render=None, judge=None, merge_output=False):
         self.label, self.fn, self.args, self.kwargs = label, fn, tuple(args), dict(kwargs or {})
-        self.prepare, self.render, self.merge_output = prepare, render, merge_output
+        self.prepare, self.render, self.judge, self.merge_output = prepare, render, judge, merge_output
 
 
 def run_children(specs, timeout: float, *, start: Start = Start(), tmp_root=None, prefix: str = "llmload-child-",
@@ -275,7 +310,7 @@ def _receive(proc, conn, outcome: ChildOutcome) -> None:
         proc.join(_JOIN_S)
         outcome.status, outcome.exitcode = "died", proc.exitcode
     else:
-        outcome.status = answer.status
+        outcome.status, outcome.row = answer.status, answer.row
         if answer.status == "ok":
             outcome.value = answer.value
         else:
@@ -284,6 +319,7 @@ def _receive(proc, conn, outcome: ChildOutcome) -> None:
                 with contextlib.suppress(Exception):
                     outcome.exception = wire.loads(answer.exception)
         _keep_notes(answer.notes)
+        _keep_artefacts(answer.artefacts)
     outcome.finished_at = time.monotonic()
 
 
@@ -350,6 +386,7 @@ def _child_main(index, spec, conn, workdir, parent_pid, log_level, coverage_sett
     child_output.answer_stack_requests(workdir, index)
     succeeded = False
     notes = _collect_notes()
+    recorder, recorded_before = _recorder_mark()
     lifeline.become_subreaper()  # what the code under test starts and orphans (a setsid daemon) comes back here
     try:
         if go is not None:
@@ -358,8 +395,10 @@ def _child_main(index, spec, conn, workdir, parent_pid, log_level, coverage_sett
             spec.prepare()
         value = spec.fn(*spec.args, **spec.kwargs)
         _end_what_it_left(notes)
+        row = spec.judge(None) if spec.judge is not None else None
         try:
-            answer = wire.dumps(wire.Answer("ok", value, notes=tuple(notes)))
+            answer = wire.dumps(wire.Answer("ok", value, notes=tuple(notes), row=row,
+                                            artefacts=_artefacts(recorder, recorded_before)))
         except Exception as exc:  # noqa: BLE001
             raise TypeError(
                 f"{spec.label} returned {a_type(value)} that cannot be pickled: {exc}") from None
@@ -367,7 +406,7 @@ def _child_main(index, spec, conn, workdir, parent_pid, log_level, coverage_sett
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent, KeyboardInterrupt too
         with contextlib.suppress(Exception):
             _end_what_it_left(notes)
-        answer = _raised(exc, spec.render, notes)
+        answer = _raised(exc, spec, notes, _artefacts(recorder, recorded_before))
     child_coverage.save(cov)  # os._exit skips coverage's own save; before the answer, after which the parent may kill
     with contextlib.suppress(Exception):
         sys.stdout.flush()
@@ -386,15 +425,22 @@ def _child_main(index, spec, conn, workdir, parent_pid, log_level, coverage_sett
     os._exit(0)  # never run the parent's atexit handlers or pytest's teardown in a child
 
 
-def _raised(exc: BaseException, render, notes: list) -> bytes:
-    """The answer of a child whose function raised ``exc``."""
+def _raised(exc: BaseException, spec: ChildSpec, notes: list, artefacts: Optional[dict]) -> bytes:
+    """The answer of a child whose function raised ``exc``: the exception, and (a check's child) its row judged here,
+    where the exception is itself whether or not it pickles."""
     exception = wire.exception_bytes(exc)
-    rendered = None
-    if render is not None:
+    rendered = row = None
+    if spec.render is not None:
         with contextlib.suppress(Exception):
-            rendered = render(exc)
+            rendered = spec.render(exc)
+    if spec.judge is not None:
+        try:
+            row = spec.judge(exc)
+        except Exception as broke:  # noqa: BLE001 - the judge is this project's code: its bug is said, the parent judges
+            notes.append(f"the row could not be judged in the child: {type(broke).__name__}: {broke}")
     return wire.dumps(wire.Answer("raised", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(),
-                                  exception=exception, rendered=rendered, notes=tuple(str(n) for n in notes)))
+                                  exception=exception, rendered=rendered, notes=tuple(str(n) for n in notes),
+                                  row=row, artefacts=artefacts))
 
 
 def _end_what_it_left(notes: list) -> None:
@@ -419,6 +465,35 @@ def _keep_notes(notes) -> None:
     keys = sys.modules.get("pytest_llmload.config.stash_keys")
     for note in (notes or ()) if keys is not None else ():
         keys.add_note(note)
+
+
+def _recorder_mark():
+    """In a child: the test's recorder it inherited (a forked child; ``None`` elsewhere) and how much of it was the
+    parent's at the fork, so that only what the child records goes back."""
+    recorders = sys.modules.get("pytest_llmload.instruments.recorder")  # (no import here: a fork may hold its lock)
+    recorder = recorders.current_recorder() if recorders is not None else None
+    return recorder, (recorder.mark() if recorder is not None else None)
+
+
+def _artefacts(recorder, since) -> Optional[dict]:
+    """What the child's copy of the test's recorder saw since the fork, as plain data; ``None`` where it saw nothing
+    (or has no recorder)."""
+    if recorder is None:
+        return None
+    with contextlib.suppress(Exception):  # a picture missing from the HTML report, never a failing child
+        artefacts = recorder.artefacts(since)
+        for phase in artefacts["phases"]:
+            phase.setdefault("child", os.getpid())  # (the report marks a child's phases; a grandchild's keep theirs)
+        return artefacts if artefacts["models"] or artefacts["phases"] else None
+    return None
+
+
+def _keep_artefacts(artefacts) -> None:
+    """In the parent: what a child's recorder saw joins the running test's recorder (the HTML report's pictures)."""
+    recorders = sys.modules.get("pytest_llmload.instruments.recorder")
+    recorder = recorders.current_recorder() if recorders is not None and artefacts else None
+    if recorder is not None:
+        recorder.add_from_child(artefacts)
 
 
 def _die_with_parent(parent_pid) -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import sys
+from typing import Optional
 
 from pytest_llmload.runners import children
 from pytest_llmload.system import tracebacks
@@ -59,12 +60,24 @@ class IsolationFailed(AssertionError):
 
 
 class ChildError(Exception):
-    """Stands for an exception raised in the child that could not be brought back (it does not pickle)."""
+    """Stands for an exception raised in the child that could not be brought back (it does not pickle): its text
+    only. (A check's child judged the exception itself, before it was lost: :func:`judged_by_child`.)"""
 
 
 class ChildTraceback(Exception):
     """The traceback of the child, as the cause of the exception re-raised here: a failure report, and the
-    known-failure catalog, see the child's frames."""
+    known-failure catalog, see the child's frames. ``row``: the row's judged fields, where the child judged what it
+    raised (an isolated check's child)."""
+
+    row: Optional[dict] = None
+
+
+def judged_by_child(exc: Optional[BaseException]) -> Optional[dict]:
+    """The row's judged fields (plain data) that the child which raised ``exc`` sent with its answer, where a child
+    judged it (an isolated check's: ``run_isolated(judge=...)``); ``None`` for an exception of this process, or of a
+    child that judged nothing (it hung or died: the parent says that)."""
+    cause = getattr(exc, "__cause__", None)
+    return cause.row if isinstance(cause, ChildTraceback) else None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -103,7 +116,7 @@ def effective_timeout(timeout) -> float:
 
 
 def run_isolated(fn, args=(), kwargs=None, *, timeout=None, label: str = "isolated call", start=None,
-                 tmp_root=None, render=None):
+                 tmp_root=None, render=None, judge=None):
     """Run ``fn(*args, **kwargs)`` in a child process and return its result (which must pickle).
 
     ``timeout`` (seconds; ``None``: what pytest-timeout's alarm leaves, else 120) is enforced here; it ends
@@ -112,13 +125,14 @@ def run_isolated(fn, args=(), kwargs=None, *, timeout=None, label: str = "isolat
     captured output). Raises:
 
     - what ``fn`` raised, re-raised here, with the child's traceback as its ``__cause__``
-      (:class:`ChildTraceback`); :class:`ChildError` for an exception that does not pickle;
+      (:class:`ChildTraceback`, with what ``judge(exc)`` made of it in the child, :func:`judged_by_child`);
+      :class:`ChildError` for an exception that does not pickle;
     - :class:`IsolationFailed` when the child is still running at the deadline (with its thread stacks) or
       dies (with its signal or exit code and the tail of its output).
     """
     timeout = effective_timeout(timeout)
     how = children.start_for(start)
-    spec = children.ChildSpec(label, fn, args, kwargs, render=render)
+    spec = children.ChildSpec(label, fn, args, kwargs, render=render, judge=judge)
     (outcome,) = children.run_children([spec], timeout, start=how, tmp_root=tmp_root, prefix="llmload-isolated-")
     _replay(outcome)
     if outcome.status == "ok":
@@ -158,6 +172,7 @@ def raise_child_exception(outcome: ChildOutcome):
         with contextlib.suppress(Exception):  # an exception type with __slots__ takes no attribute
             exc.llmload_child_report = f"{headline}  (raised in an isolated child, pid {outcome.pid})\n{outcome.rendered}"
     cause = ChildTraceback(f"in the isolated child (pid {outcome.pid}):\n{outcome.traceback.rstrip()}")
+    cause.row = outcome.row
     raise exc from cause
 
 

@@ -97,8 +97,9 @@ def read_records(file) -> Iterator[Any]:
 
 class Answer(NamedTuple):
     """The one message a child sends its parent, when its function has ended: what the parent makes the child's
-    :class:`~.children.ChildOutcome` of, and a check's row (:class:`pytest_llmload.reports.row.Row`) with it: the
-    exception and the notes (the row is judged and written in the parent). A child that sends none died."""
+    :class:`~.children.ChildOutcome` of: the value or the exception, an isolated check's row as the child judged it
+    (plain data, taken as it is by :func:`pytest_llmload.reports.verdict.row_of`), the notes, and what the test's
+    recorder saw in the child. A child that sends none died."""
 
     status: str  # "ok" or "raised"
     value: Any = None  # what the function returned (ok)
@@ -107,6 +108,8 @@ class Answer(NamedTuple):
     exception: Optional[bytes] = None  # the exception (exception_bytes); None where it could not travel
     rendered: Optional[str] = None  # the child's own rendering of the failure (a pytest test's report)
     notes: tuple[str, ...] = ()  # what the check said about how it judged (config.stash_keys.add_note)
+    row: Optional[dict] = None  # an isolated check's row, judged in the child (checks.judgement.JUDGED_FIELDS)
+    artefacts: Optional[dict] = None  # {"models": [...], "phases": [...]} the test's recorder saw in the child
 
 
 def exception_bytes(exc: BaseException) -> Optional[bytes]:

@@ -53,7 +53,7 @@ def test_no_url_is_written_in_the_package():
 
 
 def test_a_crash_of_a_check_asks_for_a_report_at_the_metadatas_issues_url(monkeypatch):
-    from pytest_llmload.reports import verdict
+    from pytest_llmload.checks import judgement
 
     issues = metadata.metadata("pytest-llmload").get_all("Project-URL")
     assert any(entry.startswith("Issues, https://") for entry in issues), issues
@@ -61,7 +61,7 @@ def test_a_crash_of_a_check_asks_for_a_report_at_the_metadatas_issues_url(monkey
     try:
         raise KeyError("boom")
     except KeyError as exc:
-        sentence = verdict._check_broke(exc).sentence
+        sentence = judgement.check_broke(exc).sentence
     assert sentence.endswith("please report it with this traceback: https://tracker.invalid/llmload"), sentence
 
 

@@ -81,7 +81,8 @@ def test_the_row_and_the_fail_fast_read_the_children_by_one_judgement():
     reading), but later tests still wait (the hung rank may only have been waiting on the dead one)."""
     from types import SimpleNamespace
 
-    from pytest_llmload.reports.verdict import ChildrenEnd, children_end, of_exception
+    from pytest_llmload.reports.verdict import of_exception
+    from pytest_llmload.runners.children import ChildrenEnd, children_end
     from pytest_llmload.runners.ranks import DistributedRunFailed
 
     failure = SimpleNamespace(id="some-failure", hang_is_mechanism=False)

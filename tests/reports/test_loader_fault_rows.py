@@ -21,7 +21,10 @@ from pytest_llmload.failures import BY_ID
 from pytest_llmload.loader.faults import DEVICE_FIX, PAD_TOKEN_FIX
 from pytest_llmload.loader.request import LoadRequest
 from pytest_llmload.loader.seam import LoaderModelError, as_loader_under_test, call_loader
+from pytest_llmload.checks.base import Check
 from pytest_llmload.reports import verdict
+from pytest_llmload.reports.verdict import row_of
+from pytest_llmload.runners import wire
 from pytest_llmload.runners.isolation import ChildError
 from pytest_llmload.system.gpus import visible_gpu_count
 
@@ -38,15 +41,24 @@ def raised(call) -> BaseException:
     return info.value
 
 
+def load_with_the_cuda_fault(loader, checkpoint, workdir):
+    call_loader(fault_cuda_current_device.load, LoadRequest(checkpoint))
+
+
 @needs_no_cuda
-def test_a_loader_fault_is_an_error_verdict_with_its_fix_also_when_it_did_not_pickle(llmload_checkpoint):
+def test_a_loader_fault_is_an_error_verdict_with_its_fix_also_when_it_did_not_pickle(llmload_checkpoint, tmp_path,
+                                                                                     monkeypatch):
     error = raised(lambda: call_loader(fault_cuda_current_device.load, LoadRequest(llmload_checkpoint)))
     judged = verdict.of_exception(error, FAILURE)
     assert (judged.kind, judged.failure, judged.cause, judged.fix) == ("error", None, "loader", DEVICE_FIX)
     assert "\n  cause: the loader pins the model to a CUDA device" in judged.sentence
-    # (raised in a child, it came back as its text only)
-    unpickled = verdict.of_exception(ChildError(f"LoaderError: {error}"), FAILURE)
-    assert (unpickled.cause, unpickled.fix) == ("loader", DEVICE_FIX)
+    # Raised in an isolated check's child, it came back as its text only: the child judged it, as itself.
+    monkeypatch.setattr(wire, "exception_bytes", lambda exc: None)
+    check = Check(load_with_the_cuda_fault, FAILURE, isolated=True, timeout=60)
+    unpickled = raised(lambda: check(fault_cuda_current_device.load, llmload_checkpoint, tmp_path))
+    assert isinstance(unpickled, ChildError)
+    row = row_of(check, raised=unpickled)
+    assert (row.verdict, row.cause, row.fix, row.sentence) == ("error", "loader", DEVICE_FIX, judged.sentence)
 
 
 def test_a_loader_error_that_is_no_known_fault_has_no_fix_and_its_whole_reason():

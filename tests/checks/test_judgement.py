@@ -1,0 +1,141 @@
+"""A check judged where it ran (pytest_llmload.checks.judgement, issue 47 point 1): an isolated check's child judges
+its own outcome and sends the row's judged fields back with its answer; the parent builds the row from them as they
+are (reports.verdict.row_of) and judges only what a child cannot say, that it hung or died.
+
+Before: the child sent its exception, and the parent judged it; one that did not pickle came back as its text, whose
+head (``LoaderError: ...``) the parent parsed, and a repo's check whose own exception did not pickle read
+``ChildError: ...``."""
+
+import os
+import threading
+
+import pytest
+
+from pytest_llmload.checks.base import Check, KnownFailure
+from pytest_llmload.reports.verdict import row_of
+from pytest_llmload.runners import children
+from pytest_llmload.runners.isolation import ChildError, ChildTraceback, judged_by_child
+
+FAILURE = KnownFailure(id="use-cache-off", title="an inference load with the KV cache switched off",
+                       write_up="myrepo#12", signatures=(), root_cause="the loader copies its training set-up",
+                       fix="set use_cache only for train requests", occurs="myrepo since 2.3")
+
+
+def never_called(request):
+    raise AssertionError("these checks load nothing")
+
+
+def own_finding(loader, checkpoint, workdir):
+    assert False, "the inference model has config.use_cache=False"
+
+
+class HoldsALock(Exception):
+    def __init__(self):
+        super().__init__("cannot travel")
+        self.lock = threading.Lock()
+
+
+def own_unpicklable(loader, checkpoint, workdir):
+    raise HoldsALock()
+
+
+def raised_by(check: Check, tmp_path) -> BaseException:
+    with pytest.raises(BaseException) as info:
+        check(never_called, tmp_path, tmp_path)
+    return info.value
+
+
+def test_an_isolated_checks_child_sends_its_row_judged_there(tmp_path):
+    check = Check(own_finding, FAILURE, isolated=True, timeout=60)
+    raised = raised_by(check, tmp_path)
+    assert isinstance(raised, AssertionError), "the test still fails as the check did"
+    assert judged_by_child(raised) == {
+        "check": "own_finding", "verdict": "failed", "guards": "use-cache-off", "failure": "use-cache-off",
+        "cause": "mechanism", "sentence": "the inference model has config.use_cache=False",
+        "fix": "set use_cache only for train requests"}
+    row = row_of(check, raised=raised, loader="never_called")
+    assert (row.verdict, row.failure, row.fix, row.loader) == ("failed", "use-cache-off", FAILURE.fix, "never_called")
+
+
+def test_a_repo_checks_own_exception_that_does_not_pickle_is_judged_as_itself_in_its_child(tmp_path):
+    raised = raised_by(Check(own_unpicklable, FAILURE, isolated=True, timeout=60), tmp_path)
+    assert isinstance(raised, ChildError), "it did not travel: the parent has its text only"
+    sentence = row_of(Check(own_unpicklable, FAILURE, isolated=True), raised=raised).sentence
+    line = own_unpicklable.__code__.co_firstlineno + 1
+    assert sentence == ("the check own_unpicklable itself broke (a bug in the repo's own check, not a verdict on the "
+                        f"loader): HoldsALock: cannot travel at own_unpicklable ({__file__}:{line})"), sentence
+
+
+def test_the_parent_takes_a_childs_row_as_it_is_and_adds_what_the_run_carries():
+    exc = AssertionError("what the parent alone would call a finding")
+    cause = ChildTraceback("in the isolated child (pid 1): ...")
+    cause.row = {"check": "own_finding", "verdict": "error", "guards": "use-cache-off", "failure": None,
+                 "cause": "loader", "sentence": "loader error: OSError: no config.json", "fix": None}
+    exc.__cause__ = cause
+    row = row_of(Check(own_finding, FAILURE, isolated=True), raised=exc, loader="mine:load", notes=("a note",),
+                 seconds=1.5)
+    assert (row.verdict, row.cause, row.sentence) == ("error", "loader", "loader error: OSError: no config.json")
+    assert (row.loader, row.notes, row.seconds, row.guards_origin) == ("mine:load", ("a note",), 1.5, "extension")
+
+
+def judge_in_child(raised):
+    import os
+
+    return {"judged in": os.getpid(), "raised": type(raised).__name__ if raised is not None else None}
+
+
+def test_a_childs_answer_carries_what_its_judge_made_of_its_end():
+    specs = [children.ChildSpec("returns", os.getpid, judge=judge_in_child),
+             children.ChildSpec("raises", own_unpicklable, (None, None, None), judge=judge_in_child),
+             children.ChildSpec("no judge", os.getpid)]
+    returned, raised, plain = children.run_children(specs, 60)
+    assert returned.row == {"judged in": returned.pid, "raised": None}
+    assert raised.status == "raised" and raised.row == {"judged in": raised.pid, "raised": "HoldsALock"}
+    assert plain.status == "ok" and plain.row is None
+
+
+
+def a_phase_in_the_child():
+    from pytest_llmload.instruments.phases import phase
+
+    with phase("load", "in the child"):
+        pass
+    return os.getpid()
+
+
+def test_what_a_childs_recorder_saw_comes_back_with_its_answer_into_the_tests_recorder():
+    """Issue 47 point 2: the HTML report's pictures of an isolated child's loads and phases come with its answer
+    (before: a spool file per child, written only while the report was on)."""
+    from pytest_llmload.instruments.recorder import recording
+    from pytest_llmload.runners.isolation import run_isolated
+
+    with recording() as recorder:
+        child = run_isolated(a_phase_in_the_child, timeout=60)
+    (phase,) = recorder.artefacts()["phases"]
+    assert (phase["name"], phase["detail"], phase["child"], phase["running"]) == ("load", "in the child", child, False)
+    assert recorder.artefacts(recorder.mark()) == {"models": [], "phases": []}
+
+
+NO_SPOOL = """
+import os
+import tempfile
+
+from pytest_llmload.runners.isolation import run_isolated
+
+tempfile.tempdir = os.path.abspath("tmp")  # (this run's own, where a spool would be made)
+os.makedirs(tempfile.tempdir)
+
+
+def test_isolated():
+    made = run_isolated(os.listdir, (tempfile.tempdir,), timeout=60)
+    assert [name for name in made if not name.startswith("llmload-isolated-")] == []  # (the child's own workdir)
+"""
+
+
+def test_the_html_report_writes_no_spool_of_its_own(pytester):
+    from fixtures import warm_runs
+
+    pytester.makepyfile(test_no_spool=NO_SPOOL)
+    result = warm_runs.runpytest(pytester, "--llmload-html", "report.html", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    assert (pytester.path / "report.html").is_file()
