@@ -49,9 +49,9 @@ PARENT_ENV = "PYTEST_LLMLOAD_PARENT_PID"
 # Set by the main job for its pytest child: the temp dir to remove if the main job dies first; read (and removed from
 # the environment) by runners.lifeline.
 PARENT_WORKDIR_ENV = "PYTEST_LLMLOAD_PARENT_WORKDIR"
-# Set by the user for a launched job (exported before srun/mpirun/torchrun): a secret every rank shares; the ranks'
-# keys in the launcher's store live under it (runners.launcher), so a process that reaches the port but does not
-# know it cannot post a value they read.
+# Set by the user for a launched job (exported before srun/mpirun/torchrun): a secret every rank shares; every value
+# the ranks post to the launcher's store is signed with it (runners.launcher, runners.wire), so a process that reaches
+# the port but does not know it cannot post a value they take.
 RUN_SECRET_ENV = "PYTEST_LLMLOAD_RUN_SECRET"
 # Set by a rank's pytest (plugin.launched_run) for what it starts; read by runners.launcher: a pytest run from its
 # tests (pytester) sees the launcher's variables too, but is no rank of the job, and runs plain.
