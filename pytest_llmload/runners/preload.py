@@ -52,15 +52,16 @@ def preload_for_isolated_checks(checkpoint: "os.PathLike[str] | str | None" = No
     the distributed check's ranks import part of it too: the check took 1.35-1.42 s with only the Hugging Face
     modules preloaded, 0.51-0.64 s with peft). With ``checkpoint``, its model's modeling module too.
 
-    peft (``peft=True``: a check that uses adapters) only where no GPU is visible: it imports bitsandbytes, whose
+    peft (``peft=True``: a check that uses adapters) and bitsandbytes only where no GPU is visible: bitsandbytes'
     import reads the devices' compute capability and so initialises CUDA, and a process that has initialised CUDA
-    can no longer fork. A run of inference checks alone never imports it (about 2.5 s of CPU).
+    can no longer fork. A run of inference checks alone never imports them (about 2.5 s of CPU). Older peft (0.17)
+    imports bitsandbytes only when it first wraps a model: in every child, 0.5-0.9 s each, had it not been here.
     """
     from pytest_llmload.system import gpus
 
     modules = HF_PRELOAD + (model_module(checkpoint) if checkpoint is not None else ())
     if peft and gpus.visible_gpu_count() == 0:
-        modules += ("peft",)
+        modules += ("peft", "bitsandbytes")
     preload(modules)
     if "peft" in sys.modules:
         answer_peft_type_checks()
