@@ -85,11 +85,13 @@ def _assumptions(item: pytest.Item) -> tuple[str, ...]:
 def _row(item: pytest.Item, check, report: pytest.TestReport, call: pytest.CallInfo) -> Row:
     """The check's row (:func:`pytest_llmload.reports.verdict.row_of`) from what this phase's report says happened,
     with what the run carries: the runner a prediction is for, the notes it made wherever it ran, the loader that
-    ran (a ``parametrize_with_loader_checks`` test's own, else the configured one)."""
+    ran (a ``parametrize_with_loader_checks`` test's own, else the configured one), what the test's recorder saw (its
+    isolated children's records came back into it with their answers; a prediction's loads are stand-ins: none)."""
     from pytest_llmload.config.stash_keys import notes_key, prediction_record_key
     from pytest_llmload.fixes.reference_loader import chosen_loader
     from pytest_llmload.plugin.loader_hang import FAILED_FAST
     from pytest_llmload.reports.progress import summary_line
+    from pytest_llmload.reports.sections import recorder_key
     from pytest_llmload.reports.verdict import row_of
 
     params = getattr(getattr(item, "callspec", None), "params", {})
@@ -102,10 +104,12 @@ def _row(item: pytest.Item, check, report: pytest.TestReport, call: pytest.CallI
         if call.when == "call" and call.excinfo is not None:
             happened["raised"] = call.excinfo.value
         happened.update(failed=summary_line(report), failed_in=report.when)
+    recorder, prediction = item.stash.get(recorder_key, None), item.stash.get(prediction_record_key, None)
+    artefacts = recorder.artefacts() if recorder is not None and prediction is None else None
     return row_of(check, runner=params.get("runner"), **happened,
                   loader=getattr(params.get("loader"), "name", None) or chosen_loader(item.config).spec,
                   notes=tuple(item.stash.get(notes_key, None) or ()), assumptions=_assumptions(item),
-                  prediction=item.stash.get(prediction_record_key, None),
+                  prediction=prediction, artefacts=artefacts if artefacts and any(artefacts.values()) else None,
                   not_run=report.failed and
                   summary_line(report).removeprefix(f"{check.name}: ").startswith(FAILED_FAST))
 

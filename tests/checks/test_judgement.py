@@ -139,3 +139,44 @@ def test_the_html_report_writes_no_spool_of_its_own(pytester):
     result = warm_runs.runpytest(pytester, "--llmload-html", "report.html", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
     assert (pytester.path / "report.html").is_file()
+
+
+PHASE_IN_CHILD = '''
+from pytest_llmload import Check, KnownFailure
+from pytest_llmload.instruments.phases import phase
+
+FAILURE = KnownFailure(id="own-phase", title="a phase", write_up="myrepo#1", signatures=(), root_cause="-",
+                       fix="-", occurs="-")
+
+
+def own_phase(loader, checkpoint, workdir):
+    with phase("load", "in the isolated child"):
+        pass
+
+
+CHECKS = [Check(own_phase, FAILURE, isolated=True)]
+'''
+
+HOOK = '''
+import json
+
+def pytest_llmload_check_result(item, check, result):
+    with open("hook.jsonl", "a") as out:
+        out.write(json.dumps(result) + "\\n")
+'''
+
+
+def test_a_rows_artefacts_carry_what_its_isolated_child_recorded(pytester):
+    """The row is what the HTML report reads (issue 47 point 2): the phases an isolated child ran come back with its
+    answer into the row's artefacts."""
+    import json
+
+    from fixtures import warm_runs
+
+    pytester.makepyfile(myrepo_checks=PHASE_IN_CHILD, hookplug=HOOK)
+    result = warm_runs.runpytest(pytester, "--pyargs", "pytest_llmload.suite", "--llmload-checks", "myrepo_checks",
+                                 "-k", "own_phase", "-p", "hookplug", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    (row,) = map(json.loads, (pytester.path / "hook.jsonl").read_text().splitlines())
+    (child,) = [p for p in row["artefacts"]["phases"] if p.get("child")]
+    assert (child["name"], child["detail"], row["verdict"]) == ("load", "in the isolated child", "passed")
