@@ -23,7 +23,12 @@ from typing import Optional, TextIO
 
 
 class UnsafeOutputFile(OSError):
-    """An output path another user may control; the message is a sentence naming the path and what to do."""
+    """An output path another user may control; the message is a sentence naming the path and what to do (also its
+    ``strerror``, which callers that report an ``OSError`` by its words read)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.strerror = message
 
 
 def others_can_write(directory: str) -> bool:

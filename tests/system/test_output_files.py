@@ -104,3 +104,13 @@ def test_the_html_report_is_not_written_through_a_planted_link(shared, pytester)
     result = pytester.runpytest_inprocess("-p", "no:randomly", "--llmload-html", str(directory / "out.log"))
     result.stdout.fnmatch_lines(["*the HTML report was not written: UnsafeOutputFile: *is a symbolic link in*"])
     assert target.read_text() == SECRET
+
+
+def test_a_progress_file_through_a_planted_link_is_a_usage_error(shared, pytester):
+    directory, target = shared
+    pytester.makepyfile("def test_one():\n    pass\n")
+    result = pytester.runpytest_inprocess("-p", "no:randomly", "--llmload-progress", str(directory / "out.log"))
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--llmload-progress * cannot be opened for appending (UnsafeOutputFile: *is a "
+                                 "symbolic link in*"])
+    assert target.read_text() == SECRET
