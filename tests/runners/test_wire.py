@@ -314,12 +314,14 @@ def test_master_addr_on_every_interface_is_refused_unless_asked_for(rank_0_of_2,
                                  "or pass --llmload-bind-all-interfaces (ini llmload_bind_all_interfaces = true) *"])
 
 
-def test_master_addr_on_every_interface_is_taken_when_asked_for(rank_0_of_2, monkeypatch):
+@pytest.mark.parametrize("asked", [("--llmload-bind-all-interfaces",), ("-o", "llmload_bind_all_interfaces=true")],
+                         ids=["option", "ini"])
+def test_master_addr_on_every_interface_is_taken_when_asked_for(rank_0_of_2, monkeypatch, asked):
     run, outsider = rank_0_of_2
     monkeypatch.setenv("MASTER_ADDR", "0.0.0.0")  # (the agent store is this test's, on loopback: 0.0.0.0 reaches it)
     for key, value in (("session-end/1", 0), ("report-written/1", True)):  # (rank 1, ending as rank 0 does)
         outsider.set(f"{MEETING_PREFIX}/{key}", wire.seal(key, value, SECRET.encode(), ANY))
-    result = run("--llmload-bind-all-interfaces")
+    result = run(*asked)
     assert result.ret == 0, result.stdout.str() + result.stderr.str()
     result.stdout.fnmatch_lines(["*MASTER_ADDR=0.0.0.0*", "*1 passed*"])
 
