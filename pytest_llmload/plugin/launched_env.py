@@ -139,7 +139,7 @@ RESULT = wire.Shape(
     f"a rank's outcome (a dict of {', '.join(('value', *_RESULT_FIELDS))}; the value plain data)",
     lambda v: type(v) is dict and v.keys() == {"value", *_RESULT_FIELDS} and all(
         type(v[name]) in (kinds if isinstance(kinds, tuple) else (kinds,)) for name, kinds in _RESULT_FIELDS.items()),
-    256 << 20)
+    64 << 20)
 
 
 def _portable(outcome: ChildOutcome) -> dict:
