@@ -165,7 +165,8 @@ def _ours(path: Any) -> bool:
         resolved = Path(path).resolve()
     except (TypeError, OSError):
         return False
-    return any(resolved.is_relative_to(root.resolve()) for root in (tiny_weights.cache_root(), RUN.dir))
+    return any(resolved.is_relative_to(root.resolve()) for root in (tiny_weights.cache_root(), RUN.dir,
+                                                                       RUN.output_dir))
 
 
 def _tiny(name_or_path: Any, what: str) -> Any:
@@ -184,9 +185,9 @@ def _tiny(name_or_path: Any, what: str) -> Any:
     return tiny
 
 
-def _redirect(cls: Any, keyword: str = "pretrained_model_name_or_path", after: Optional[Callable] = None) -> None:
-    """``cls.from_pretrained`` given the tiny checkpoint for the model it names; ``after(result, kwargs)`` sees
-    what it returned."""
+def _redirect(cls: Any, keyword: str = "pretrained_model_name_or_path", around: Optional[Callable] = None) -> None:
+    """``cls.from_pretrained`` given the tiny checkpoint for the model it names; ``around(load, tiny, kwargs)``, where
+    given, makes the call (``load(kwargs)``) and sees what it returned."""
     original = cls.__dict__["from_pretrained"].__func__
     if getattr(original, "_llmload_redirected", False):
         return
@@ -195,25 +196,43 @@ def _redirect(cls: Any, keyword: str = "pretrained_model_name_or_path", after: O
     def from_pretrained(klass, *args, **kwargs):
         name, rest, kwargs = _first_argument(args, kwargs, keyword)
         tiny = _tiny(name, klass.__name__)
-        result = original(klass, tiny, *rest, **kwargs)
-        if after is not None:
-            after(result, kwargs)
-        return result
+        if around is None:
+            return original(klass, tiny, *rest, **kwargs)
+        return around(lambda given: original(klass, tiny, *rest, **given), tiny, kwargs)
 
     from_pretrained._llmload_redirected = True
     setattr(cls, "from_pretrained", classmethod(from_pretrained))
 
 
-def _record_load(model: Any, kwargs: dict) -> None:
-    """A model's load: what placement it asked for and got, for the placement failures' rows."""
+def _load_model(load: Callable[[dict], Any], tiny: Any, kwargs: dict) -> Any:
+    """A model's load, as the real one would go on this runner: its ``max_memory`` scaled to the tiny weights (what
+    the real model would offload, the tiny one offloads), its ``offload_folder`` in the run's folder; the weight data
+    it writes outside that folder recorded (offload-hang's mechanism, :func:`~pytest_llmload.failures.offload_hang.
+    weight_writes`), and what placement it asked for and got (the placement failures' rows)."""
+    from pytest_llmload.commands import tiny_weights
+    from pytest_llmload.failures.offload_hang import weight_writes
+    from pytest_llmload.instruments.probes import record_writes
+
+    given = dict(kwargs)
+    if isinstance(kwargs.get("max_memory"), dict) and (Path(tiny) / tiny_weights.SIZES_FILE).is_file():
+        given["max_memory"] = tiny_weights.scaled_budget(kwargs["max_memory"], tiny)
+    if kwargs.get("offload_folder") is not None and not _ours(kwargs["offload_folder"]):
+        given["offload_folder"] = str(_in_output_dir(kwargs["offload_folder"]))
+    with record_writes() as writes:
+        model = load(given)
     device_map = getattr(model, "hf_device_map", None) or {}
     places = sorted({str(place) for place in device_map.values()})
     meta = sum(1 for p in model.parameters() if p.device.type == "meta") if hasattr(model, "parameters") else 0
+    offloaded = meta > 0 or "disk" in places
+    counted, _ = weight_writes(writes, given.get("offload_folder") or RUN.dir / "no-offload-folder", RUN.dir,
+                               offloaded=offloaded)
     RUN.findings.record["loads"].append({
         "where": _callers_line(), "device_map": None if kwargs.get("device_map") is None else str(kwargs["device_map"]),
         "max_memory": None if kwargs.get("max_memory") is None else str(kwargs["max_memory"]), "places": places,
-        "offloaded": meta > 0 or "disk" in places, "quantized": kwargs.get("quantization_config") is not None,
-        "zero3": _zero3_enabled(), "distributed": bool(RUN.findings.record["distributed"])})
+        "offloaded": offloaded, "quantized": kwargs.get("quantization_config") is not None,
+        "zero3": _zero3_enabled(), "distributed": bool(RUN.findings.record["distributed"]),
+        "weight_writes": len(counted), "weight_writes_shown": [f"{w.event} {w.path} (by {w.by})" for w in counted[:3]]})
+    return model
 
 
 def _zero3_enabled() -> bool:
@@ -222,7 +241,7 @@ def _zero3_enabled() -> bool:
 
 
 def _patch_modeling_utils(module) -> None:
-    _redirect(module.PreTrainedModel, after=_record_load)
+    _redirect(module.PreTrainedModel, around=_load_model)
     _redirect_saves(module.PreTrainedModel)
 
 

@@ -46,7 +46,8 @@ def _placements(loads: list) -> str:
 
 def _offload_hang(facts: Facts) -> tuple[bool, str]:
     if facts.offloaded:
-        return True, f"{len(facts.offloaded)} load(s) offloaded and returned ({_placements(facts.offloaded)})"
+        return True, (f"{len(facts.offloaded)} load(s) offloaded, wrote no weight data outside their offload folder "
+                      f"and returned ({_placements(facts.offloaded)})")
     return False, (f"no load offloaded ({_placements(facts.loads) or 'no model loaded'}): the temporary round-trip "
                    "happens only where from_pretrained offloads")
 
@@ -103,7 +104,8 @@ def _fp16_unscale(facts: Facts) -> tuple[bool, str]:
 
 def _move_offloaded(facts: Facts) -> tuple[bool, str]:
     if facts.offloaded:
-        return True, f"{len(facts.offloaded)} load(s) offloaded ({_placements(facts.offloaded)})"
+        return True, (f"{len(facts.offloaded)} load(s) offloaded ({_placements(facts.offloaded)}); no move or cast "
+                      "of it raised accelerate's refusal")
     return False, "no load offloaded"
 
 
@@ -127,6 +129,19 @@ REACHED: dict[str, Callable[[Facts], tuple[bool, str]]] = {
     "fp16-unscale": _fp16_unscale, "move-offloaded": _move_offloaded, "quantized-cast": _quantized_cast,
     "adapter-on-offloaded": _adapter_on_offloaded,
 }
+
+
+def _round_trip(facts: Facts) -> Optional[str]:
+    """offload-hang's mechanism, where a load showed it: weight data written outside its offload folder."""
+    load = next((load for load in facts.loads if load["weight_writes"]), None)
+    if load is None:
+        return None
+    return (f"{load['where']}: from_pretrained wrote {load['weight_writes']} weight file(s) or folder(s) outside its "
+            f"offload folder, a silent temporary round-trip of the weights (e.g. {load['weight_writes_shown'][0]})")
+
+
+# Failure id -> where the run showed its mechanism without an error (a load's writes), else None.
+CAUGHT: dict[str, Callable[[Facts], Optional[str]]] = {"offload-hang": _round_trip}
 
 
 def _first_line(text: str) -> str:
@@ -165,6 +180,11 @@ def failure_rows(run: CommandRun, facts: Facts) -> list[Row]:
             rows.append(Row(verdict="failed", failure=failure.id, fix=failure.fix, **common,
                             sentence=f"{failure.id}: a from_pretrained call did not return within the run's "
                                      f"{run.deadline:g} s deadline"))
+            continue
+        seen_by_mechanism = CAUGHT.get(failure.id, lambda facts: None)(facts)
+        if seen_by_mechanism is not None:
+            rows.append(Row(verdict="failed", failure=failure.id, fix=failure.fix, **common,
+                            sentence=f"{failure.id} caught at {seen_by_mechanism}"))
             continue
         judge = REACHED.get(failure.id)
         reached, seen = judge(facts) if judge else (False, f"`run` does not watch {failure.id} yet")

@@ -2,8 +2,10 @@
 ``config.json``, a shipped architecture by its hub id, or the run's ``--model ID=CONFIG`` mapping), shrunk to a few
 layers of a small width with the same module structure and dtype, and built once into a cache shared by runs.
 
-The cache key is the shrunk config and the installed transformers' version: the same model named twice, by two
-ranks or two runs, loads the same checkpoint, built by whichever process came first (built aside, then renamed).
+The cache key is the real config, the shrunk one and the installed transformers' version: the same model named
+twice, by two ranks or two runs, loads the same checkpoint, built by whichever process came first (built aside, then
+renamed); beside it, its parameter count and the real model's (:func:`scaled_budget` scales a ``max_memory`` by
+them).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ TINY_SIZES = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 12
 PER_LAYER_FIELDS = ("layer_types", "max_window_layers")
 TOKENIZER_VOCABULARY = 320  # the tokenizer trained here (loader.tiny_models), and the tiny model's embeddings
 MAX_POSITIONS = 4096
+SIZES_FILE = "llmload-sizes.json"  # beside a tiny checkpoint: its parameters and the real model's
 
 
 class UnmappedModel(OSError):
@@ -89,10 +92,13 @@ def shrunk(config: dict) -> dict:
     return tiny
 
 
-def _key(tiny: dict) -> str:
+def _key(real: dict, tiny: dict) -> str:
+    """The cache's name for a tiny checkpoint: its config, the real one's (whose size scales the budgets), the
+    transformers that saves it."""
     import transformers
 
-    text = json.dumps({"config": tiny, "transformers": transformers.__version__}, sort_keys=True)
+    text = json.dumps({"real": real, "tiny": tiny, "transformers": transformers.__version__}, sort_keys=True,
+                      default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -100,13 +106,15 @@ def tiny_checkpoint(config: dict, root: Optional[Path] = None) -> Path:
     """The tiny checkpoint of the architecture ``config`` describes, built here on first use."""
     tiny = shrunk(config)
     root = root or cache_root()
-    dest = root / f"{tiny.get('model_type', 'model')}-{_key(tiny)}"
-    if (dest / "config.json").is_file():
+    dest = root / f"{tiny.get('model_type', 'model')}-{_key(config, tiny)}"
+    if (dest / SIZES_FILE).is_file():  # (written last: the checkpoint is whole)
         return dest
     root.mkdir(parents=True, exist_ok=True)
     building = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
     try:
-        _build(tiny, building)
+        _build(config, tiny, building)
+        if dest.exists() and not (dest / SIZES_FILE).is_file():  # (an earlier release's, without its sizes)
+            shutil.rmtree(dest, ignore_errors=True)
         try:
             os.rename(building, dest)
         except OSError:  # another process built it first: theirs is the same
@@ -116,7 +124,7 @@ def tiny_checkpoint(config: dict, root: Optional[Path] = None) -> Path:
     return dest
 
 
-def _build(tiny: dict, dest: Path) -> None:
+def _build(real: dict, tiny: dict, dest: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -126,3 +134,23 @@ def _build(tiny: dict, dest: Path) -> None:
     model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype))
     model.save_pretrained(dest, safe_serialization=True)
     tiny_models.save_tokenizer(tiny_models.build_tokenizer(TOKENIZER_VOCABULARY), dest, TOKENIZER_VOCABULARY)
+    real_model = architectures.empty_model(real, getattr(torch, dtype))
+    (dest / SIZES_FILE).write_text(json.dumps({"tiny_parameters": architectures.parameter_count(model),
+                                               "real_parameters": architectures.parameter_count(real_model)}))
+
+
+def scaled_budget(max_memory: dict, checkpoint: Path) -> dict:
+    """A ``max_memory`` written for the real model, scaled to the tiny one (each figure times tiny/real parameters),
+    so that the tiny model is offloaded as the real one would be under it. A figure that is not a size is left as
+    it is (transformers says what is wrong with it, to the script)."""
+    from pytest_llmload.system.sizes import parse_size
+
+    sizes = json.loads((Path(checkpoint) / SIZES_FILE).read_text())
+    ratio = sizes["tiny_parameters"] / sizes["real_parameters"]
+    scaled = {}
+    for device, size in max_memory.items():
+        try:
+            scaled[device] = max(1, int(parse_size(size) * ratio))
+        except ValueError:
+            scaled[device] = size
+    return scaled
