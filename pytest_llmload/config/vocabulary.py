@@ -44,7 +44,7 @@ class Setting(NamedTuple):
 # The loader under test, set by the user; read by loader.seam (between --llmload-loader and the ini key).
 LOADER_ENV = "PYTEST_LLMLOAD_LOADER"
 # Set by the main job for its pytest child, and by that child for its xdist workers: the pid to die with; read by
-# runners.lifeline (and plugin.hooks, which ties such a run to it).
+# runners.lifeline (and plugin.configuration, which ties such a run to it).
 PARENT_ENV = "PYTEST_LLMLOAD_PARENT_PID"
 # Set by the main job for its pytest child: the temp dir to remove if the main job dies first; read (and removed from
 # the environment) by runners.lifeline.
@@ -129,7 +129,7 @@ SETTINGS = (
         "key takes one a line): each skips, showing the declaration and its reason, and does not fail the run. "
         f"After the ini key, the loader function's attribute: load.{NOT_APPLICABLE_ATTRIBUTE} = "
         "{'check_offload_inference': 'we never offload'}.")),
-    # --- verdicts (pytest_llmload.plugin.hooks, pytest_llmload.plugin.parametrize)
+    # --- verdicts (pytest_llmload.plugin.check_row, pytest_llmload.plugin.parametrize)
     Setting("strict", "bool", help=(
         "count a check that could not judge the loader (skipped 'not exercised: ...', e.g. nothing was offloaded, "
         "the 4-bit request was ignored) as a failure.")),

@@ -22,8 +22,9 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Optional
 
 from pytest_llmload.instruments.recorder import note_deadline
 from pytest_llmload.system import tracebacks
@@ -64,14 +65,78 @@ def _where(frame) -> str:
     return "<unknown frame>" if stuck is None else tracebacks.where(stuck)
 
 
+# The watchdog acts this long after the alarm was due: where the alarm still works, it acts first.
+_WATCHDOG_SLACK_S = 0.2
+# After the watchdog's interruption, how long the block's thread may take to leave the block before it is stuck in a
+# call that neither a signal nor an exception between two bytecodes reaches (``on_stuck``).
+UNWIND_GRACE_S = 1.0
+
+
+class _Watch:
+    """One deadline's state, shared by the block's thread, its alarm and its watchdog (the heartbeat's thread)."""
+
+    def __init__(self, seconds: float, what: str) -> None:
+        self.seconds, self.what = seconds, what
+        self.ident = threading.get_ident()
+        self.passed = type("_DeadlinePassed", (_DeadlinePassed,), {})  # this deadline's own: an outer one's passes by
+        self.lock = threading.Lock()
+        self.done = False  # the block has ended, returned or raised
+        self.fired = False  # the watchdog raised into the block's thread
+        self.where = self.stacks = ""
+
+    def capture(self, frame) -> None:
+        self.where, self.stacks = _where(frame), thread_stacks(frame)
+
+    def text(self) -> str:
+        return (f"{tracebacks.did_not_return(self.what, self.seconds)}, blocked in {self.where}.\n"
+                f"Stacks of every thread:\n{self.stacks}")
+
+    def end(self) -> None:
+        """The block's thread leaves the block: an interruption the watchdog sent and it has not met yet is dropped."""
+        with self.lock:
+            self.done = True
+            if self.fired:
+                _raise_in_thread(self.ident, None)
+
+    def on_alarm(self, signum, frame) -> None:
+        if self.done:  # (due as the block ended)
+            return
+        self.capture(frame)
+        raise self.passed()
+
+    def watch(self, _key) -> bool:
+        """Past the deadline, on the watchdog's thread: a block the alarm did not end (the guarded code took
+        ``SIGALRM``'s handler, disarmed the timer, or swallowed the exception) gets the exception between two of
+        its bytecodes. True if it was sent."""
+        with self.lock:
+            if self.done:
+                return False
+            if not self.where:
+                self.capture(sys._current_frames().get(self.ident))
+            self.fired = True
+            _raise_in_thread(self.ident, self.passed)
+            return True
+
+
+def _raise_in_thread(ident: int, exception_type) -> None:
+    """Raise ``exception_type`` in thread ``ident`` at its next bytecode (``None``: drop one not raised yet)."""
+    import ctypes
+
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(ident), None if exception_type is None else ctypes.py_object(exception_type))
+
+
 @contextlib.contextmanager
-def deadline(seconds: float, what: str) -> Iterator[None]:
+def deadline(seconds: float, what: str, on_stuck: Optional[Callable[[str], None]] = None) -> Iterator[None]:
     """Fail with ``AssertionError`` naming the blocked frame and every thread's stack when the block runs
     longer than ``seconds``, instead of hanging the job.
 
     Uses ``SIGALRM`` (main thread, POSIX) and nests under pytest-timeout's signal method: an outer timer
-    due sooner is left alone, a later one is re-armed afterwards. Elsewhere the block is only timed, and
-    a block that ends late still fails.
+    due sooner is left alone, a later one is re-armed afterwards. The guarded code cannot remove it by taking
+    ``SIGALRM`` for itself: a watchdog thread raises the same failure in the block's thread between two bytecodes
+    where the alarm did not act, and where even that does not end the block within :data:`UNWIND_GRACE_S` (a call
+    that no signal interrupts), calls ``on_stuck`` with the failure's text from the watchdog's thread: the caller
+    decides (end the process). Elsewhere the block is only timed, and a block that ends late still fails.
     """
     __tracebackhide__ = True
     start = time.monotonic()
@@ -81,24 +146,32 @@ def deadline(seconds: float, what: str) -> Iterator[None]:
         yield
         _fail_if_late(start, seconds, what)
         return
-    captured: dict[str, str] = {}
+    from pytest_llmload.instruments.heartbeat import heartbeat
 
-    def on_alarm(signum, frame):
-        captured["where"] = _where(frame)
-        captured["stacks"] = thread_stacks(frame)
-        raise _DeadlinePassed()
+    watch = _Watch(seconds, what)
+    keys = (("llmload-deadline", id(watch)), ("llmload-deadline-stuck", id(watch)))
 
-    outer_handler = signal.signal(signal.SIGALRM, on_alarm)
+    def watchdog(key) -> None:
+        if watch.watch(key) and on_stuck is not None:
+            heartbeat().schedule(keys[1], UNWIND_GRACE_S, lambda _: None if watch.done else on_stuck(watch.text()))
+
+    outer_handler = signal.signal(signal.SIGALRM, watch.on_alarm)
     signal.setitimer(signal.ITIMER_REAL, seconds)
+    heartbeat().schedule(keys[0], seconds + _WATCHDOG_SLACK_S, watchdog)
     try:
-        yield
-    except _DeadlinePassed:
+        try:
+            yield
+        finally:
+            watch.end()
+    except _DeadlinePassed as exc:
+        watch.end()  # (met in the block's own finally, before it ended)
+        if not isinstance(exc, watch.passed):
+            raise  # an outer deadline's
         note_deadline(what, time.monotonic() - start, seconds)
-        raise DeadlineExceeded(
-            f"{tracebacks.did_not_return(what, seconds)}, blocked in {captured['where']}.\n"
-            f"Stacks of every thread:\n{captured['stacks']}"
-        ) from None
+        raise DeadlineExceeded(watch.text()) from None
     finally:
+        for key in keys:
+            heartbeat().cancel(key)
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, outer_handler)
         if outer_remaining:

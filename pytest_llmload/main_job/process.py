@@ -250,6 +250,8 @@ class MainJob:
             print(f"llmload: {self.total} checks collected", file=out, flush=True)
         elif event == "collect_error":
             self.collect_errors.append(record)
+        elif event == "console":  # a line the run shows at once (a slow import's progress): on this console too
+            self.say(record["line"])
         elif event == "start":
             self.running[record["nodeid"]] = (record["check"], time.monotonic())
         elif event == "result":

@@ -52,8 +52,11 @@ def resolve(spec: str, source: str) -> tuple[Check, ...]:
     try:
         obj: Any = importlib.import_module(module_name)
     except Exception as exc:  # any import failure: the user's module, named with its own error
-        raise ExtensionError(f"{what} does not import ({type(exc).__name__}: {exc}); make '{module_name}' "
-                             "importable from the test run (installed, or on sys.path).") from None
+        from pytest_llmload.system.offline import NetworkAccessBlocked
+
+        remedy = ("make importing it need no network: the checks run offline" if isinstance(exc, NetworkAccessBlocked)
+                  else f"make '{module_name}' importable from the test run (installed, or on sys.path)")
+        raise ExtensionError(f"{what} does not import ({type(exc).__name__}: {exc}); {remedy}.") from None
     for part in filter(None, attribute.split(".")):
         if not hasattr(obj, part):
             raise ExtensionError(f"{what}: module '{module_name}' has no attribute '{attribute}'; name an existing "

@@ -6,7 +6,6 @@ the header line, and the predictions' suite module collected only where a run na
 
 from __future__ import annotations
 
-import contextlib
 import types
 
 import pytest
@@ -187,42 +186,16 @@ def _check_imports(config: pytest.Config, used_fixtures) -> None:
         choice = getattr(configuration, field, None)
         if fixture in used_fixtures and choice is not None and not choice.is_reference:
             from pytest_llmload.loader import seam
-            from pytest_llmload.system.offline import offline
+            from pytest_llmload.plugin.guarded_import import importing
 
+            module = choice.spec.partition(":")[0]
+            whose = "loader" if field == "loader" else "training-args hook"
             try:  # (imported once: the fixtures and the checks take the same function)
-                with offline(), _importing_within_limits(config, choice):  # (offline, as the checks run it)
+                with importing(config, module, f"the {whose}'s module {module!r}", choice.source,
+                               f"put it in the {whose} function"):
                     getattr(configuration, f"{'hook' if field == 'training_args_hook' else field}_function")
             except seam.LoaderSpecError as exc:
                 raise pytest.UsageError(str(exc)) from None
-
-
-@contextlib.contextmanager
-def _importing_within_limits(config: pytest.Config, choice):
-    """A loader module's import, which runs its module-level code: a progress line every
-    ``llmload_phase_progress_seconds`` while it runs long, and a usage error with its stacks past
-    ``llmload_import_timeout`` (a module that waits on a lock or a network share is not a hang of the run)."""
-    import time
-
-    from pytest_llmload.config import settings
-    from pytest_llmload.instruments.heartbeat import heartbeat, stderr_line
-    from pytest_llmload.instruments.probes import DeadlineExceeded, deadline
-
-    module = choice.spec.partition(":")[0]
-    every, limit = settings.value(config, "phase_progress_seconds"), settings.value(config, "import_timeout")
-    started, key = time.monotonic(), ("llmload-import", module)
-    if every:
-        heartbeat().schedule(key, every, lambda _: stderr_line(
-            f"llmload: still importing the loader's module {module!r} ({time.monotonic() - started:.0f}s)"),
-            every=every)
-    try:
-        with deadline(limit, f"importing the loader's module {module!r} ({choice.source})"):
-            yield
-    except DeadlineExceeded as exc:
-        raise pytest.UsageError(f"{exc}\nMake importing {module!r} quick (no work at import: put it in the loader "
-                                f"function), or raise --llmload-import-timeout.") from None
-    finally:
-        heartbeat().cancel(key)
-
 
 
 def pytest_ignore_collect(collection_path, config: pytest.Config):

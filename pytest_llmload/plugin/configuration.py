@@ -58,10 +58,16 @@ def _read_configuration(config: pytest.Config, every_setting: dict) -> None:
     # main job's) reads every check here, installed packages' too: a broken one is the main job's usage error,
     # before any test runs, and its parent, which imports no check, hears of it as the progress file's event.
     if extra or writer is not None:
+        from pytest_llmload.failures import REGISTRY  # noqa: F401  (the built-in checks: before the guard, below)
         from pytest_llmload.plugin.check_registry import ExtensionError, every_check
+        from pytest_llmload.plugin.guarded_import import importing
 
-        try:
-            config.stash[checks_key] = every_check(*(extra or ()))
+        specs, source = extra or ((), "the installed packages' entry points")
+        modules = ", ".join(spec.partition(":")[0] for spec in specs) or "the installed extensions' modules"
+        try:  # (the repo's modules, as the loader's: offline, under the import deadline)
+            with importing(config, modules, f"the checks' modules {modules!r}" if specs else modules, source,
+                           "put it in the check functions"):
+                config.stash[checks_key] = every_check(specs, source)
         except ExtensionError as exc:
             if writer is not None:
                 writer.write(event="usage_error", message=str(exc))

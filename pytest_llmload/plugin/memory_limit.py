@@ -190,7 +190,7 @@ def failure_message(limit: MemoryLimit, measured: Measured) -> Optional[str]:
     )
 
 
-# --- hooks (switched on by plugin.hooks' gate when a run uses the plugin) --------------------------------
+# --- hooks (switched on by plugin.gates' gate when a run uses the plugin) --------------------------------
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

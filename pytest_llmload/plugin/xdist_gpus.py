@@ -74,7 +74,7 @@ def auto_workers(total: int, per_worker: Optional[int], cpu_workers: int) -> int
     return max(1, min(cpu_workers, total // (per_worker or 1)))
 
 
-# --- hooks (this module is a sub-plugin of pytest_llmload.plugin.hooks; its option is declared there) -------------
+# --- hooks (this module is a sub-plugin, pytest_llmload.plugin.gates'; its option is declared in config.vocabulary) 
 
 
 def _per_worker(config: pytest.Config) -> "int | str | None":

@@ -4,7 +4,7 @@ Enabled by ``--llmload-progress PATH``; the main job (``python -m pytest_llmload
 pytest writes it, so a long check shows progress instead of silence. Events: ``usage_error`` (a check spec or an
 installed extension that gives no checks, read at configure: the main job's usage error), ``loader`` (the loader
 this run tests, and where that choice came from), ``collected`` (the count, the checks in collection order, and
-what each guards against), ``collect_error``, ``start`` and ``result`` (one per test: a check's is its row,
+what each guards against), ``collect_error``, ``console`` (a line the run shows at once: a slow import's progress), ``start`` and ``result`` (one per test: a check's is its row,
 :class:`~pytest_llmload.reports.row.Row`, with ``summary``: its failure's cause in one line). The main job's parent
 learns everything it prints from these events: it imports no check. They hang off hooks that run in the
 controlling process under xdist too.

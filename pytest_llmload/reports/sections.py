@@ -1,6 +1,6 @@
 """Diagnostics in the test report: phase timings, where the models are, and a summary of the session.
 
-Switched on by its gate in ``plugin.hooks`` when a run uses the plugin. For every test:
+Switched on by its gate in ``plugin.gates`` when a run uses the plugin. For every test:
 
 - its phases (:mod:`pytest_llmload.instruments.phases`: loads through the loader seam, the checks' steps, your own
   ``with phase(...)``) are recorded; a failing test's report gets a section ``llmload: phases`` with the

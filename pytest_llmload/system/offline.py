@@ -181,7 +181,8 @@ def hub_offline() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def offline() -> Iterator[None]:
-    """Both guards: the hub is offline and non-loopback connections and lookups fail naming the caller."""
-    with hub_offline(), network_guard():
+def offline(record: Optional[list] = None) -> Iterator[None]:
+    """Both guards: the hub is offline and non-loopback connections and lookups fail naming the caller (each refused
+    attempt also appended to ``record``, as :func:`network_guard` does)."""
+    with hub_offline(), network_guard(record):
         yield
