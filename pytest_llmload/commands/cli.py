@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from pytest_llmload.main_job.process import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from pytest_llmload.main_job.process import EXIT_FAILED, EXIT_OK, EXIT_USAGE, Interrupted, signals_interrupt
 from pytest_llmload.main_job.table import json_records, summary_table
 from pytest_llmload.main_job.terminal import columns, wrapped
 
@@ -90,14 +90,17 @@ def main(argv: Optional[list[str]] = None, out=None) -> int:
     workdir, keep = new_workdir(), False
     try:
         try:
-            run = run_command(args.command, workdir, steps=args.steps, deadline=args.deadline, models=args.models,
-                              cache_dir=Path(args.cache_dir) if args.cache_dir else None)
+            with signals_interrupt():
+                run = run_command(args.command, workdir, steps=args.steps, deadline=args.deadline,
+                                  models=args.models, cache_dir=Path(args.cache_dir) if args.cache_dir else None)
         except CommandNotFound as exc:
             print(f"llmload run: error: {exc}", file=sys.stderr)
             return EXIT_USAGE
-        except KeyboardInterrupt:
-            print("llmload run: interrupted; every process of the command was ended", file=sys.stderr)
-            return 128 + signal.SIGINT  # (the main job's code for Ctrl-C)
+        except (Interrupted, KeyboardInterrupt) as stop:
+            signum = getattr(stop, "signum", signal.SIGINT)
+            print(f"llmload run: stopped by {signal.Signals(signum).name}; every process of the command was ended",
+                  file=sys.stderr)
+            return 128 + signum  # (the main job's codes: 130 for Ctrl-C, 143 for SIGTERM)
         rows = rows_of(run)
         failed = [row for row in rows if row.verdict in FAILED_VERDICTS]
         keep = bool(failed)

@@ -88,7 +88,7 @@ def run_command(argv: list[str], workdir: Path, *, steps: int, deadline: float, 
         except subprocess.TimeoutExpired:
             returncode = None
             _wait_for_stacks(_signal_all(process.pid, run_dir, STACK_SIGNAL) + [process.pid], run_dir)
-        except BaseException:  # an interrupt: nothing of the command outlives the run
+        except BaseException:  # an interrupt (Ctrl-C, SIGTERM): nothing of the command outlives the run
             _signal_all(process.pid, run_dir, signal.SIGKILL)
             process.wait()
             raise

@@ -42,7 +42,7 @@ class Findings:
         self.path = run_dir / f"process-{os.getpid()}.json"
         self.record: dict[str, Any] = {
             "pid": os.getpid(), "argv": list(sys.argv), "outcome": "finished", "steps": 0, "unscales": 0,
-            "generates": 0, "loads": [], "trainers": [], "redirected": [], "saved": [], "crash": None,
+            "generates": 0, "loads": [], "trainers": [], "redirected": [], "saved": [], "crash": None, "watch_errors": [],
             "distributed": {name: os.environ[name] for name in DISTRIBUTED_VARIABLES if name in os.environ},
             "started": time.time()}
 
@@ -210,16 +210,26 @@ def _load_model(load: Callable[[dict], Any], tiny: Any, kwargs: dict) -> Any:
     it writes outside that folder recorded (offload-hang's mechanism, :func:`~pytest_llmload.failures.offload_hang.
     weight_writes`), and what placement it asked for and got (the placement failures' rows)."""
     from pytest_llmload.commands import tiny_weights
-    from pytest_llmload.failures.offload_hang import weight_writes
     from pytest_llmload.instruments.probes import record_writes
 
     given = dict(kwargs)
-    if isinstance(kwargs.get("max_memory"), dict) and (Path(tiny) / tiny_weights.SIZES_FILE).is_file():
+    if isinstance(kwargs.get("max_memory"), dict) and isinstance(tiny, (str, os.PathLike)) and (
+            Path(tiny) / tiny_weights.SIZES_FILE).is_file():
         given["max_memory"] = tiny_weights.scaled_budget(kwargs["max_memory"], tiny)
     if kwargs.get("offload_folder") is not None and not _ours(kwargs["offload_folder"]):
         given["offload_folder"] = str(_in_output_dir(kwargs["offload_folder"]))
     with record_writes() as writes:
         model = load(given)
+    try:
+        _record_load(model, kwargs, given, writes)
+    except Exception as exc:  # (a fault of the watch never breaks the command: its row says what was not watched)
+        RUN.findings.record["watch_errors"].append(f"the load at {_callers_line()}: {type(exc).__name__}: {exc}")
+    return model
+
+
+def _record_load(model: Any, kwargs: dict, given: dict, writes: list) -> None:
+    from pytest_llmload.failures.offload_hang import weight_writes
+
     device_map = getattr(model, "hf_device_map", None) or {}
     places = sorted({str(place) for place in device_map.values()})
     meta = sum(1 for p in model.parameters() if p.device.type == "meta") if hasattr(model, "parameters") else 0
@@ -232,7 +242,6 @@ def _load_model(load: Callable[[dict], Any], tiny: Any, kwargs: dict) -> Any:
         "offloaded": offloaded, "quantized": kwargs.get("quantization_config") is not None,
         "zero3": _zero3_enabled(), "distributed": bool(RUN.findings.record["distributed"]),
         "weight_writes": len(counted), "weight_writes_shown": [f"{w.event} {w.path} (by {w.by})" for w in counted[:3]]})
-    return model
 
 
 def _zero3_enabled() -> bool:

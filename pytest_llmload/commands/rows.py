@@ -223,6 +223,9 @@ def command_row(run: CommandRun, facts: Facts) -> Row:
     ended = f"stopped after {facts.steps} optimizer step(s)" if bounded and facts.steps else \
         f"finished ({facts.steps} optimizer step(s))"
     notes = (f"{ended} in {len(run.processes)} process(es); {len(facts.loads)} model load(s) on tiny weights",)
+    errors = [error for p in run.processes for error in p["watch_errors"]]
+    if errors:
+        notes += (f"not watched, a fault of pytest-llmload run (please report it): {'; '.join(errors)}",)
     if run.left_behind:
         notes += (f"{len(run.left_behind)} process(es) it started still ran after it ended: ended here",)
     return Row(verdict="passed", notes=notes, **common)
