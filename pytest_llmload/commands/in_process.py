@@ -241,7 +241,17 @@ def _record_load(model: Any, kwargs: dict, given: dict, writes: list) -> None:
         "max_memory": None if kwargs.get("max_memory") is None else str(kwargs["max_memory"]), "places": places,
         "offloaded": offloaded, "quantized": kwargs.get("quantization_config") is not None,
         "zero3": _zero3_enabled(), "distributed": bool(RUN.findings.record["distributed"]),
-        "weight_writes": len(counted), "weight_writes_shown": [f"{w.event} {w.path} (by {w.by})" for w in counted[:3]]})
+        "weight_writes": len(counted), "weight_writes_shown": [f"{w.event} {w.path} (by {w.by})" for w in counted[:3]],
+        "gpus_budgeted_absent": _gpus_absent(kwargs.get("max_memory"))})
+
+
+def _gpus_absent(max_memory: Any) -> list[str]:
+    """The GPUs a ``max_memory`` budgets that this runner lacks (from_pretrained leaves them out of the placement)."""
+    import torch
+
+    if not isinstance(max_memory, dict):
+        return []
+    return [str(key) for key in max_memory if isinstance(key, int) and key >= torch.cuda.device_count()]
 
 
 def _zero3_enabled() -> bool:

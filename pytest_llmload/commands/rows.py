@@ -41,7 +41,13 @@ class Facts:
 
 
 def _placements(loads: list) -> str:
-    return "; ".join(f"{load['where']}: {', '.join(load['places']) or 'one device'}" for load in loads)
+    """Each load's placement, and the GPUs its budget names that this runner lacks (its split differs there)."""
+    def placement(load: dict) -> str:
+        absent = load.get("gpus_budgeted_absent") or []
+        lacking = f" (its max_memory budgets GPU {', '.join(absent)}, which this runner lacks)" if absent else ""
+        return f"{load['where']}: {', '.join(load['places']) or 'one device'}{lacking}"
+
+    return "; ".join(placement(load) for load in loads)
 
 
 def _offload_hang(facts: Facts) -> tuple[bool, str]:

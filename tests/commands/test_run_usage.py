@@ -14,7 +14,7 @@ import pytest
 
 from pytest_llmload.commands import cli, tiny_weights
 from pytest_llmload.commands.command import run_command
-from pytest_llmload.commands.rows import command_row, Facts
+from pytest_llmload.commands.rows import Facts, _placements, command_row
 
 
 def usage(capsys, *argv):
@@ -141,3 +141,8 @@ def test_a_sigterm_ends_the_run_and_every_process_of_the_command(tmp_path):
     pid = int(started.read_text())
     assert ended(pid)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("llmload-run-")] == []  # nothing left behind
+
+
+def test_a_placement_says_which_budgeted_gpus_this_runner_lacks():
+    load = {"where": "train_baseline.py:20", "places": ["cpu"], "gpus_budgeted_absent": ["0"]}
+    assert _placements([load]) == "train_baseline.py:20: cpu (its max_memory budgets GPU 0, which this runner lacks)"
