@@ -16,9 +16,12 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from pytest_llmload.main_job.cli import UsageError as OutputPathError
+from pytest_llmload.main_job.cli import _check_output_path
 from pytest_llmload.main_job.process import EXIT_FAILED, EXIT_OK, EXIT_USAGE, Interrupted, signals_interrupt
 from pytest_llmload.main_job.table import json_records, summary_table
 from pytest_llmload.main_job.terminal import columns, wrapped
+from pytest_llmload.system.output_files import open_output
 
 DEFAULT_STEPS = 2
 DEFAULT_DEADLINE_S = 600.0
@@ -74,6 +77,8 @@ def _parsed(argv: list[str]) -> argparse.Namespace:
     if not args.deadline > 0:
         raise UsageError(f"--deadline {args.deadline:g}: give a number of seconds above 0")
     args.models = _models(args.model)
+    if args.json_path:
+        _check_output_path(args.json_path, "--json")  # (the main job's checks of an output file, before the run)
     return args
 
 
@@ -84,7 +89,7 @@ def main(argv: Optional[list[str]] = None, out=None) -> int:
     out = out or sys.stdout
     try:
         args = _parsed(sys.argv[2:] if argv is None else argv)
-    except UsageError as exc:
+    except (UsageError, OutputPathError) as exc:
         print(f"llmload run: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     workdir, keep = new_workdir(), False
@@ -109,7 +114,13 @@ def main(argv: Optional[list[str]] = None, out=None) -> int:
             document = {"tool": "pytest-llmload run", "command": run.argv, "returncode": run.returncode,
                         "seconds": round(run.seconds, 2), "cpu_seconds": round(run.cpu_seconds, 2),
                         "outputs": str(run.output_dir) if keep else None, "results": json_records(rows)}
-            Path(args.json_path).write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
+            try:
+                with open_output(args.json_path) as written:  # (no link another user made)
+                    written.write(json.dumps(document, indent=1) + "\n")
+            except OSError as exc:  # (the rows are above: the table was printed first)
+                print(f"llmload run: error: --json {args.json_path!r} could not be written after the run "
+                      f"({type(exc).__name__}: {exc}); the table above is the run's", file=sys.stderr)
+                return EXIT_FAILED
         return EXIT_FAILED if failed else EXIT_OK
     finally:
         if keep:  # what the failed rows name stays; the run's own machinery goes

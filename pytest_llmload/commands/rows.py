@@ -176,7 +176,7 @@ def failure_rows(run: CommandRun, facts: Facts) -> list[Row]:
     rows = []
     for failure in CATALOG:
         common = {"check": f"watch_{failure.slug}", "guards": failure.id, "guards_origin": failure_origin(failure),
-                  "loader": COMMAND_ROW}
+                  "loader": " ".join(run.argv)}  # (what ran: the command, not a loader function)
         caught = next((crash for crash in facts.crashes if failure.matches(crash["text"])), None)
         if caught is not None:
             rows.append(Row(verdict="failed", failure=failure.id, fix=failure.fix, **common,

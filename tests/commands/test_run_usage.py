@@ -30,6 +30,8 @@ def usage(capsys, *argv):
     (("--model", "Qwen/Qwen2-0.5B", "--", "python", "x.py"), "--model 'Qwen/Qwen2-0.5B' is not ID=CONFIG"),
     (("--model", "Qwen/Qwen2-0.5B=qwen9", "--", "python", "x.py"), "is neither a shipped architecture"),
     (("--", "no-such-program-llmload", "train.py"), "the command 'no-such-program-llmload' is not found"),
+    (("--json", "/no-such-dir-llmload/run.json", "--", "python", "x.py"), "the directory '/no-such-dir-llmload' does "
+                                                                           "not exist"),
 ])
 def test_a_command_line_that_cannot_run_is_a_usage_error_before_anything_starts(capsys, tmp_path, monkeypatch, argv,
                                                                                 said):
