@@ -35,6 +35,7 @@ from pytest_llmload.config.vocabulary import (
     WAIT_OPTION,
 )
 from pytest_llmload.main_job.terminal import columns, cut, wrapped
+from pytest_llmload.reports.row import Row
 from pytest_llmload.system import json_lines, output_files
 
 # pytest's exit codes (pytest.ExitCode: this process does not import pytest), passed on as pytest means them.
@@ -119,15 +120,20 @@ def shown(outcome: str) -> str:
 OUTCOME_WIDTH = len("PREDICTED")  # the longest word of the result column
 
 
-def progress_row(done: int, total: int, record: dict, name_width: int = 48, width: Optional[int] = None) -> str:
+def seconds_shown(row: Row, width: int = 0) -> str:
+    """A row's time, ``5.35s`` (``?`` where the row has none)."""
+    return f"{row.seconds:{width}.2f}s" if row.seconds is not None else "?".rjust(width + 1)
+
+
+def progress_row(done: int, total: int, row: Row, name_width: int = 48, width: Optional[int] = None) -> str:
     """A row as its result arrives: ``[1/3] check_x   passed   5.35s``, the name padded to ``name_width`` (the
     longest collected), and cut where the line would be wider than ``width``."""
     digits = len(str(total)) if total else 2
     counter = f"[{done:>{digits}}/{total or '?'}] "
-    seconds = f"{record['seconds']:7.2f}s"
+    seconds = seconds_shown(row, 7)
     room = name_width if width is None else min(name_width, width - len(counter) - OUTCOME_WIDTH - len(seconds) - 2)
     room = max(room, 8)
-    return f"{counter}{cut(record['check'], room):<{room}} {shown(record['outcome']):<{OUTCOME_WIDTH}} {seconds}"
+    return f"{counter}{cut(row.check, room):<{room}} {shown(row.outcome):<{OUTCOME_WIDTH}} {seconds}"
 
 
 class Interrupted(BaseException):
@@ -175,7 +181,7 @@ class MainJob:
         self.tmp = workdir / "tmp"
         self.log_path = Path(args.log) if args.log else workdir / "pytest.log"
         self.child: Optional[subprocess.Popen] = None
-        self.results: list[dict] = []
+        self.results: list[Row] = []  # (the progress file's rows, made again: Row.from_dict)
         self.collect_errors: list[dict] = []
         self.usage_error: Optional[str] = None  # the child's, read at its configure (a check spec that gives none)
         self.total = 0
@@ -255,13 +261,14 @@ class MainJob:
         elif event == "start":
             self.running[record["nodeid"]] = (record["check"], time.monotonic())
         elif event == "result":
-            self.results.append(record)
-            self.running.pop(record.get("nodeid"), None)
-            self.print_row(record)
+            row = Row.from_dict(record["row"])
+            self.results.append(row)
+            self.running.pop(record["nodeid"], None)
+            self.print_row(row)
 
-    def print_row(self, record: dict) -> None:
-        """A result's progress row, numbered after the results so far (``record`` the last of them)."""
-        print(progress_row(len(self.results), self.total, record, self.name_width, self.width), file=self.out,
+    def print_row(self, row: Row) -> None:
+        """A result's progress row, numbered after the results so far (``row`` the last of them)."""
+        print(progress_row(len(self.results), self.total, row, self.name_width, self.width), file=self.out,
               flush=True)
 
     def say(self, text: str, file=None) -> None:
@@ -285,12 +292,12 @@ class MainJob:
             child.wait()
             return False
 
-    def interrupted_rows(self) -> list[dict]:
+    def interrupted_rows(self) -> list[Row]:
         """The rows of the checks that were running when the run was interrupted (pytest's exit 2)."""
         return self._running_rows(f"interrupted while this check ran (a KeyboardInterrupt: raised in the loader or "
                                   f"the check, or Ctrl-C); its output: {self.log_path}", cause="interrupted")
 
-    def crash_rows(self, code: int, what: str = "pytest itself ended") -> list[dict]:
+    def crash_rows(self, code: int, what: str = "pytest itself ended") -> list[Row]:
         """The rows of the checks that were running when pytest itself ended abnormally (a signal, an internal
         error), or ended with no result for a check it had started."""
         from pytest_llmload.runners.children import describe_exitcode
@@ -298,15 +305,14 @@ class MainJob:
         how = describe_exitcode(code) if code < 0 else f"exit code {code}"
         return self._running_rows(f"{what} ({how}) while this check ran; its output: {self.log_path}")
 
-    def _running_rows(self, reason: str, cause: Optional[str] = None) -> list[dict]:
+    def _running_rows(self, reason: str, cause: Optional[str] = None) -> list[Row]:
         """An ``error`` row with ``reason`` for each check that was running, with what it guards against as the child
         said when it collected it."""
         rows = []
         for check, started in self.running.values():
             guards, origin = self.guards.get(check, (None, None))
-            rows.append({"event": "result", "check": check, "outcome": "error", "reason": reason, "summary": reason,
-                         "seconds": round(time.monotonic() - started, 3), "guards": guards, "guards_origin": origin,
-                         **({"cause": cause} if cause else {})})
+            rows.append(Row(check=check, verdict="error", cause=cause, sentence=reason, guards=guards,
+                            guards_origin=origin, seconds=round(time.monotonic() - started, 3)))
         return rows
 
 

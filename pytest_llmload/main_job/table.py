@@ -1,8 +1,9 @@
 """What the main job prints once its pytest has ended: the summary table, the failed rows with their fixes, the
 closing line, and the ``--json`` document; the exit code the rows give.
 
-Every field comes from the child's progress records (:mod:`pytest_llmload.reports.progress`: a check's record is
-its row, :class:`pytest_llmload.reports.row.Row`, what it guards against included): this process imports no check.
+Every field comes from the child's progress records (:mod:`pytest_llmload.reports.progress`), each a row,
+:class:`pytest_llmload.reports.row.Row` (what it guards against included), taken as it is: nothing here derives,
+renames or parses a field. This process imports no check.
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ from pytest_llmload.main_job.process import (
     HOUSE_PLUGINS,
     INTERRUPTED,
     in_main_job_terms,
+    seconds_shown,
     shown,
 )
 from pytest_llmload.main_job.terminal import NAME_PARTS, at_most, wrap
 from pytest_llmload.placement.picture import where_the_model_goes
-from pytest_llmload.reports.row import assumption_lines
+from pytest_llmload.reports.row import Row, assumption_lines
 from pytest_llmload.system.output_files import open_output
 
 if TYPE_CHECKING:
@@ -38,12 +40,6 @@ GAP = "  "  # between the table's columns
 GUARDS_MIN = 18  # "guards against" narrows to this before the check names are wrapped ("offload-hang (000)")
 REASON_LINES, REASON_INDENT = 3, "    "  # a reason below its row: at most 3 lines there (whole in --json, the log)
 LOG_TAIL_BYTES = 64 << 10
-
-
-def _summary(record: dict) -> str:
-    """A failed row's cause in one line (the progress file's ``summary``: a signal, an exit code, the exception)."""
-    line = record.get("summary") or next((line.strip() for line in record["reason"].splitlines() if line.strip()), "")
-    return line.removeprefix(f"{record['check']}: ")  # an isolated check's death starts with its name
 
 
 def _tail(path: Path, limit: int = LOG_TAIL_BYTES) -> str:
@@ -96,45 +92,45 @@ def report(job: "MainJob", code: int) -> tuple[int, bool]:
         return (EXIT_FAILED if crashed else code if code in (INTERRUPTED, EXIT_USAGE) else EXIT_USAGE), keep
 
     rank = {check: n for n, check in enumerate(job.order)}
-    job.results.sort(key=lambda record: rank.get(record["check"], len(rank)))  # (stable; a name not collected last)
+    job.results.sort(key=lambda row: rank.get(row.check, len(rank)))  # (stable; a name not collected last)
     print("", file=out)
     lines, cut_any = _laid_out(_cells(job.results), job.width)
     for line in lines:
         print(line, file=out)
-    reported = [r for r in job.results if r["outcome"] in FAILED_OUTCOMES]
+    reported = [row for row in job.results if row.outcome in FAILED_OUTCOMES]
     # (a prediction on a runner/model pair the repo does not gate on, llmload_gate_runners: reported, exit 0)
-    failed = [r for r in reported if (r.get("prediction") or {}).get("gated", True)]
+    failed = [row for row in reported if (row.prediction or {}).get("gated", True)]
     _append_to_log(job.log_path, ["", "llmload: the table, every reason whole:", *summary_table(job.results)])
     if cut_any:
         log = "pytest's log" + ("" if failed or args.log else " (--log PATH keeps it)")
         json_option = "--json" if args.json_path else "--json PATH"
         job.say(f"(reasons cut to fit {job.width} columns: whole in {log} and in {json_option})")
     counts: dict[str, int] = {}
-    for record in job.results:
-        counts[record["outcome"]] = counts.get(record["outcome"], 0) + 1
+    for row in job.results:
+        counts[row.outcome] = counts.get(row.outcome, 0) + 1
     print("", file=out)
-    fast = [r for r in failed if _failed_fast(r)]
-    for record in reported:
-        if record not in fast:
-            label = {"error": "ERROR", "predicted": "PREDICTED"}.get(record["outcome"], "FAILED")
-            label += "" if record in failed else " (not gated)"
-            text = in_main_job_terms(_summary(record)).replace("\n", "\n    ")
-            job.say(f"{label} {record['check']}: {text}")
+    fast = [row for row in failed if row.not_run]
+    for row in reported:
+        if row not in fast:
+            label = {"error": "ERROR", "predicted": "PREDICTED"}.get(row.outcome, "FAILED")
+            label += "" if row in failed else " (not gated)"
+            text = in_main_job_terms(row.finding).replace("\n", "\n    ")
+            job.say(f"{label} {row.check}: {text}")
             # What to do: the row names a fix where it observed (or predicted) the very failure the check guards
             # against, or where the loader's own error is a known fault (loader.faults; its text may say it already).
-            if record.get("fix") is not None and record["fix"] not in text:
-                job.say(f"    fix ({record.get('failure') or 'the loader'}): {in_main_job_terms(record['fix'])}")
+            if row.fix is not None and row.fix not in text:
+                job.say(f"    fix ({row.failure or 'the loader'}): {in_main_job_terms(row.fix)}")
     if fast:
-        names = ", ".join(r["check"] for r in fast)
-        job.say(f"NOT RUN {names}: {in_main_job_terms(_summary(fast[0]))}")
-    predictions = [(record["check"], record["prediction"]) for record in job.results if record.get("prediction")]
+        names = ", ".join(row.check for row in fast)
+        job.say(f"NOT RUN {names}: {in_main_job_terms(fast[0].finding)}")
+    predictions = [(row.check, row.prediction) for row in job.results if row.prediction]
     for line in where_the_model_goes(predictions, "--json" if args.json_path else "--json PATH"):
         job.say(line)
-    assumed = [(record["check"], record.get("guards"), record["assumptions"]) for record in job.results
-               if record.get("assumptions")]
+    assumed = [(row.check, row.guards, row.assumptions) for row in job.results if row.assumptions]
     if assumed:
         for line in assumption_lines(assumed, FAIL_NOT_EXERCISED, args.fail_not_exercised):
             job.say(in_main_job_terms(line))  # (an assumption may name a pytest option)
+    json_lost = False
     if args.json_path:
         try:
             with open_output(args.json_path) as document:  # (no link another user made)
@@ -142,17 +138,17 @@ def report(job: "MainJob", code: int) -> tuple[int, bool]:
         except OSError as exc:  # (the rows are above: the table was printed first)
             print(f"llmload: --json {args.json_path!r} could not be written after the run ({type(exc).__name__}: "
                   f"{exc}); the table above is the run's", file=sys.stderr)
-            failed = failed or [{"outcome": "error"}]
+            json_lost = True
     summary = ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items()))
-    keep = bool(failed) or crashed or bool(args.log)
+    keep = bool(failed) or json_lost or crashed or bool(args.log)
     where = f"pytest output: {job.log_path}" if keep else "nothing failed: pytest output removed (--log PATH keeps it)"
     job.say(f"llmload: {summary} in {time.monotonic() - job.started:.1f}s; {where}")
     if interrupted:
-        stopped = ", ".join(row["check"] for row in rows)
+        stopped = ", ".join(row.check for row in rows)
         print(f"llmload: interrupted while {stopped} ran (pytest's exit {code}: a KeyboardInterrupt, raised in the "
               "loader or the check, or Ctrl-C in its terminal); the rows before it are above", file=sys.stderr)
         return INTERRUPTED, True
-    return (EXIT_FAILED if failed or code not in (0, 5) else EXIT_OK), keep
+    return (EXIT_FAILED if failed or json_lost or code not in (0, 5) else EXIT_OK), keep
 
 
 def _append_to_log(path: Path, lines: list[str]) -> None:
@@ -164,34 +160,29 @@ def _append_to_log(path: Path, lines: list[str]) -> None:
         pass
 
 
-def _failed_fast(record: dict) -> bool:
-    """A check that did not wait: the loader under test hung in an earlier one (the row says so)."""
-    return bool(record.get("not_run"))
-
-
-def summary_table(results: list[dict], width: Optional[int] = None) -> list[str]:
+def summary_table(results: list[Row], width: Optional[int] = None) -> list[str]:
     """The table: each check, the failure it guards against and where that comes from (``002``: its write-up in
     shared/seeds; ``field``: upstream issue trackers; ``extension``: a repo's own), its result and its time; in lines
     no wider than ``width`` (:func:`_laid_out`; ``None``: every cell whole, as the log keeps it)."""
     return _laid_out(_cells(results), width)[0]
 
 
-def _cells(results: list[dict]) -> list[tuple[str, str, str, str]]:
+def _cells(results: list[Row]) -> list[tuple[str, str, str, str]]:
     """The table's cells, whole: a header, then a row per check."""
-    rows = [("check", "guards against", "result", "time")]
-    for record in results:
-        guards = f"{record['guards']} ({record.get('guards_origin')})" if record.get("guards") else ""
-        outcome = shown(record["outcome"])
-        if record["outcome"] in ("skipped", "xfailed") and record["reason"]:
-            outcome += f" ({record['reason']})"
-        elif _failed_fast(record):
+    cells = [("check", "guards against", "result", "time")]
+    for row in results:
+        guards = f"{row.guards} ({row.guards_origin})" if row.guards else ""
+        outcome = shown(row.outcome)
+        if row.outcome in ("skipped", "xfailed") and row.sentence:
+            outcome += f" ({row.sentence})"
+        elif row.not_run:
             outcome += " (not run: the loader hung before)"
-        elif record["outcome"] == "predicted" and record.get("failure"):
-            outcome += f" {record['failure']}"
-        elif record.get("note"):
-            outcome += f" ({record['note']})"
-        rows.append((record["check"], guards, outcome, f"{record['seconds']:.2f}s"))
-    return rows
+        elif row.outcome == "predicted" and row.failure:
+            outcome += f" {row.failure}"
+        elif row.note:
+            outcome += f" ({row.note})"
+        cells.append((row.check, guards, outcome, seconds_shown(row)))
+    return cells
 
 
 def _laid_out(rows: list[tuple[str, str, str, str]], width: Optional[int]) -> tuple[list[str], bool]:
@@ -252,27 +243,12 @@ def json_document(job: "MainJob") -> dict:
     }
 
 
-def _whole_reason(record: dict) -> str:
-    """A row's whole reason: a skip's, or a failed or error row's whole text (the progress file's ``summary``)."""
-    return record["reason"] or (record.get("summary") or "" if record["outcome"] != "passed" else "")
-
-
-def json_records(results: list[dict]) -> list[dict]:
-    """``--json``: one object per check. ``failure`` is the catalog id the row is attributed to, only where the
-    check observed that failure's mechanism (the verdict decided from the exception,
+def json_records(results: list[Row]) -> list[dict]:
+    """``--json``: one object per check, its row as it is (:meth:`~pytest_llmload.reports.row.Row.as_dict`, the
+    progress file's record and pytest-reportlog's ``LlmloadRow`` too). ``failure`` is the catalog id the row is
+    attributed to, only where the check observed that failure's mechanism (the verdict decided from the exception,
     :mod:`pytest_llmload.reports.verdict`); ``cause`` says what an error row is (loader, contract, model, hang, died,
-    check); ``prediction``, a prediction row's, where the model would go (``devices``: each one's modules, weights,
-    peak and capacity in bytes; ``tiers``: gpu, cpu and disk; ``placement``: the modules per device, layers as
-    ranges; ``device_map``: every entry), else ``null``."""
-    records = []
-    for record in results:
-        outcome = record["outcome"]
-        failure = record.get("failure") if outcome in ("failed", "predicted") else None
-        detail = in_main_job_terms(_summary(record)) if outcome in FAILED_OUTCOMES else record["reason"]
-        records.append({"check": record["check"], "outcome": outcome, "verdict": record.get("verdict", outcome),
-                        "failure": failure, "cause": record.get("cause"), "note": record.get("note"),
-                        "notes": record.get("notes") or ([record["note"]] if record.get("note") else []),
-                        "fix": record.get("fix"), "loader": record.get("loader"), "reason": _whole_reason(record),
-                        "seconds": record["seconds"], "detail": detail, "prediction": record.get("prediction"),
-                        "assumptions": record.get("assumptions") or []})
-    return records
+    check); ``sentence`` its whole reason; ``prediction``, a prediction row's, where the model would go
+    (``devices``: each one's modules, weights, peak and capacity in bytes; ``tiers``: gpu, cpu and disk;
+    ``placement``: the modules per device, layers as ranges; ``device_map``: every entry), else ``null``."""
+    return [row.as_dict() for row in results]

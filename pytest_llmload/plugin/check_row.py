@@ -16,6 +16,8 @@ from pytest_llmload.plugin.gates import in_use_key
 if TYPE_CHECKING:
     from pytest_llmload.reports.row import Row
 
+seconds_key = pytest.StashKey[float]()  # a test's phases so far, in seconds: its row's time
+
 
 def check_of(item: pytest.Item):
     """The :class:`~pytest_llmload.checks.base.Check` a test runs (its ``check`` parameter), or ``None``."""
@@ -27,6 +29,8 @@ def check_of(item: pytest.Item):
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     report = yield
     check = check_of(item)
+    if check is not None:
+        item.stash[seconds_key] = item.stash.get(seconds_key, 0.0) + report.duration
     failed = report.failed and call.excinfo is not None  # (before --llmload-strict turns a skip into a failure)
     if report.skipped and configuration_of(item.config).strict and isinstance(report.longrepr, tuple):
         from pytest_llmload.checks.base import NOT_EXERCISED
@@ -111,7 +115,8 @@ def _row(item: pytest.Item, check, report: pytest.TestReport, call: pytest.CallI
                   notes=tuple(item.stash.get(notes_key, None) or ()), assumptions=_assumptions(item),
                   prediction=prediction, artefacts=artefacts if artefacts and any(artefacts.values()) else None,
                   not_run=report.failed and
-                  summary_line(report).removeprefix(f"{check.name}: ").startswith(FAILED_FAST))
+                  summary_line(report).removeprefix(f"{check.name}: ").startswith(FAILED_FAST),
+                  seconds=round(item.stash[seconds_key], 3))
 
 
 def _record(item: pytest.Item, report: pytest.TestReport, pairs: list) -> None:

@@ -66,9 +66,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     report = yield
     if (report.failed and call.when == "call" and call.excinfo is not None and hang_key not in item.config.stash
             and _uses_loader(item)):
-        from pytest_llmload.reports.progress import check_name
+        from pytest_llmload.reports.progress import name_of
 
-        hang = hang_in_loader(call.excinfo.value, check_name(item.nodeid))
+        hang = hang_in_loader(call.excinfo.value, name_of(item))
         if hang is not None:
             item.config.stash[hang_key] = hang
     return report

@@ -65,14 +65,6 @@ def _png(fig) -> bytes:
     return buffer.getvalue()
 
 
-def _test_name(nodeid: str) -> str:
-    """The check's name for a check's row (``check_offload_inference``), else the test's node id."""
-    from pytest_llmload.reports.progress import check_name
-
-    name = check_name(nodeid)
-    return name if name.startswith("check_") else nodeid
-
-
 def _model_name(model: dict) -> str:
     name = os.path.basename(model["source"].rstrip("/\\")) or "?"
     return f"{model['kind']} from {name}"

@@ -66,6 +66,7 @@ from pytest_llmload.reports.html_pictures import (
     placement_text,
     placements,
 )
+from pytest_llmload.reports.progress import row_of_report
 from pytest_llmload.reports.row import Row
 from pytest_llmload.placement.picture import placement_tiers
 from pytest_llmload.system.output_files import open_output
@@ -143,14 +144,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
 # --- the session: rows, and the file ---------------------------------------------------------------------
 
 
-def _outcome(report: pytest.TestReport) -> str:
-    if hasattr(report, "wasxfail"):
-        return "xpassed" if report.passed else "xfailed"
-    if report.failed:
-        return "failed" if report.when == "call" else "error"
-    return report.outcome
-
-
 class HtmlReport:
     """The run's rows (in the xdist controller, from the workers' reports) and the file written at its end."""
 
@@ -174,22 +167,17 @@ class HtmlReport:
         return self.path is not None and not hasattr(self.config, "workerinput")
 
     def _row(self, nodeid: str) -> dict:
-        return self.rows.setdefault(nodeid, {"nodeid": nodeid, "outcome": "passed", "seconds": 0.0, "row": None,
-                                             "note": "", "record": None, "known": ""})
+        """A test's entry: its row (:class:`~pytest_llmload.reports.row.Row`, the progress file's), its pictures'
+        record, the known failure a test that runs no check matched, and its phases' seconds so far."""
+        return self.rows.setdefault(nodeid, {"nodeid": nodeid, "row": None, "record": None, "known": "",
+                                             "seconds": 0.0})
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if not self.collects:
             return
         row = self._row(report.nodeid)
         row["seconds"] += report.duration
-        outcome = _outcome(report)
-        if outcome != "passed" and row["outcome"] in ("passed", "skipped") or outcome == "error":
-            row["outcome"] = outcome
-        row["row"] = Row.of_report(report) or row["row"]  # the check's row, taken as it is
-        if report.skipped and isinstance(report.longrepr, tuple):
-            row["note"] = report.longrepr[2].removeprefix("Skipped: ")
-        elif report.failed and not row["note"]:
-            row["note"] = _first_line(report.longreprtext)
+        row["row"] = row_of_report(report, row["seconds"]) or row["row"]  # taken as it is: the progress file's
         # A test that is not a check: the known failure its text matched, as pytest's report section says it.
         row["known"] = next((text for name, text in report.sections if name == KNOWN_FAILURE_SECTION), row["known"])
         record = getattr(report, RECORD_ATTRIBUTE, None)
@@ -199,14 +187,16 @@ class HtmlReport:
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:
         if self.collects and report.failed:
             row = self._row(report.nodeid or "(collection)")
-            row["outcome"], row["note"] = "error", _first_line(report.longreprtext)
+            row["row"] = Row(check=row["nodeid"], verdict="error", sentence=_first_line(report.longreprtext),
+                             seconds=0.0)
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         if not self.collects:
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            page = render_html(self.config, list(self.rows.values()), self.started, time.time())
+            rows = [row for row in self.rows.values() if row["row"] is not None]  # (a test that never ended: none)
+            page = render_html(self.config, rows, self.started, time.time())
             with open_output(self.path) as report:  # (no link another user made)
                 report.write(page)
             self.written = str(self.path)
@@ -311,22 +301,20 @@ def _badge(kind: str) -> str:
 
 
 def _verdict_of(row: dict) -> tuple[str, str, str]:
-    """(kind, failure, sentence) of a row: the check's verdict where it has one, else pytest's outcome."""
+    """(verdict, the known failure column, sentence) of a test's row, as it is."""
     check_row = row["row"]
-    if check_row is None:
-        return row["outcome"], "", row["note"]
-    kind = check_row.verdict
-    if row["outcome"] == "error" and kind == "passed":  # a teardown error after the check passed
-        kind = "error"
     failure = check_row.failure or (f"guards {check_row.guards}" if check_row.guards else "")
-    return kind, failure, check_row.sentence or row["note"]
+    return check_row.verdict, failure, check_row.sentence
 
 
 def _name(row: dict) -> str:
-    """A row's name: its check's (its row's), else the test's name in its node id."""
-    from pytest_llmload.reports.progress import check_name
+    """A row's name: its row's (a check's own name, a repo's check's too)."""
+    return row["row"].check
 
-    return row["row"].check if row["row"] is not None else check_name(row["nodeid"])
+
+def _seconds(row: dict) -> str:
+    seconds = row["row"].seconds
+    return f"{seconds:.2f}" if seconds is not None else "?"
 
 
 def _anchor(nodeid: str) -> str:
@@ -395,20 +383,20 @@ def _card(row: dict, drawn: _Pictures) -> str:
     """A failing row (failed, error, predicted): what failed, what was found, the known failure and its fix, and
     its pictures (a prediction's: where the model would go)."""
     esc = html.escape
-    kind, failure, sentence = _verdict_of(row)
+    kind = _verdict_of(row)[0]
     check_row, nodeid, name = row["row"], row["nodeid"], _name(row)
-    finding = check_row.sentence.removeprefix(f"{check_row.check}: ") if check_row else sentence
-    guards = f" &middot; guards {esc(check_row.guards)}" if check_row and check_row.guards else ""
+    finding = check_row.finding
+    guards = f" &middot; guards {esc(check_row.guards)}" if check_row.guards else ""
     parts = [f'<section class="card {esc(kind)}" id="{_anchor(nodeid)}" data-check="{esc(name)}" '
              f'data-verdict="{esc(kind)}">',
              f"<h3>{esc(name)} {_badge(kind)}</h3>",
-             f'<p class="meta"><code>{esc(nodeid)}</code> &middot; {row["seconds"]:.2f} s{guards}</p>',
+             f'<p class="meta"><code>{esc(nodeid)}</code> &middot; {_seconds(row)} s{guards}</p>',
              f'<div class="finding"><span class="label">Finding</span><div class="sentence">{esc(finding)}</div></div>']
-    if check_row and check_row.notes:
+    if check_row.notes:
         parts.append(f'<p class="notes"><span class="label">How it was judged:</span> {esc(check_row.note)}</p>')
-    if check_row and check_row.fix and check_row.failure:
+    if check_row.fix and check_row.failure:
         parts.append(_fix_html(check_row.failure, check_row.fix))
-    elif check_row and check_row.fix:  # the loader's own error, a known loader fault (loader.faults)
+    elif check_row.fix:  # the loader's own error, a known loader fault (loader.faults)
         parts.append(f'<div class="fix"><p><span class="label">fix (the loader):</span> <code>{esc(check_row.fix)}'
                      '</code></p></div>')
     elif row.get("known"):  # a test that runs no check: the known failure its text matched
@@ -428,7 +416,7 @@ def _table_row(row: dict, linked: bool) -> str:
     return (f'<tr data-check="{esc(name)}" data-verdict="{esc(kind)}"><td class="test"><b>{esc(name)}</b>{link}<br>'
             f"<code>{esc(nodeid)}</code></td><td>{_badge(kind)}"
             + (f'<div class="sentence">{esc(sentence)}</div>' if sentence else "") + "</td>"
-            f"<td class=\"failure\">{esc(failure)}</td><td class=\"num\">{row['seconds']:.2f}</td></tr>")
+            f"<td class=\"failure\">{esc(failure)}</td><td class=\"num\">{_seconds(row)}</td></tr>")
 
 
 def _counts(rows: list[dict]) -> str:
@@ -445,7 +433,7 @@ def render_html(config: pytest.Config, rows: list[dict], started: float, ended: 
     from pytest_llmload.reports.header import header_lines
 
     esc = html.escape
-    loaders = sorted({row["row"].loader for row in rows if row["row"] is not None and row["row"].loader})
+    loaders = sorted({row["row"].loader for row in rows if row["row"].loader})
     head = header_lines(config)[0].removeprefix("llmload: ")
     chosen, _, stack = head.removeprefix("loader ").partition("; ")
     if loaders and chosen.split(" (from ")[0] not in loaders:  # the rows name the loader they ran

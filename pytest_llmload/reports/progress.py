@@ -4,8 +4,10 @@ Enabled by ``--llmload-progress PATH``; the main job (``python -m pytest_llmload
 pytest writes it, so a long check shows progress instead of silence. Events: ``usage_error`` (a check spec or an
 installed extension that gives no checks, read at configure: the main job's usage error), ``loader`` (the loader
 this run tests, and where that choice came from), ``collected`` (the count, the checks in collection order, and
-what each guards against), ``collect_error``, ``console`` (a line the run shows at once: a slow import's progress), ``start`` and ``result`` (one per test: a check's is its row,
-:class:`~pytest_llmload.reports.row.Row`, with ``summary``: its failure's cause in one line). The main job's parent
+what each guards against), ``collect_error``, ``console`` (a line the run shows at once: a slow import's progress),
+``start`` and ``result`` (one per test, its row as it is, :class:`~pytest_llmload.reports.row.Row`: a check's as the
+plugin decided it, a test's that runs no check one with no guards; the main job's parent makes the row again,
+:meth:`~pytest_llmload.reports.row.Row.from_dict`). The main job's parent
 learns everything it prints from these events: it imports no check. They hang off hooks that run in the
 controlling process under xdist too.
 """
@@ -15,11 +17,12 @@ from __future__ import annotations
 import os
 import re
 import time
+from typing import Optional
 
 import pytest
 
 from pytest_llmload.system import json_lines
-from pytest_llmload.reports.row import Row, outcome_of, row_name
+from pytest_llmload.reports.row import Row, row_name
 
 progress_key = pytest.StashKey["ProgressWriter"]()
 _PARAM_ID = re.compile(r"\[(?:[^\]-]*-)?((?:check|predict)_[^\]]+)\]$")
@@ -31,8 +34,9 @@ def check_name(nodeid: str) -> str:
     return found.group(1) if found else nodeid.rpartition("::")[2]
 
 
-def _name_of(item) -> str:
-    """A collected test's name in the rows (:func:`~pytest_llmload.reports.row.row_name`), else :func:`check_name`."""
+def name_of(item) -> str:
+    """A collected test's name in the rows: its check's own (:func:`~pytest_llmload.reports.row.row_name`; a repo's
+    check need not be named ``check_*``), else :func:`check_name`."""
     params = getattr(getattr(item, "callspec", None), "params", {})
     check = params.get("check")
     return row_name(check, params.get("runner")) if hasattr(check, "failure") else check_name(item.nodeid)
@@ -53,7 +57,7 @@ def _guards(items) -> dict[str, list[str]]:
         check = getattr(getattr(item, "callspec", None), "params", {}).get("check")
         failure = getattr(check, "failure", None)
         if failure is not None:
-            guards[_name_of(item)] = [failure.id, failure_origin(failure)]
+            guards[name_of(item)] = [failure.id, failure_origin(failure)]
     return guards
 
 
@@ -67,6 +71,28 @@ def _raised_by_the_loader(report: pytest.TestReport) -> bool:
     message = _crash_message(report)
     return any(message.startswith(prefix) or f"\n{prefix}" in message for prefix in _LOADER_ERRORS) or \
         "loader error: " in (message.splitlines() or [""])[0]
+
+
+def row_of_report(report: pytest.TestReport, seconds: float) -> Optional[Row]:
+    """The row of the phase that decided a test's outcome (``None`` for a phase that passed before its call): a
+    check's, decided once by the plugin and carried on its report, taken as it is; else, for a test that runs no
+    check (a repo's own), a row with no guards, ``seconds`` its time. The progress file and the HTML report read
+    the same row."""
+    if report.when != "call" and report.outcome == "passed":
+        return None
+    row = Row.of_report(report)
+    if row is not None:
+        return row
+    verdict, sentence = report.outcome, ""
+    if hasattr(report, "wasxfail"):
+        verdict, sentence = ("xfailed" if report.skipped else "xpassed"), report.wasxfail
+    elif report.skipped and isinstance(report.longrepr, tuple):
+        sentence = report.longrepr[2].removeprefix("Skipped: ")
+    elif report.failed:
+        verdict, sentence = ("failed" if report.when == "call" else "error"), summary_line(report)
+        if _raised_by_the_loader(report):
+            verdict = "error"  # the loader's own error, or a broken contract: not the check's failure
+    return Row(check=check_name(report.nodeid), verdict=verdict, sentence=sentence, seconds=round(seconds, 3))
 
 
 def summary_line(report) -> str:
@@ -100,7 +126,7 @@ class ProgressWriter:
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         if not self._collected:  # under xdist the controller collects nothing: see the next hook
             self._collected = True
-            self._names = {item.nodeid: _name_of(item) for item in session.items}
+            self._names = {item.nodeid: name_of(item) for item in session.items}
             self.write(event="collected", count=len(session.items), order=list(self._names.values()),
                        guards=_guards(session.items))
 
@@ -120,31 +146,10 @@ class ProgressWriter:
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         """One record per test, from the phase that decided its outcome (a later teardown error adds one)."""
-        if report.when != "call" and report.outcome == "passed":
-            return
         started = self._started.get(report.nodeid, time.perf_counter())
-        row = Row.of_report(report)
-        if row is not None:  # a check's row, decided once by the plugin: written as it is
-            self.write(event="result", nodeid=report.nodeid, check=row.check, outcome=outcome_of(row),
-                       verdict=row.verdict, reason=row.sentence if outcome_of(row) in ("skipped", "xfailed", "xpassed")
-                       else "", summary=row.sentence, seconds=round(time.perf_counter() - started, 3),
-                       failure=row.failure, cause=row.cause, note=row.note or None, notes=list(row.notes),
-                       fix=row.fix, loader=row.loader, guards=row.guards, guards_origin=row.guards_origin,
-                       not_run=row.not_run, prediction=row.prediction, assumptions=list(row.assumptions))
-            return
-        outcome, reason = report.outcome, ""  # a test that runs no check (a repo's own, a prediction's)
-        if hasattr(report, "wasxfail"):
-            outcome, reason = ("xfailed" if report.skipped else "xpassed"), report.wasxfail
-        elif report.skipped and isinstance(report.longrepr, tuple):
-            reason = report.longrepr[2].removeprefix("Skipped: ")
-        elif report.failed:
-            outcome, reason = ("failed" if report.when == "call" else "error"), report.longreprtext
-            if _raised_by_the_loader(report):
-                outcome = "error"  # the loader's own error, or a broken contract: not the check's failure
-        self.write(event="result", nodeid=report.nodeid, check=check_name(report.nodeid), outcome=outcome,
-                   reason=reason, summary=summary_line(report) if report.failed else reason,
-                   seconds=round(time.perf_counter() - started, 3), failure=None, cause=None,
-                   note=None)  # (notes are a check's: its row carries them)
+        row = row_of_report(report, time.perf_counter() - started)
+        if row is not None:
+            self.write(event="result", nodeid=report.nodeid, row=row.as_dict())
 
     def close(self) -> None:
         os.close(self._fd)

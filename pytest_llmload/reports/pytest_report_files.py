@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_llmload.reports.row import Row, outcome_of
+from pytest_llmload.reports.row import Row
 
 ROW_RECORD = "LlmloadRow"  # the record's $report_type
 
@@ -71,5 +71,4 @@ class RowsInReportFiles:
         plugin = getattr(self.config, "_report_log_plugin", None)  # (pytest-reportlog's, where --report-log is given)
         write = getattr(plugin, "_write_json_data", None)  # its one writer: a JSON line, flushed
         if write is not None:
-            write({"$report_type": ROW_RECORD, "nodeid": report.nodeid, "when": report.when,
-                   "outcome": outcome_of(row), **row.as_dict()})
+            write({"$report_type": ROW_RECORD, "nodeid": report.nodeid, "when": report.when, **row.as_dict()})

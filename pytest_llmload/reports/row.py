@@ -35,6 +35,10 @@ VERDICTS = ("passed", "failed", "predicted", "error", "not exercised", "not appl
             "xpassed")
 
 
+# What :meth:`Row.as_dict` writes beside the fields, made from them (:meth:`Row.from_dict` leaves them).
+SHOWN_BESIDE = ("note", "outcome")
+
+
 @dataclasses.dataclass(frozen=True)
 class Row:
     """A check's row: ``verdict`` (one of :data:`VERDICTS`), ``failure`` (the known failure observed or predicted,
@@ -75,9 +79,29 @@ class Row:
     def note(self) -> str:
         return "; ".join(self.notes)
 
+    @property
+    def finding(self) -> str:
+        """The sentence as a line that names the check says it: an isolated check's death starts with the check's
+        name (:func:`pytest_llmload.runners.isolation.run_isolated`'s label)."""
+        return self.sentence.removeprefix(f"{self.check}: ")
+
+    @property
+    def outcome(self) -> str:
+        """pytest's word for the row: a skip is a skip whatever its kind (``not exercised``, ``not applicable``)."""
+        return "skipped" if self.verdict in ("not exercised", "not applicable") else self.verdict
+
     def as_dict(self) -> dict:
+        """The row as plain data: its fields, and what readers show beside them (``outcome``, ``note``): the progress
+        file's record, ``--json``'s row, the hook's ``result``; :meth:`from_dict` makes the row again."""
         return {**dataclasses.asdict(self), "notes": list(self.notes), "note": self.note or None,
-                "assumptions": list(self.assumptions)}
+                "outcome": self.outcome, "assumptions": list(self.assumptions)}
+
+    @classmethod
+    def from_dict(cls, fields: dict) -> "Row":
+        """The row that :meth:`as_dict` gave (a field it does not have is a ``TypeError``, not a row read wrong)."""
+        fields = {name: value for name, value in fields.items() if name not in SHOWN_BESIDE}
+        return cls(**{**fields, "notes": tuple(fields.get("notes") or ()),
+                      "assumptions": tuple(fields.get("assumptions") or ())})
 
     def properties(self) -> list[tuple[str, str]]:
         """``report.user_properties``: the row as one JSON property, and the flat ones a CI dashboard groups JUnit
@@ -94,10 +118,7 @@ class Row:
         """The row a report carries, ``None`` where it carries none (a test that runs no check)."""
         for key, value in reversed(list(getattr(report, "user_properties", ()) or ())):
             if key == ROW_PROPERTY:
-                fields = json.loads(value)
-                fields.pop("note", None)
-                return cls(**{**fields, "notes": tuple(fields.get("notes") or ()),
-                              "assumptions": tuple(fields.get("assumptions") or ())})
+                return cls.from_dict(json.loads(value))
         return None
 
 
@@ -105,11 +126,6 @@ def row_name(check: Any, runner: Any = None) -> str:
     """A row's name: its check's own (a repo's check need not be named ``check_*``), on a runner profile for a
     prediction (``predict_inference_load@1x24GB-RTX4090``)."""
     return check.name if runner is None else f"{check.name}@{runner.name}"
-
-
-def outcome_of(row: Row) -> str:
-    """The progress file's ``outcome`` for a row: pytest's words, where a skip is a skip whatever its kind."""
-    return "skipped" if row.verdict in ("not exercised", "not applicable") else row.verdict
 
 
 def assumption_lines(rows: list, strict_option: str, strict: bool) -> list[str]:

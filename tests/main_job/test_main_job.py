@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from fixtures import warm_runs
+from pytest_llmload.reports.row import Row
 
 pytestmark = pytest.mark.timeout(300)
 REPO = Path(__file__).resolve().parents[1]
@@ -209,8 +210,9 @@ def test_a_loaders_own_error_is_an_error_row_not_a_known_failure_and_its_log_is_
     assert document["order"] == "collection order" and "transformers" in document["stack"]
     (record,) = document["results"]
     assert (record["check"], record["outcome"], record["failure"]) == ("check_train_request_trains", "error", None)
-    assert set(record) == {"check", "outcome", "verdict", "failure", "reason", "seconds", "detail", "cause", "note",
-                           "notes", "fix", "loader", "prediction", "assumptions"}
+    assert set(record) == {"check", "outcome", "verdict", "guards", "guards_origin", "failure", "sentence", "seconds",
+                           "cause", "note", "notes", "fix", "loader", "not_run", "prediction", "assumptions",
+                           "artefacts"}  # (the row's fields, as it is: tests/reports/test_row.py)
     assert record["prediction"] is None  # (a check's row: only a prediction's carries a map)
     assert record["assumptions"] == []  # (the notes its verdict rests on as assumptions: none)
 
@@ -554,7 +556,7 @@ def test_every_line_fits_the_terminal_and_cut_reasons_are_whole_in_the_json_and_
     assert any(line.startswith("check_fp16_train_request_keeps_fp32_") for line in table), table  # (wrapped at 80)
     (record,) = [r for r in json.loads((odd_loaders / "out.json").read_text())["results"]
                  if r["check"] == "check_offload_inference"]
-    reason = record["reason"]
+    reason = record["sentence"]
     assert "we never offload: our serving stack keeps every layer on its GPU" in reason and len(reason) > 3 * columns
     at = next(n for n, line in enumerate(table) if line.startswith("check_offload_inference "))
     assert re.match(r"check_offload_inference +offload-hang \(000\) +skipped +\d+\.\d\ds$", table[at]), table
@@ -566,17 +568,15 @@ def test_every_line_fits_the_terminal_and_cut_reasons_are_whole_in_the_json_and_
     assert "llmload: the table, every reason whole:" in log and f"skipped ({reason})" in log
 
 
-ROWS = [  # the progress file's records, as the parent reads them
-    {"check": "check_fp16_train_request_keeps_fp32_master_weights_cuda", "guards": "fp16-unscale",
-     "guards_origin": "field", "outcome": "skipped", "reason": "needs 1 GPU, 0 visible (CUDA_VISIBLE_DEVICES unset)",
-     "seconds": 0.01},
-    {"check": "check_offload_inference", "guards": "offload-hang", "guards_origin": "000", "outcome": "skipped",
-     "reason": "not exercised: " + ", ".join(["the loader loaded the model whole on cpu"] * 14), "seconds": 0.2},
-    {"check": "check_distributed_train_step", "guards": "distributed-device-map", "guards_origin": "004",
-     "outcome": "passed", "reason": "", "note": "judged in bfloat16 (the loader loads bfloat16 whatever is asked)",
-     "seconds": 1234.5},
-    {"check": "predict_train_request_trains", "guards": "meta-backward", "guards_origin": "002",
-     "outcome": "predicted", "failure": "meta-backward", "reason": "", "seconds": 0.5},
+ROWS = [  # the progress file's rows, as the parent reads them
+    Row(check="check_fp16_train_request_keeps_fp32_master_weights_cuda", guards="fp16-unscale", guards_origin="field",
+        verdict="skipped", sentence="needs 1 GPU, 0 visible (CUDA_VISIBLE_DEVICES unset)", seconds=0.01),
+    Row(check="check_offload_inference", guards="offload-hang", guards_origin="000", verdict="not exercised",
+        sentence="not exercised: " + ", ".join(["the loader loaded the model whole on cpu"] * 14), seconds=0.2),
+    Row(check="check_distributed_train_step", guards="distributed-device-map", guards_origin="004", verdict="passed",
+        notes=("judged in bfloat16 (the loader loads bfloat16 whatever is asked)",), seconds=1234.5),
+    Row(check="predict_train_request_trains", guards="meta-backward", guards_origin="002", verdict="predicted",
+        failure="meta-backward", seconds=0.5),
 ]
 
 
@@ -587,16 +587,15 @@ def test_the_table_fits_any_width_and_loses_no_name(columns):
 
     lines = summary_table(ROWS, columns)
     assert max(map(len, lines)) <= columns, "\n".join(lines)
-    rows = [progress_row(n, 4, record, max(len(r["check"]) for r in ROWS), columns) for n, record in enumerate(ROWS)]
+    rows = [progress_row(n, 4, row, max(len(r.check) for r in ROWS), columns) for n, row in enumerate(ROWS)]
     assert max(map(len, rows)) <= columns and len({len(row) for row in rows}) == 1, rows
     if columns < 80:  # (the narrowest width read: it fits, names broken where they must be)
         return
     guards_at, result_at = lines[0].index("guards against"), lines[0].index("result")
     names = "".join(line[:guards_at].strip() for line in lines)  # the first column, wrapped names joined back
     guards = "".join(line[guards_at:result_at].replace(" ", "") for line in lines)
-    for record in ROWS:  # every name whole, wrapped or not
-        assert record["check"] in names and f"{record['guards']}({record['guards_origin']})" in guards, \
-            "\n".join(lines)
+    for row in ROWS:  # every name whole, wrapped or not
+        assert row.check in names and f"{row.guards}({row.guards_origin})" in guards, "\n".join(lines)
     assert "1234.50s" in "".join(lines) and "PREDICTED" in "".join(lines)
 
 
@@ -629,7 +628,7 @@ def test_the_table_keeps_one_line_a_row_where_that_fits():
     from pytest_llmload.main_job.table import summary_table
 
     whole = summary_table(ROWS)  # (the log's copy: no width)
-    assert len(whole) == len(ROWS) + 2 and whole[3].endswith(f"  skipped ({ROWS[1]['reason']})     0.20s"), whole
+    assert len(whole) == len(ROWS) + 2 and whole[3].endswith(f"  skipped ({ROWS[1].sentence})     0.20s"), whole
     fits = summary_table(ROWS[:1] + ROWS[2:], 200)
     assert len(fits) == 5 and "skipped (needs 1 GPU, 0 visible (CUDA_VISIBLE_DEVICES unset))" in fits[2], fits
 

@@ -87,15 +87,16 @@ def test_the_main_job_shows_a_prediction_it_does_not_gate_on_and_exits_0(gated, 
     from pytest_llmload.main_job import table
     from pytest_llmload.main_job.process import MainJob
     from pytest_llmload.prediction.predict import bare_record
+    from pytest_llmload.reports.row import Row
 
     (tmp_path / "pytest.log").write_text("...")
     job = MainJob(argparse.Namespace(log=None, json_path=None, runner=SMALL, pytest_args=[]), tmp_path, io.StringIO())
     check = f"predict_launcher_ddp@{SMALL}"
     job.total, job.order = 1, [check]
-    job.results = [{"check": check, "outcome": "predicted", "verdict": "predicted", "failure": "OOM", "reason": "",
-                    "summary": "would hit OOM", "seconds": 0.1, "guards": "distributed-device-map",
-                    "prediction": {**bare_record("predict_launcher_ddp", SMALL, "phi-3-mini", "OOM", "the load"),
-                                   "gated": gated}}]
+    job.results = [Row(check=check, verdict="predicted", failure="OOM", sentence="would hit OOM", seconds=0.1,
+                       guards="distributed-device-map",
+                       prediction={**bare_record("predict_launcher_ddp", SMALL, "phi-3-mini", "OOM", "the load"),
+                                   "gated": gated})]
     assert table.report(job, 0 if not gated else 1)[0] == code
     said = job.out.getvalue()
     assert f"PREDICTED{'' if gated else ' (not gated)'} {check}: would hit OOM" in said, said

@@ -104,7 +104,8 @@ def test_the_row_of_each_prediction_carries_it_to_the_progress_file_junit_and_th
                                  "--llmload-loader", "fixtures.loaders.before_move_offloaded:load",
                                  "--llmload-progress", "progress.jsonl", "--junitxml", "out.xml")
     result.assert_outcomes(passed=1, failed=1)
-    progress = {r["check"]: r for r in map(json.loads, (pytester.path / "progress.jsonl").read_text().splitlines())
+    progress = {r["row"]["check"]: r["row"] for r in map(json.loads,
+                                                         (pytester.path / "progress.jsonl").read_text().splitlines())
                 if r.get("event") == "result"}
     passed, failed = progress["predict_inference_load@2xH100-80GB"], progress["predict_launcher_ddp@2xH100-80GB"]
     assert (passed["outcome"], failed["outcome"]) == ("passed", "predicted")

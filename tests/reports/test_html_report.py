@@ -16,6 +16,7 @@ from fixtures import warm_runs
 from pytest_llmload.instruments.device_map_summary import compress_modules
 from pytest_llmload.reports.html_pictures import axis_start
 from pytest_llmload.reports.html_report import render_html
+from pytest_llmload.reports.row import Row
 
 SUITE = ("--pyargs", "pytest_llmload.suite", "-p", "no:cacheprovider")
 OFFLOAD = "check_offload_inference"
@@ -196,7 +197,7 @@ def test_a_prediction_run_draws_a_bar_group_per_prediction_with_its_devices_and_
         "--llmload-loader", "fixtures.loaders.before_move_offloaded:load", "-k",
         "predict_inference_load or predict_launcher_ddp or predict_zero3 or predict_moved", "--llmload-html",
         "report.html", "--llmload-progress", "progress.jsonl")
-    progress = [r for r in map(json.loads, (pytester.path / "progress.jsonl").read_text().splitlines())
+    progress = [r["row"] for r in map(json.loads, (pytester.path / "progress.jsonl").read_text().splitlines())
                 if r.get("event") == "result"]
     drawn = {r["check"]: r for r in progress if r.get("prediction")}
     assert len(drawn) >= 5 and any(r["outcome"] == "predicted" for r in drawn.values()), progress
@@ -230,8 +231,8 @@ def _report_row(name: str, outcome: str, loads: list[float], rss: int) -> dict:
     """A row as the report collects it: a test that loaded the tiny model whole on cpu, once per entry of ``loads``
     (its seconds), in a process of ``rss`` bytes that grew by 3 MiB."""
     phases = [{"name": "load", "label": "load (llama)", "depth": 0, "rss_before": rss, "rss_peak": rss + 3 * MiB}]
-    return {"nodeid": f"test_x.py::{name}", "outcome": outcome, "seconds": 0.5, "row": None,
-            "note": "assert 1 == 2" if outcome == "failed" else "", "known": "",
+    row = Row(check=name, verdict=outcome, sentence="assert 1 == 2" if outcome == "failed" else "", seconds=0.5)
+    return {"nodeid": f"test_x.py::{name}", "row": row, "known": "",
             "record": {"models": [dict(WHOLE_ON_CPU, seconds=s) for s in loads], "phases": phases}}
 
 

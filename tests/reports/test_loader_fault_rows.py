@@ -163,33 +163,14 @@ def test_the_html_report_shows_a_loader_faults_fix(pytestconfig):
     from pytest_llmload.reports.html_report import render_html
     from pytest_llmload.reports.row import Row
 
-    row = Row("check_loads", "error", guards="offload-hang", cause="loader", fix=DEVICE_FIX,
+    row = Row("check_loads", "error", guards="offload-hang", cause="loader", fix=DEVICE_FIX, seconds=0.1,
               sentence=f"loader error: AssertionError: Torch not compiled with CUDA enabled\n  fix: {DEVICE_FIX}")
-    report_row = {"nodeid": "test_gate.py::test_loader[check_loads]", "outcome": "failed", "seconds": 0.1,
-                  "row": row, "note": "", "record": None, "known": ""}
+    report_row = {"nodeid": "test_gate.py::test_loader[check_loads]", "row": row, "record": None, "known": ""}
     own = {**report_row, "nodeid": "test_gate.py::test_loader[own_thing]",
            "row": dataclasses.replace(row, check="own_thing")}
     text = render_html(pytestconfig, [report_row, own], 0.0, 1.0)
     assert f"fix (the loader):</span> <code>{html.escape(DEVICE_FIX)}</code>" in text
     assert 'data-check="own_thing"' in text, "a row is named by its check's own name, as its Row says"
-
-
-def test_json_gives_every_failed_or_error_row_its_whole_reason_and_its_fix():
-    from pytest_llmload.main_job.table import json_records
-
-    records = [  # the progress file's records, as the parent reads them (a row's reason is empty but for a skip)
-        {"check": "check_loads", "outcome": "error", "cause": "loader", "reason": "", "seconds": 0.1,
-         "summary": f"loader error: AssertionError: Torch not compiled with CUDA enabled\n  fix: {DEVICE_FIX}",
-         "fix": DEVICE_FIX},
-        {"check": "check_other", "outcome": "error", "cause": "loader", "reason": "", "seconds": 0.1,
-         "summary": "loader error: ValueError: no 'model_name'", "fix": None},
-        {"check": "check_offload_inference", "outcome": "skipped", "reason": "not exercised: loaded whole",
-         "summary": "not exercised: loaded whole", "seconds": 0.1},
-        {"check": "check_passes", "outcome": "passed", "reason": "", "summary": "", "seconds": 0.1},
-    ]
-    got = {r["check"]: (r["reason"], r["fix"]) for r in json_records(records)}
-    assert got == {"check_loads": (records[0]["summary"], DEVICE_FIX), "check_other": (records[1]["summary"], None),
-                   "check_offload_inference": ("not exercised: loaded whole", None), "check_passes": ("", None)}
 
 
 @needs_no_cuda
@@ -201,6 +182,6 @@ def test_the_main_jobs_json_and_table_say_the_fault_of_a_loader_run_in_an_isolat
     assert run.returncode == 1, run.stdout + run.stderr
     (record,) = json.loads((tmp_path / "out.json").read_text())["results"]
     assert (record["outcome"], record["cause"], record["fix"]) == ("error", "loader", DEVICE_FIX), record
-    assert record["reason"].startswith("loader error: AssertionError: Torch not compiled with CUDA enabled")
-    assert "\n  cause: the loader pins the model to a CUDA device" in record["reason"]
+    assert record["sentence"].startswith("loader error: AssertionError: Torch not compiled with CUDA enabled")
+    assert "\n  cause: the loader pins the model to a CUDA device" in record["sentence"]
     assert f"fix: {DEVICE_FIX}" in run.stdout, run.stdout

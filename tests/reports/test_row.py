@@ -7,7 +7,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from fixtures import warm_runs
-from pytest_llmload.reports.row import Row, outcome_of
+from pytest_llmload.reports.row import Row
 
 
 def test_a_row_travels_as_one_property_and_comes_back_whole():
@@ -22,7 +22,8 @@ def test_a_row_travels_as_one_property_and_comes_back_whole():
     flat = dict(row.properties())
     assert (flat["llmload_verdict"], flat["llmload_cause"], flat["llmload_loader"]) == ("error", "loader", "mypkg:load")
     assert flat["llmload_sentence"].endswith("No module named 'flash_attn'"), "every line of the reason"
-    assert outcome_of(row) == "error" and outcome_of(Row(check="c", verdict="not applicable")) == "skipped"
+    assert row.outcome == "error" and Row(check="c", verdict="not applicable").outcome == "skipped"
+    assert Row.from_dict(row.as_dict()) == row
 
 
 # A repo's own checks (docs/extension.md): any name, one that fails, one whose own code crashes in its isolated
@@ -88,7 +89,7 @@ def test_the_progress_file_junit_and_the_hook_read_the_same_row(pytester):
     result.assert_outcomes(passed=2, skipped=2, failed=2)
     records = list(map(json.loads, (pytester.path / "progress.jsonl").read_text().splitlines()))
     hook = {r["check"]: r for r in map(json.loads, (pytester.path / "hook.jsonl").read_text().splitlines())}
-    progress = {r["check"]: r for r in records if r.get("event") == "result"}
+    progress = {r["row"]["check"]: r["row"] for r in records if r.get("event") == "result"}
     junit = {json.loads(props["llmload_row"])["check"]: props for props in (
         {p.get("name"): p.get("value") for p in case.iter("property")}
         for case in ET.parse(pytester.path / "out.xml").getroot().iter("testcase"))}
@@ -98,7 +99,7 @@ def test_the_progress_file_junit_and_the_hook_read_the_same_row(pytester):
     assert json.loads(junit[pad]["llmload_row"])["notes"] == hook[pad]["notes"]
     assert hook[writes]["verdict"] == progress[writes]["verdict"] == junit[writes]["llmload_verdict"] == \
         "not applicable"
-    assert progress[writes]["outcome"] == "skipped" and "we never offload" in progress[writes]["reason"]
+    assert progress[writes]["outcome"] == "skipped" and "we never offload" in progress[writes]["sentence"]
     assert {hook[pad]["loader"], progress[pad]["loader"], junit[pad]["llmload_loader"]} == {"bf16:load"}
 
     names = ["own_thing", "own_broken", "own_skip", "own_pass"]
@@ -113,14 +114,15 @@ def test_the_progress_file_junit_and_the_hook_read_the_same_row(pytester):
     assert f"KeyError: 'missing' at own_broken ({pytester.path / 'myrepo_checks.py'}:{line})" in broken, broken
     assert "pytest-llmload" not in broken and "children.py" not in broken and "issues" not in broken, broken
 
-    as_json = {r["check"]: r for r in json_records(list(progress.values()))}
+    as_json = {r["check"]: r for r in json_records([Row.from_dict(row) for row in progress.values()])}
     assert (as_json["own_thing"]["verdict"], as_json["own_thing"]["failure"]) == ("failed", "use-cache-off")
-    assert "the inference model has config.use_cache=False" in as_json["own_thing"]["reason"]
+    assert "the inference model has config.use_cache=False" in as_json["own_thing"]["sentence"]
     assert as_json["own_thing"]["fix"] == "set use_cache only for train requests"
-    assert as_json["own_broken"]["reason"] == broken and as_json["own_broken"]["fix"] is None
+    assert as_json["own_broken"]["sentence"] == broken and as_json["own_broken"]["fix"] is None
     assert as_json["own_skip"]["verdict"] == "not exercised" and \
-        as_json["own_skip"]["reason"] == "not exercised: the loader never sets use_cache"
-    assert (as_json["own_pass"]["verdict"], as_json["own_pass"]["reason"]) == ("passed", "")
+        as_json["own_skip"]["sentence"] == "not exercised: the loader never sets use_cache"
+    assert (as_json["own_pass"]["verdict"], as_json["own_pass"]["sentence"]) == ("passed", "")
+    assert all(row["seconds"] is not None for row in progress.values()), "the time is the row's, filled where made"
 
 
 @pytest.mark.parametrize("strict", [False, True])
@@ -135,7 +137,7 @@ def test_a_strict_run_counts_a_not_exercised_row_as_failed_in_the_row_too(pytest
             "not cuda", "--llmload-progress", "progress.jsonl", "-p", "no:cacheprovider"]
     result = warm_runs.runpytest(pytester, *args, *(["--llmload-strict"] if strict else []))
     result.assert_outcomes(**({"failed": 1} if strict else {"skipped": 1}))
-    (row,) = [r for r in map(json.loads, (pytester.path / "progress.jsonl").read_text().splitlines())
+    (row,) = [r["row"] for r in map(json.loads, (pytester.path / "progress.jsonl").read_text().splitlines())
               if r.get("event") == "result"]
     assert (row["outcome"], row["verdict"]) == (("failed", "failed") if strict else ("skipped", "not exercised"))
 
@@ -175,8 +177,8 @@ def test_json_gives_each_verdict_kind_its_whole_reason_and_its_fix(tmp_path):
         writer.pytest_runtest_logreport(SimpleNamespace(nodeid=name, when="call", outcome="passed",
                                                         user_properties=row.properties()))
     writer.close()
-    results = [json.loads(line) for line in (tmp_path / "progress.jsonl").read_text().splitlines()]
-    got = {name: (r["verdict"], r["reason"], r["fix"]) for name, r in zip(rows, json_records(results))}
+    results = [Row.from_dict(json.loads(line)["row"]) for line in (tmp_path / "progress.jsonl").read_text().splitlines()]
+    got = {name: (r["verdict"], r["sentence"], r["fix"]) for name, r in zip(rows, json_records(results))}
     fix = "set use_cache only for train requests"
     assert got["failed"] == ("failed", "use_cache off:\n  in the inference load", fix)
     assert got["predicted"] == ("predicted", "would hit use-cache-off on 1x24GB", fix)
@@ -185,3 +187,73 @@ def test_json_gives_each_verdict_kind_its_whole_reason_and_its_fix(tmp_path):
     for kind in ("not exercised", "not applicable", "skipped", "xfailed"):
         assert got[kind] == (kind, rows[kind].sentence, None) and got[kind][1], got[kind]
     assert got["passed"] == ("passed", "", None)
+
+
+def test_the_progress_record_and_the_json_row_are_the_row_with_exactly_its_fields(tmp_path):
+    """One record type: a check's row and a test's that runs no check are written as they are (no field renamed or
+    added: before issue 47 the writer wrote ``reason``/``summary`` for ``sentence``), the parent makes the same Row
+    again, and ``--json`` writes it as it is."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from pytest_llmload.main_job.table import json_records
+    from pytest_llmload.reports.progress import ProgressWriter
+    from pytest_llmload.reports.row import SHOWN_BESIDE
+
+    check_row = Row(check="own_thing", verdict="failed", guards="use-cache-off", failure="use-cache-off",
+                    cause="mechanism", sentence="use_cache off", fix="set it for train only", seconds=0.25)
+    crash = SimpleNamespace(reprcrash=SimpleNamespace(message="AssertionError: assert 1 == 2"))
+    reports = [SimpleNamespace(nodeid="test_x.py::test_loader_check[own_thing]", when="call", outcome="failed",
+                               user_properties=check_row.properties()),
+               SimpleNamespace(nodeid="test_mine.py::test_own", when="call", outcome="failed", longrepr=crash,
+                               skipped=False, failed=True, user_properties=[])]
+    writer = ProgressWriter(str(tmp_path / "progress.jsonl"))
+    for report in reports:
+        writer.pytest_runtest_logreport(report)
+    writer.close()
+    records = [json.loads(line) for line in (tmp_path / "progress.jsonl").read_text().splitlines()]
+    fields = {field.name for field in dataclasses.fields(Row)} | set(SHOWN_BESIDE)
+    assert [set(record) for record in records] == [{"event", "nodeid", "row"}] * 2
+    assert [set(record["row"]) for record in records] == [fields] * 2
+    rows = [Row.from_dict(record["row"]) for record in records]
+    assert rows[0] == check_row
+    assert (rows[1].check, rows[1].verdict, rows[1].guards, rows[1].sentence) == (
+        "test_own", "failed", None, "AssertionError: assert 1 == 2")
+    assert [set(record) for record in json_records(rows)] == [fields] * 2
+    with pytest.raises(TypeError):  # a field the row does not have is no row
+        Row.from_dict({**check_row.as_dict(), "reason": "renamed"})
+
+
+def test_an_extension_checks_rows_and_hang_line_say_its_own_name(monkeypatch):
+    """A repo's check named ``own_thing`` (docs/extension.md allows any name) showed as
+    ``test_loader_check[own_thing]``, its name parsed from the node id; the name is the check's."""
+    from types import SimpleNamespace
+
+    from pytest_llmload.checks.base import Check, KnownFailure
+    from pytest_llmload.main_job.table import summary_table
+    from pytest_llmload.reports.progress import name_of
+
+    failure = KnownFailure(id="use-cache-off", title="t", write_up="myrepo#12", signatures=(), root_cause="r",
+                           fix="f", occurs="o")
+
+    def own_thing(loader, checkpoint, workdir):
+        pass
+
+    item = SimpleNamespace(nodeid="tests/test_gate.py::test_loader_check[own_thing]", name="test_loader_check[own_thing]",
+                           callspec=SimpleNamespace(params={"check": Check(own_thing, failure)}))
+    assert name_of(item) == "own_thing"
+    assert name_of(SimpleNamespace(nodeid="tests/test_mine.py::test_own", name="test_own")) == "test_own"
+    table = "\n".join(summary_table([Row(check=name_of(item), verdict="passed", guards="use-cache-off",
+                                         guards_origin="extension", seconds=0.1)]))
+    assert "own_thing  use-cache-off (extension)" in table and "test_loader_check" not in table
+    # The hang line of the tests after it ("the loader under test hung in own_thing") names the check too.
+    from pytest_llmload.plugin import loader_hang
+
+    monkeypatch.setattr(loader_hang, "hang_in_loader", lambda exc, test: loader_hang.Hang(test, 2.0))
+    item.config, item.fixturenames = SimpleNamespace(stash=pytest.Stash()), ["llmload_loader"]
+    wrapper = loader_hang.pytest_runtest_makereport(item, SimpleNamespace(when="call", excinfo=SimpleNamespace(
+        value=TimeoutError("deadline"))))
+    next(wrapper)
+    with pytest.raises(StopIteration):
+        wrapper.send(SimpleNamespace(failed=True))
+    assert item.config.stash[loader_hang.hang_key].message().startswith("the loader under test hung in own_thing ")
