@@ -102,7 +102,7 @@ SLOW_FILES = (
     "tests/plugin/test_check_registry.py", "tests/test_downstream_repo.py", "tests/test_readme_adapter.py",
     "tests/plugin/test_loader_hang.py", "tests/runners/test_warm_server.py",
     "tests/test_write_ups_as_written.py", "tests/reports/test_html_report_browser.py",
-    "tests/docs/test_docs_render.py",
+    "tests/docs/test_docs_render.py", "tests/commands/test_run_commands.py",
 )
 SLOW_TESTS = {
     "tests/checks/test_contract.py": ("test_every_check_goes_through_the_contract[check_train_request_trains]",
