@@ -261,17 +261,22 @@ def run_children(specs, timeout: float, *, start: Start = Start(), tmp_root=None
 
 
 def _reap(procs, outcomes) -> None:
-    """Let the children that answered exit, kill the rest (hung, or interrupted) with their process groups."""
+    """Let the children that answered exit, kill the rest (hung, or interrupted) with their process groups and what
+    they started elsewhere: a daemon in a session of its own is in no group of theirs, and would outlive them."""
     end = time.monotonic() + _JOIN_S
     for proc, outcome in zip(procs, outcomes):
         if outcome.status in ("ok", "raised"):
             proc.join(max(0.0, end - time.monotonic()))
     for proc in procs:
         if proc.exitcode is None:
+            started = lifeline.descendants(proc.pid)  # (read first: a killed child's orphans leave its tree)
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)  # the child leads its own process group
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
+            for pid in started:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)  # (SIGKILL: a daemon may ignore SIGTERM)
     for proc in procs:
         proc.join(5)
 

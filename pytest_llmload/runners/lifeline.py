@@ -161,8 +161,9 @@ def become_subreaper() -> bool:
         return False
 
 
-def _descendants(root: int) -> list[int]:
-    """The pids below ``root`` in the process tree, read from /proc (empty where there is none)."""
+def descendants(root: int) -> list[int]:
+    """The pids below ``root`` in the process tree, read from /proc (empty where there is none), those in sessions
+    of their own included."""
     parent_of: dict[int, int] = {}
     with contextlib.suppress(OSError):
         for entry in os.listdir("/proc"):
@@ -190,7 +191,7 @@ def end_descendants(grace: float = 1.0) -> list[str]:
     ``"pid (command line)"``. Called by a child when the code it ran has ended: nothing it started outlives it."""
     import time
 
-    found = _descendants(os.getpid())
+    found = descendants(os.getpid())
     described = [f"{pid} ({_command_line(pid)})" for pid in found]
     for pid in found:
         with contextlib.suppress(ProcessLookupError, PermissionError):

@@ -715,3 +715,46 @@ def test_every_process_the_code_under_test_starts_is_gone_when_it_ends():
     assert len(notes) == 1 and notes[0].startswith("2 process(es) the code under test started were still running"), \
         notes
     assert f"sleep {marker}" in notes[0]
+
+
+def _leaves_a_daemon_behind_and_hangs(marker: str):
+    _leaves_a_daemon_behind(marker)
+    time.sleep(600)
+
+
+def _raises_once_the_daemons_run(marker: str):
+    while len(_running(marker)) < 2:
+        time.sleep(0.01)
+    raise RuntimeError("the other child's daemons run")
+
+
+def _interrupted(outcomes):
+    raise KeyboardInterrupt  # (what Ctrl-C or the main job's SIGTERM raises in this process)
+
+
+def _gone(marker: str) -> list[str]:
+    deadline = time.monotonic() + 5
+    while _running(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return _running(marker)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc is Linux's")
+def test_a_hung_childs_daemons_in_sessions_of_their_own_end_with_it_at_its_deadline():
+    """Before (issue 49 point 6): at a deadline only the child's process group was killed, and a daemon in a session
+    of its own (which ignores SIGTERM) outlived the job."""
+    marker = f"{4000 + os.getpid() % 1000}.{time.time_ns() % 10**6}"
+    with pytest.raises(IsolationFailed, match="deadline of 1 s exceeded"):
+        run_isolated(_leaves_a_daemon_behind_and_hangs, (marker,), timeout=1, label="daemons")
+    assert _gone(marker) == []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc is Linux's")
+def test_an_interrupted_runs_daemons_in_sessions_of_their_own_end_with_its_children():
+    """Before (issue 49 point 6): on Ctrl-C or the job's SIGTERM only the children's process groups were killed."""
+    marker = f"{5000 + os.getpid() % 1000}.{time.time_ns() % 10**6}"
+    specs = [children.ChildSpec("daemons", _leaves_a_daemon_behind_and_hangs, (marker,)),
+             children.ChildSpec("raises", _raises_once_the_daemons_run, (marker,))]
+    with pytest.raises(KeyboardInterrupt):
+        children.run_children(specs, 60, on_failure=_interrupted)
+    assert _gone(marker) == []
