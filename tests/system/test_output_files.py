@@ -98,11 +98,14 @@ def test_the_main_job_refuses_a_planted_link_before_the_run(shared, args):
     assert target.read_text() == SECRET
 
 
-def test_the_html_report_is_not_written_through_a_planted_link(shared, pytester):
+def test_the_html_report_through_a_planted_link_is_a_usage_error_before_the_run(shared, pytester):
     directory, target = shared
     pytester.makepyfile("def test_one():\n    pass\n")
-    result = pytester.runpytest_inprocess("-p", "no:randomly", "--llmload-html", str(directory / "out.log"))
-    result.stdout.fnmatch_lines(["*the HTML report was not written: UnsafeOutputFile: *is a symbolic link in*"])
+    link = directory / "out.log"
+    result = pytester.runpytest_inprocess("-p", "no:randomly", "--llmload-html", str(link))
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*--llmload-html {str(link)!r} is a symbolic link in {str(directory)!r}, a "
+                                 "directory other users can write*"])
     assert target.read_text() == SECRET
 
 
