@@ -69,7 +69,7 @@ from pytest_llmload.reports.html_pictures import (
 from pytest_llmload.reports.progress import row_of_report
 from pytest_llmload.reports.row import Row
 from pytest_llmload.placement.picture import placement_tiers
-from pytest_llmload.system.output_files import open_output
+from pytest_llmload.system.output_files import open_output, unsafe_reason
 from pytest_llmload.system.sizes import format_bytes
 
 RECORD_ATTRIBUTE = "llmload_html"  # the report attribute a worker's record travels in
@@ -104,6 +104,9 @@ def pytest_configure(config: pytest.Config) -> None:
     if path:
         target = Path(os.path.expandvars(path)).expanduser()
         target = target if target.is_absolute() else Path(config.invocation_params.dir) / target
+        unsafe = unsafe_reason(target)
+        if unsafe is not None:  # (said before the run, not after it)
+            raise pytest.UsageError(f"{settings.given(config, 'html')[1]} {path!r} {unsafe}")
     state = config.stash[state_key] = HtmlReport(config, target, extras=pytest_html and drawing,
                                                  missing_matplotlib=pytest_html and not drawing)
     config.pluginmanager.register(state, PLUGIN_NAME)
