@@ -27,10 +27,12 @@ stored, before any cast or quantization at load.
 This module is the plugin and the page; what a test's record holds (its children's included) is
 :mod:`.html_data`'s, the pictures :mod:`.html_pictures`'.
 
-Under xdist each worker puts a test's record (plain data) on its teardown report as ``report.llmload_html``;
-pytest serialises a report's attributes for xdist (``pytest_report_to_serializable``), so the controller receives
-it in ``pytest_runtest_logreport``, as pytest-html's controller receives ``report.extras``. Only the controller (or
-a run without xdist) writes the file.
+Every test's row is the progress file's (:func:`~pytest_llmload.reports.progress.row_of_report`), taken as it is: a
+check's carries what it saw (:attr:`~pytest_llmload.reports.row.Row.artefacts`, its isolated children's included,
+on its report's properties); a test that runs no check puts its record (plain data) on its teardown report as
+``report.llmload_html``. pytest serialises both for xdist (``pytest_report_to_serializable``), so the controller
+receives them in ``pytest_runtest_logreport``, as pytest-html's controller receives ``report.extras``. Only the
+controller (or a run without xdist) writes the file.
 
 A run without ``--llmload-html`` or ``--html`` does nothing here; matplotlib is imported only to draw.
 """
@@ -53,7 +55,7 @@ import pytest
 
 from pytest_llmload.config.distribution import FIELD_REPORT_URL
 from pytest_llmload.reports.known_failures import SECTION as KNOWN_FAILURE_SECTION
-from pytest_llmload.reports.html_data import record_of
+from pytest_llmload.reports.html_data import record_from, record_of
 from pytest_llmload.reports.html_pictures import (
     device_colour,
     device_map_figure,
@@ -129,8 +131,14 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         return report
     if call.when == "call" and not state.extras:
         return report
-    record = record_of(item)
-    if record is None or _is_prediction(Row.of_report(report)):  # (its loads are stand-ins: this process's memory)
+    row = Row.of_report(report) or Row.of_report(item)  # a check's row (its item keeps the row's properties too)
+    if _is_prediction(row):  # (its loads are stand-ins: this process's memory)
+        return report
+    if row is not None:  # a check's: what its row carries (its isolated children's included), no record of its own
+        record = record_from(row.artefacts) if call.when == "call" and row.artefacts else None
+    else:  # a test that runs no check: its recorder's, at its teardown (on its report: xdist carries it)
+        record = record_of(item)
+    if record is None:
         return report
     if call.when == "teardown":
         setattr(report, RECORD_ATTRIBUTE, record)
@@ -180,10 +188,14 @@ class HtmlReport:
             return
         row = self._row(report.nodeid)
         row["seconds"] += report.duration
-        row["row"] = row_of_report(report, row["seconds"]) or row["row"]  # taken as it is: the progress file's
+        decided = row_of_report(report, row["seconds"])  # taken as it is: the progress file's
+        if decided is not None:
+            row["row"] = decided
+            if decided.artefacts:  # a check's: what its row carries
+                row["record"] = record_from(decided.artefacts)
         # A test that is not a check: the known failure its text matched, as pytest's report section says it.
         row["known"] = next((text for name, text in report.sections if name == KNOWN_FAILURE_SECTION), row["known"])
-        record = getattr(report, RECORD_ATTRIBUTE, None)
+        record = getattr(report, RECORD_ATTRIBUTE, None)  # a test's that runs no check
         if record is not None:
             row["record"] = record
 

@@ -262,3 +262,28 @@ def test_the_failing_row_comes_first_and_each_picture_is_drawn_once(pytestconfig
 ])
 def test_a_memory_axis_starts_near_the_lowest_value_it_shows(values, start):
     assert axis_start(values) == start
+
+
+def test_a_checks_pictures_come_from_its_row(pytestconfig, tmp_path):
+    """The report takes a check's row as it is, what it saw included (``Row.artefacts``: its isolated children's come
+    back with their answers): no record of its own beside the row (before issue 47, a spool of the report's own, then
+    a record on the teardown report)."""
+    from types import SimpleNamespace
+
+    from pytest_llmload.reports.html_report import HtmlReport
+
+    artefacts = {"models": [{"kind": "LlamaForCausalLM", "source": "/nowhere/llama", "seconds": 0.2, "where": "cpu",
+                             "device_map": None}],
+                 "phases": [{"name": "load", "label": "load (llama)", "depth": 0, "rss_before": 300 * MiB,
+                             "rss_peak": 303 * MiB, "running": False, "seconds": 0.2, "started": 1.0,
+                             "detail": "llama for train on cpu"}]}
+    row = Row(check="own_thing", verdict="passed", guards="use-cache-off", seconds=0.3, artefacts=artefacts)
+    report = HtmlReport(pytestconfig, tmp_path / "report.html", extras=False, missing_matplotlib=False)
+    nodeid = "test_gate.py::test_loader_check[own_thing]"
+    for when in ("setup", "call", "teardown"):
+        report.pytest_runtest_logreport(SimpleNamespace(
+            nodeid=nodeid, when=when, outcome="passed", duration=0.1, sections=[],
+            user_properties=row.properties() if when == "call" else []))
+    text = render_html(pytestconfig, list(report.rows.values()), 0.0, 1.0)
+    section = html.unescape(_pictures_of(text, "own_thing"))
+    assert "LlamaForCausalLM from llama" in section and len(PNG_URI.findall(section)) == 2, section
