@@ -21,7 +21,6 @@ def say(config: pytest.Config, line: str) -> None:
     """``line`` on the console at once: on stderr (a plain run's console, the main job's log) and, where the main job
     follows this run, as its progress file's ``console`` event, which it prints."""
     from pytest_llmload.instruments.heartbeat import stderr_line
-
     from pytest_llmload.reports import progress  # (as the writer was registered: the same module, the same key)
 
     stderr_line(line)
@@ -51,9 +50,8 @@ def importing(config: pytest.Config, module: str, what: str, source: str, remedy
                 "--llmload-import-timeout.")
 
     def end_the_run(failure: str) -> None:
-        # The watchdog's thread: the import is blocked in a call no exception reaches, so no usage error can be
-        # raised in it; said here as pytest says one, and the run ends with pytest's usage-error status.
-        # (stderr only: the main job reads a usage error from pytest's output, as it does every other)
+        # On the watchdog's thread: the import is blocked where no exception reaches it, so the usage error is said
+        # here as pytest says one (on stderr, where the main job reads every other) and the run ends with its status.
         from pytest_llmload.instruments.heartbeat import stderr_line
 
         with contextlib.suppress(Exception):
