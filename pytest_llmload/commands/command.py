@@ -24,7 +24,8 @@ from pytest_llmload.commands.bootstrap import write_bootstrap
 from pytest_llmload.commands.in_process import RUN_DIR_VARIABLE, SETTINGS_FILE, STACK_SIGNAL
 from pytest_llmload.commands.tiny_weights import CACHE_VARIABLE
 
-STACKS_GRACE_S = 2.0  # after the deadline, how long the processes get to write their stacks
+STACKS_GRACE_S = 2.0
+MAX_FILES_LISTED = 20_000  # the repo's files listed before and after the command, to say what it wrote there  # after the deadline, how long the processes get to write their stacks
 # The hub and its libraries offline: a model, tokenizer or dataset the command would download is refused, naming it.
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "HF_HUB_DISABLE_TELEMETRY": "1", "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
@@ -38,7 +39,8 @@ class CommandNotFound(ValueError):
 class CommandRun:
     """One run of a command: its argv, exit status (``None`` where it passed its deadline), wall and CPU seconds
     (its processes', reaped), each Python process's findings, the stacks written at the deadline, where its outputs
-    went, its output's log, and the processes still running after it ended (ended here)."""
+    went, its output's log, the processes still running after it ended (ended here), and the files it made in the
+    repo all the same (a library's own writes: reported, never removed)."""
 
     argv: list[str]
     returncode: Optional[int]
@@ -50,6 +52,7 @@ class CommandRun:
     output_dir: Path
     log: Path
     left_behind: list[int]
+    written: list[str]  # files the command made in its working directory (the repo), which the run did not redirect
 
     @property
     def hung(self) -> bool:
@@ -79,6 +82,7 @@ def run_command(argv: list[str], workdir: Path, *, steps: int, deadline: float, 
            "PYTHONPATH": os.pathsep.join(filter(None, [str(boot), os.environ.get("PYTHONPATH")]))}
     if cache_dir is not None:
         env[CACHE_VARIABLE] = str(cache_dir)
+    files_before = _files_in(Path.cwd())
     cpu_before = _children_cpu()
     started = time.monotonic()
     with log.open("wb") as out:
@@ -101,8 +105,9 @@ def run_command(argv: list[str], workdir: Path, *, steps: int, deadline: float, 
     with log.open("a") as out:  # (the command's output, then where each process was at the deadline)
         for pid, text in stacks.items():
             out.write(f"\n--- pytest-llmload run: process {pid}'s stack at the {deadline:g} s deadline ---\n{text}")
+    written = sorted(_files_in(Path.cwd()) - files_before) if files_before is not None else []
     return CommandRun(argv, returncode, seconds, _children_cpu() - cpu_before, deadline, processes, stacks,
-                      output_dir, log, [] if returncode is None else left_behind)
+                      output_dir, log, [] if returncode is None else left_behind, written)
 
 
 def _wait_for_stacks(pids: list[int], run_dir: Path) -> None:
@@ -111,6 +116,18 @@ def _wait_for_stacks(pids: list[int], run_dir: Path) -> None:
     files = [run_dir / f"stacks-{pid}.txt" for pid in pids if (run_dir / f"pid-{pid}").exists()]
     while time.monotonic() < until and not all(f.is_file() and f.stat().st_size for f in files):
         time.sleep(0.05)
+
+
+def _files_in(folder: Path) -> "set[str] | None":
+    """The files under ``folder`` (its ``.git`` aside), relative to it; ``None`` past :data:`MAX_FILES_LISTED`
+    (a folder that large is not listed twice)."""
+    found: set[str] = set()
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = [d for d in dirs if d != ".git"]
+        found.update(os.path.relpath(os.path.join(root, name), folder) for name in files)
+        if len(found) > MAX_FILES_LISTED:
+            return None
+    return found
 
 
 def _children_cpu() -> float:

@@ -42,7 +42,7 @@ class Findings:
         self.path = run_dir / f"process-{os.getpid()}.json"
         self.record: dict[str, Any] = {
             "pid": os.getpid(), "argv": list(sys.argv), "outcome": "finished", "steps": 0, "unscales": 0,
-            "generates": 0, "loads": [], "trainers": [], "redirected": [], "saved": [], "crash": None, "watch_errors": [],
+            "generates": 0, "loads": [], "trainers": [], "redirected": [], "saved": [], "crash": None, "watch_errors": [], "adapters": [],
             "distributed": {name: os.environ[name] for name in DISTRIBUTED_VARIABLES if name in os.environ},
             "started": time.time()}
 
@@ -232,8 +232,7 @@ def _record_load(model: Any, kwargs: dict, given: dict, writes: list) -> None:
 
     device_map = getattr(model, "hf_device_map", None) or {}
     places = sorted({str(place) for place in device_map.values()})
-    meta = sum(1 for p in model.parameters() if p.device.type == "meta") if hasattr(model, "parameters") else 0
-    offloaded = meta > 0 or "disk" in places
+    offloaded = _offloaded(model)
     counted, _ = weight_writes(writes, given.get("offload_folder") or RUN.dir / "no-offload-folder", RUN.dir,
                                offloaded=offloaded)
     RUN.findings.record["loads"].append({
@@ -287,6 +286,30 @@ def _patch_auto_tokenizer(module) -> None:
 
 def _patch_generation_config(module) -> None:
     _redirect(module.GenerationConfig, keyword="pretrained_model_name")
+
+
+def _patch_peft_model(module) -> None:
+    """``PeftModel.from_pretrained(model, adapter)`` (and so ``AutoPeftModel*``, which loads the base through the
+    redirected transformers): a tiny adapter of the same kind, rank and targets for the tiny base."""
+    original = module.PeftModel.__dict__["from_pretrained"].__func__
+
+    @functools.wraps(original)
+    def from_pretrained(klass, model, model_id, *args, **kwargs):
+        from pytest_llmload.commands import tiny_weights
+
+        if isinstance(model_id, (str, os.PathLike)) and not _ours(model_id):
+            call = f"{klass.__name__}.from_pretrained(model, {str(model_id)!r}) at {_callers_line()}"
+            model_id = tiny_weights.tiny_adapter(str(model_id), model, call)
+            RUN.findings.record["redirected"].append({"call": call, "to": str(model_id)})
+        RUN.findings.record["adapters"].append({"where": _callers_line(), "on_offloaded": _offloaded(model)})
+        return original(klass, model, model_id, *args, **kwargs)
+
+    module.PeftModel.from_pretrained = classmethod(from_pretrained)
+
+
+def _offloaded(model: Any) -> bool:
+    places = {str(place) for place in (getattr(model, "hf_device_map", None) or {}).values()}
+    return "disk" in places or any(p.device.type == "meta" for p in model.parameters())
 
 
 # --- a bounded run -----------------------------------------------------------------------------------------
@@ -410,4 +433,5 @@ AFTER_IMPORT: dict[str, Callable[[Any], None]] = {
     "transformers.trainer": _patch_trainer,
     "torch.optim.optimizer": _patch_optimizer,
     "torch.amp.grad_scaler": _patch_grad_scaler,
+    "peft.peft_model": _patch_peft_model,
 }

@@ -38,6 +38,7 @@ class Facts:
         self.trainers = [t for p in processes for t in p["trainers"]]
         self.distributed = [p for p in processes if p["distributed"]]
         self.crashes = [p["crash"] for p in processes if p["crash"]]
+        self.adapters = [adapter for p in processes for adapter in p["adapters"]]
 
 
 def _placements(loads: list) -> str:
@@ -123,9 +124,12 @@ def _quantized_cast(facts: Facts) -> tuple[bool, str]:
 
 
 def _adapter_on_offloaded(facts: Facts) -> tuple[bool, str]:
-    if facts.offloaded:
-        return False, "a load offloaded, but adapters are not watched by `run` yet"
-    return False, "no load offloaded"
+    on_offloaded = [adapter for adapter in facts.adapters if adapter["on_offloaded"]]
+    if on_offloaded:
+        return True, f"an adapter was put on an offloaded base at {on_offloaded[0]['where']} and loaded"
+    if facts.adapters:
+        return False, f"{len(facts.adapters)} adapter(s) put on a base with nothing offloaded"
+    return False, "the command put no adapter on a model (PeftModel.from_pretrained)"
 
 
 # Failure id -> whether the run reached its mechanism, and what it saw (a failure missing here: not watched yet).
@@ -202,8 +206,11 @@ def failure_rows(run: CommandRun, facts: Facts) -> list[Row]:
 
 
 def command_row(run: CommandRun, facts: Facts) -> Row:
-    """The command's own outcome: finished (bounded), crashed (where in the repo, the known fault's fix), hung."""
-    common = {"check": COMMAND_ROW, "loader": " ".join(run.argv), "seconds": round(run.seconds, 2)}
+    """The command's own outcome: finished (bounded), crashed (where in the repo, the known fault's fix), hung;
+    noted with what the run saw besides (files it wrote into the repo, processes it left running, what the watch
+    could not see)."""
+    common = {"check": COMMAND_ROW, "loader": " ".join(run.argv), "seconds": round(run.seconds, 2),
+              "notes": _besides(run)}
     if run.hung:
         stuck = sorted({frame for text in run.stacks.values() for frame in _repo_frames_dumped(text)[:1]})
         at = f" stuck at {', '.join(stuck)};" if stuck else ""
@@ -228,13 +235,21 @@ def command_row(run: CommandRun, facts: Facts) -> Row:
     bounded = any(p["outcome"] == "bounded" for p in run.processes) or any(facts.trainers)
     ended = f"stopped after {facts.steps} optimizer step(s)" if bounded and facts.steps else \
         f"finished ({facts.steps} optimizer step(s))"
-    notes = (f"{ended} in {len(run.processes)} process(es); {len(facts.loads)} model load(s) on tiny weights",)
+    ran = f"{ended} in {len(run.processes)} process(es); {len(facts.loads)} model load(s) on tiny weights"
+    return Row(verdict="passed", **{**common, "notes": (ran, *common["notes"])})
+
+
+def _besides(run: CommandRun) -> tuple[str, ...]:
+    notes: tuple[str, ...] = ()
     errors = [error for p in run.processes for error in p["watch_errors"]]
     if errors:
         notes += (f"not watched, a fault of pytest-llmload run (please report it): {'; '.join(errors)}",)
+    if run.written:
+        notes += (f"it wrote {len(run.written)} file(s) into its working directory all the same (left there): "
+                  f"{', '.join(run.written[:3])}",)
     if run.left_behind:
         notes += (f"{len(run.left_behind)} process(es) it started still ran after it ended: ended here",)
-    return Row(verdict="passed", notes=notes, **common)
+    return notes
 
 
 def rows_of(run: CommandRun) -> list[Row]:

@@ -154,3 +154,45 @@ def scaled_budget(max_memory: dict, checkpoint: Path) -> dict:
         except ValueError:
             scaled[device] = size
     return scaled
+
+
+def tiny_adapter(name_or_path: str, base_model, call: str, root: Optional[Path] = None) -> Path:
+    """A tiny adapter of the same kind, rank and target modules as the adapter folder ``name_or_path`` holds, for
+    ``base_model`` (a tiny model), built once into the cache. ``call`` names the call for the error where the folder
+    has no ``adapter_config.json`` (a hub adapter: the run is offline)."""
+    config_file = Path(name_or_path) / "adapter_config.json"
+    if not config_file.is_file():
+        raise UnmappedModel(f"{call} names the adapter {name_or_path!r}, which pytest-llmload run cannot find offline: "
+                            "it is not a folder holding an adapter_config.json; point the command at the adapter's "
+                            "local folder.")
+    import transformers
+
+    real = json.loads(config_file.read_text())
+    text = json.dumps({"adapter": real, "base": base_model.config.to_dict(), "transformers": transformers.__version__},
+                      sort_keys=True, default=str)
+    root = root or cache_root()
+    dest = root / f"adapter-{real.get('peft_type', 'peft').lower()}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+    if (dest / "adapter_config.json").is_file():
+        return dest
+    root.mkdir(parents=True, exist_ok=True)
+    building = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
+    try:
+        _build_adapter(name_or_path, base_model.config, building)
+        try:
+            os.rename(building, dest)
+        except OSError:  # another process built it first: theirs is the same
+            pass
+    finally:
+        shutil.rmtree(building, ignore_errors=True)
+    return dest
+
+
+def _build_adapter(name_or_path: str, base_config, dest: Path) -> None:
+    import torch
+    from peft import PeftConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    config = PeftConfig.from_pretrained(name_or_path)  # (its own class: LoraConfig, ...; its rank and targets)
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(base_config)
+    get_peft_model(base, config).save_pretrained(dest)

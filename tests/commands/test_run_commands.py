@@ -72,6 +72,12 @@ def write_up_000(tmp_path_factory, tiny_cache):
 
 
 @pytest.fixture(scope="module")
+def adapter_serving(tmp_path_factory, tiny_cache):
+    return run("adapter_repo", tmp_path_factory, tiny_cache, sys.executable, "serve.py", "--adapter",
+               "adapters/support-lora")
+
+
+@pytest.fixture(scope="module")
 def accelerate_run(tmp_path_factory, tiny_cache):
     launcher = Path(sys.executable).with_name("accelerate")
     if not launcher.exists():
@@ -156,3 +162,21 @@ def test_write_up_000s_script_as_printed_round_trips_its_weights_where_transform
     assert write_up_000.rows["watch_inference_stall"]["note"] == (
         "watched: generate ran 1 time(s), 4 new tokens at most, and returned")
     assert write_up_000.files_now() == write_up_000.files_before  # (its "./offload" went to the run's folder)
+
+
+def test_an_adapter_on_an_offloaded_base_is_caught_at_the_repos_line(adapter_serving, tiny_cache):
+    # the adapter folder holds only its adapter_config.json: a tiny adapter of its rank and targets stands in
+    assert adapter_serving.code == 1, adapter_serving.text
+    row = adapter_serving.rows["watch_adapter_on_offloaded"]
+    assert row["verdict"] == "failed" and row["failure"] == "adapter-on-offloaded"
+    # (peft 0.21 copies meta weights; peft 0.17 fails on a module name in _update_offload)
+    assert row["sentence"].startswith("adapter-on-offloaded caught at serve.py:18 in load: ")
+    assert row["fix"].startswith("Do not put an adapter on an offloaded base")
+    command = adapter_serving.rows["command"]
+    assert "the known failure adapter-on-offloaded" in command["sentence"]
+    assert any(p.name.startswith("adapter-lora-") for p in tiny_cache.iterdir())
+    # what the library wrote into the repo while it failed is named, and left there
+    new = [path for path in set(adapter_serving.files_now()) - set(adapter_serving.files_before)
+           if (adapter_serving.repo / path).is_file()]
+    if new:  # (peft 0.21 stages the offloaded shard again under a path relative to the working directory)
+        assert f"it wrote {len(new)} file(s) into its working directory all the same (left there)" in command["note"]
