@@ -57,7 +57,9 @@ def report(job: "MainJob", code: int) -> tuple[int, bool]:
     """Print the summary of a finished run; returns the exit code and whether the log is kept."""
     args, out = job.args, job.out
     if job.usage_error is not None:  # (the child's, read at its configure: nothing ran, nothing to keep)
-        print(f"llmload: error: {in_main_job_terms(job.usage_error)}", file=sys.stderr)
+        said = f"llmload: error: {in_main_job_terms(job.usage_error)}"
+        print(said, file=sys.stderr)
+        write_json(job, stopped=said.removeprefix("llmload: "))
         return EXIT_USAGE, False
     for error in job.collect_errors:  # whole, as pytest raised them (its short summary cuts them at 80 columns)
         print(f"llmload: collection error in {error['nodeid'] or 'the session'}:\n    "
@@ -78,6 +80,7 @@ def report(job: "MainJob", code: int) -> tuple[int, bool]:
         said = next((line.strip(" =") for line in reversed(_tail(job.log_path).splitlines()) if line.strip()), "")
         which = f": -k {args.keyword!r} matched none of the checks (--list lists them)" if args.keyword else ""
         job.say(f"llmload: no tests ran (pytest: {said}){which}")
+        write_json(job, stopped=f"no tests ran (pytest: {said}){which}")
         return EXIT_NO_TESTS, False
     if not job.results:  # a usage or collection error, or pytest died before any check ran
         log_text = _tail(job.log_path)
@@ -88,6 +91,9 @@ def report(job: "MainJob", code: int) -> tuple[int, bool]:
         keep = crashed or not (job.collect_errors or code == EXIT_USAGE)  # else the errors above are the whole story
         where = f"full output: {job.log_path}" if keep or args.log else "pytest output removed (--log PATH keeps it)"
         print(f"llmload: pytest exited {code} before any check ran; {where}", file=sys.stderr)
+        errors = "; ".join(f"collection error in {error['nodeid'] or 'the session'}" for error in job.collect_errors)
+        write_json(job, stopped=f"pytest exited {code} before any check ran{': ' + errors if errors else ''}; {where}",
+                   interrupted=code == INTERRUPTED)
         # pytest's own code where it has one for this (2: collection errors or an interruption; 4: a usage error)
         return (EXIT_FAILED if crashed else code if code in (INTERRUPTED, EXIT_USAGE) else EXIT_USAGE), keep
 
@@ -130,23 +136,15 @@ def report(job: "MainJob", code: int) -> tuple[int, bool]:
     if assumed:
         for line in assumption_lines(assumed, FAIL_NOT_EXERCISED, args.fail_not_exercised):
             job.say(in_main_job_terms(line))  # (an assumption may name a pytest option)
-    json_lost = False
-    if args.json_path:
-        try:
-            with open_output(args.json_path) as document:  # (no link another user made)
-                document.write(json.dumps(json_document(job), indent=1) + "\n")
-        except OSError as exc:  # (the rows are above: the table was printed first)
-            print(f"llmload: --json {args.json_path!r} could not be written after the run ({type(exc).__name__}: "
-                  f"{exc}); the table above is the run's", file=sys.stderr)
-            json_lost = True
+    stopped = (f"interrupted while {', '.join(row.check for row in rows)} ran (pytest's exit {code}: a "
+               "KeyboardInterrupt, raised in the loader or the check, or Ctrl-C in its terminal)") if interrupted else None
+    json_lost = not write_json(job, stopped=stopped, interrupted=interrupted)
     summary = ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items()))
     keep = bool(failed) or json_lost or crashed or bool(args.log)
     where = f"pytest output: {job.log_path}" if keep else "nothing failed: pytest output removed (--log PATH keeps it)"
     job.say(f"llmload: {summary} in {time.monotonic() - job.started:.1f}s; {where}")
     if interrupted:
-        stopped = ", ".join(row.check for row in rows)
-        print(f"llmload: interrupted while {stopped} ran (pytest's exit {code}: a KeyboardInterrupt, raised in the "
-              "loader or the check, or Ctrl-C in its terminal); the rows before it are above", file=sys.stderr)
+        print(f"llmload: {stopped}; the rows before it are above", file=sys.stderr)
         return INTERRUPTED, True
     return (EXIT_FAILED if failed or json_lost or code not in (0, 5) else EXIT_OK), keep
 
@@ -225,9 +223,27 @@ def _laid_out(rows: list[tuple[str, str, str, str]], width: Optional[int]) -> tu
     return lines[:1] + ["-" * (check_w + guards_w + result_w + time_w + 3 * len(GAP))] + lines[1:], cut_any
 
 
-def json_document(job: "MainJob") -> dict:
+def write_json(job: "MainJob", stopped: Optional[str] = None, interrupted: bool = False) -> bool:
+    """``--json``, where asked, written whatever ended the run (:func:`json_document`); False where it could not be
+    written (said on stderr: the table, printed first, is the run's)."""
+    path = job.args.json_path
+    if not path:
+        return True
+    try:
+        with open_output(path) as document:  # (no link another user made)
+            document.write(json.dumps(json_document(job, stopped, interrupted), indent=1) + "\n")
+        return True
+    except OSError as exc:
+        print(f"llmload: --json {path!r} could not be written after the run ({type(exc).__name__}: {exc}); "
+              "the table above is the run's", file=sys.stderr)
+        return False
+
+
+def json_document(job: "MainJob", stopped: Optional[str] = None, interrupted: bool = False) -> dict:
     """``--json``: one document: what ran (the loader and where it was chosen, the stack, the devices, the order,
-    when and how long), then one object per check (:func:`json_records`)."""
+    when and how long), whether it was interrupted (a signal, a KeyboardInterrupt) and why it stopped before its
+    end (``stopped``: ``null`` for a run that ran every check it selected), then one object per check, the rows so
+    far (:func:`json_records`)."""
     from pytest_llmload.system import gpus
     from pytest_llmload.reports.header import installed_versions
 
@@ -239,7 +255,8 @@ def json_document(job: "MainJob") -> dict:
         "devices": {"gpus": gpus.physical_devices().count, "cuda_visible_devices": gpus.visible_devices_label()},
         "predictions": {"runner": args.runner, "model": args.model} if args.runner else None,
         "order": ordered, "started": job.started_at, "seconds": round(time.monotonic() - job.started, 2),
-        "pytest_args": list(args.pytest_args), "results": json_records(job.results),
+        "pytest_args": list(args.pytest_args), "interrupted": interrupted, "stopped": stopped,
+        "results": json_records(job.results),
     }
 
 

@@ -1,6 +1,7 @@
 """``python -m pytest_llmload``: one row per check, pytest's exit codes (0 / 1 / 2 / 4 / 5), progress while it runs,
 lines that fit the terminal."""
 
+import json
 import os
 import re
 import signal
@@ -129,8 +130,6 @@ def test_the_parent_imports_no_check_and_the_loader_is_imported_once_in_the_pyte
     """The parent learns every row, and what each guards against, from its pytest's progress file: it imports no
     check (nor the plugin, nor torch). The loader is chosen and imported once, in the pytest process, which runs the
     checks: the isolated checks' children, forked from it, call it without importing it again."""
-    import json
-
     (tmp_path / "counting_loader.py").write_text(COUNTING_LOADER)
     env = {**new_tmpdir(tmp_path), "PYTHONPATH": str(tmp_path), "LLMLOAD_TEST_IMPORTS": str(tmp_path / "imports"),
            "LLMLOAD_TEST_CALLS": str(tmp_path / "calls"), "LLMLOAD_TEST_PARENT": str(tmp_path / "parent.json")}
@@ -194,8 +193,6 @@ def odd_loaders(tmp_path):
 
 
 def test_a_loaders_own_error_is_an_error_row_not_a_known_failure_and_its_log_is_kept(odd_loaders):
-    import json
-
     env = new_tmpdir(odd_loaders)
     run = warm_main_job("--loader", "odd_loaders:breaks_on_train", "-k", "train_request_trains and not cuda",
                    "--json", str(odd_loaders / "out.json"), cwd=odd_loaders, env=env)
@@ -220,8 +217,6 @@ def test_a_loaders_own_error_is_an_error_row_not_a_known_failure_and_its_log_is_
 def test_each_prediction_row_in_json_carries_its_map_and_the_table_says_where_the_model_goes(tmp_path):
     """Before (issue 38): --json had no map and no per-device figures, and '84 entries over 3 devices' never said
     that 33 went to disk; the per-device table came only with a failure."""
-    import json
-
     # (the move-offloaded before-loader: device_map="auto" under the budget, and under ZeRO-3 too, where its
     # refusal is predicted)
     run = warm_main_job("--loader", "fixtures.loaders.before_move_offloaded:load", "--runner", "1x24GB-RTX4090",
@@ -507,10 +502,14 @@ def test_a_collection_error_is_shown_whole(tmp_path, monkeypatch):
     (tmp_path / "breaks_collection.py").write_text(
         f"def pytest_generate_tests(metafunc):\n    raise ValueError({reason!r})\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    run = warm_main_job("-k", "pad_token", "--", "-p", "breaks_collection", cwd=tmp_path)
+    run = warm_main_job("-k", "pad_token", "--json", str(tmp_path / "out.json"), "--", "-p", "breaks_collection",
+                        cwd=tmp_path)
     assert run.returncode == 2, run.stdout + run.stderr
     assert f"ValueError: {reason}" in run.stderr, run.stderr
     assert "llmload: pytest exited 2 before any check ran; pytest output removed" in run.stderr, run.stderr
+    document = json.loads((tmp_path / "out.json").read_text())  # (issue 49: a run with no row says why too)
+    assert document["results"] == [] and document["stopped"].startswith(
+        "pytest exited 2 before any check ran: collection error in "), document
     assert _left_behind(Path(os.environ["TMPDIR"])) == []
 
 
@@ -527,8 +526,11 @@ def test_the_main_job_runs_under_its_own_options_not_the_repos_addopts(tmp_path)
 def test_no_check_selected_exits_5_with_pytests_words(tmp_path):
     """pytest's "no tests ran" (exit 5), not a usage error: before (issue 39) exit 2 and "pytest exited 5 before any
     check ran"."""
-    run = warm_main_job("-k", "no_such_check", cwd=tmp_path)
+    run = warm_main_job("-k", "no_such_check", "--json", str(tmp_path / "out.json"), cwd=tmp_path)
     assert run.returncode == 5, run.stdout + run.stderr
+    document = json.loads((tmp_path / "out.json").read_text())  # (issue 49: a run with no row says why too)
+    assert (document["results"], document["interrupted"]) == ([], False)
+    assert document["stopped"].endswith("-k 'no_such_check' matched none of the checks (--list lists them)")
     assert re.search(r"^llmload: no tests ran \(pytest: \d+ deselected in [\d.]+s\): -k 'no_such_check' matched none "
                      r"of the checks \(--list lists them\)$", run.stdout, re.M), run.stdout
     assert "before any check ran" not in run.stdout + run.stderr
@@ -541,8 +543,6 @@ def test_no_check_selected_exits_5_with_pytests_words(tmp_path):
 def test_every_line_fits_the_terminal_and_cut_reasons_are_whole_in_the_json_and_the_log(odd_loaders, columns):
     """Before (issue 39): the table padded every row to its longest skip reason (584-character lines on a CI log),
     and a long check name pushed the progress rows' results out of their column."""
-    import json
-
     checks = "offload_inference or keeps_fp32_master_weights_cuda"  # a long skip reason, the longest check name
     run = warm_main_job("--loader", "odd_loaders:long_winded", "-k", checks, "--json", str(odd_loaders / "out.json"),
                         "--log", str(odd_loaders / "out.log"), cwd=odd_loaders,
@@ -765,6 +765,42 @@ def test_two_jobs_given_the_same_log_the_second_is_refused(odd_loaders):
                             str(log), cwd=odd_loaders)
     assert run.returncode == 4, run.stdout + run.stderr
     assert "is the log of another job running now; give each job its own --log file" in run.stderr
+
+
+def test_a_signal_keeps_the_rows_so_far_and_writes_them_to_json_marked_interrupted(tmp_path, capsys):
+    """SIGINT, SIGTERM or SIGHUP to the main job (issue 49): before, one line and no --json, every row lost. Now the
+    rows pytest wrote before it stopped, an error row for the check it stopped in, and --json with them."""
+    import argparse
+    import io
+    import types
+
+    from pytest_llmload.main_job.process import MainJob, report_interrupted
+    from pytest_llmload.system import json_lines
+
+    args = argparse.Namespace(log=None, json_path=str(tmp_path / "out.json"), runner=None, model=None, pytest_args=[])
+    job = MainJob(args, tmp_path, io.StringIO())
+    job.child = types.SimpleNamespace(poll=lambda: 0)  # (pytest stopped already)
+    done = Row(check="check_offload_inference", verdict="passed", guards="offload-hang", guards_origin="000",
+               seconds=0.5)
+    progress = json_lines.open_for_appending(job.progress)
+    for record in ({"event": "collected", "count": 2, "order": [done.check, "check_pad_token_set_offline"],
+                    "guards": {"check_pad_token_set_offline": ["offload-hang", "000"]}},
+                   {"event": "start", "nodeid": "x[a]", "check": done.check},
+                   {"event": "result", "nodeid": "x[a]", "row": done.as_dict()},
+                   {"event": "start", "nodeid": "x[b]", "check": "check_pad_token_set_offline"}):
+        json_lines.append(progress, record)
+    os.close(progress)
+    assert report_interrupted(job, signal.SIGTERM) == 128 + signal.SIGTERM
+    document = json.loads((tmp_path / "out.json").read_text())
+    assert document["interrupted"] is True and document["stopped"].startswith(
+        "interrupted by SIGTERM after "), document["stopped"]
+    assert "with 1 of 2 checks done" in document["stopped"]
+    first, stopped_in = document["results"]
+    assert Row.from_dict(first) == done
+    assert (stopped_in["check"], stopped_in["verdict"], stopped_in["cause"], stopped_in["guards"]) == (
+        "check_pad_token_set_offline", "error", "interrupted", "offload-hang")
+    assert stopped_in["sentence"] == "interrupted by SIGTERM while this check ran"
+    assert capsys.readouterr().err.startswith("llmload: interrupted by SIGTERM after ")
 
 
 def test_a_check_that_started_and_has_no_result_gets_a_row_saying_so(tmp_path):
