@@ -25,6 +25,7 @@ from pytest_llmload.prediction.interception import (
     placed_by_accelerate,
 )
 from pytest_llmload.prediction.records import DevicePrediction, PredictedFailure, device_name
+from pytest_llmload.system import tracebacks
 
 
 # The compute capability of the shipped profiles' cards (NVIDIA's table); another card is answered as an Ampere
@@ -116,6 +117,52 @@ def launcher_env(rank: int, world_size: int) -> dict:
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": 29500}
 
 
+# What a loader reaches a process group through: the frames past them are the loader's own.
+_DISTRIBUTED_LIBRARIES = tracebacks.LOADING_LIBRARIES + ("deepspeed", "unittest", "pytest_llmload")
+
+
+@contextlib.contextmanager
+def no_rendezvous():
+    """While the loader runs on the simulated runner: no real process group, no compiled op. A process group
+    (``torch.distributed.init_process_group``, what accelerate's ``PartialState``, DeepSpeed's ``init_distributed`` and
+    a loader's own call come to) waits for the launcher's other ranks, which a prediction never starts: under the
+    launcher's environment (``MASTER_PORT=29500``) it waited for good, deaf to SIGTERM, after DeepSpeed's CPU backend
+    had compiled its shared-memory op for minutes into the user's extensions cache. So the op is not built, and the
+    process group is refused: the row is ``not exercised``, naming the loader's line (a prediction cannot judge a
+    loader that starts the job's process group itself; the launcher checks do, on real ranks)."""
+    import importlib.util
+    import sys
+
+    import pytest
+    import torch.distributed as dist
+
+    from pytest_llmload.checks.judgement import NOT_EXERCISED
+    from pytest_llmload.runners.ranks import deepspeed_without_shm_op
+
+    def refused(what: str):
+        def refuse(*args, **kwargs):
+            frame = sys._getframe(1)
+            while frame is not None and tracebacks.is_library(tracebacks.module_of(frame), _DISTRIBUTED_LIBRARIES):
+                frame = frame.f_back
+            where = f" at {tracebacks.where(frame)}" if frame is not None else ""
+            raise pytest.skip.Exception(
+                f"{NOT_EXERCISED}the loader starts the job's process group itself ({what}{where}): a prediction runs "
+                f"one rank of the runner in this process and starts no rendezvous (the other ranks never come) and "
+                f"compiles no op; the launcher checks judge this loader on real ranks")
+        return refuse
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(deepspeed_without_shm_op())
+        stack.enter_context(mock.patch.object(dist, "init_process_group",
+                                              refused("torch.distributed.init_process_group")))
+        if importlib.util.find_spec("deepspeed") is not None:  # (what compiles: 0.3 s to import, only where it can)
+            import torch.utils.cpp_extension as cpp_extension
+
+            stack.enter_context(mock.patch.object(cpp_extension, "load",
+                                                  refused("an op compiled by torch.utils.cpp_extension.load")))
+        yield
+
+
 def _preload_outside_the_simulation() -> None:
     """Import what loaders import (peft, which imports bitsandbytes) before ``torch.cuda`` is made to report the
     runner's GPUs: bitsandbytes picks its CUDA backend at import when CUDA looks available, and that fails on a
@@ -144,7 +191,7 @@ def run_loader(loader: Callable, request: LoadRequest, profile: RunnerProfile, *
     recorded = after_loading_recorded(after, getattr(stand_in, "dispatched", None)) if after is not None \
         else contextlib.nullcontext()
     environment = mock.patch.dict(os.environ, {key: str(value) for key, value in (env or {}).items()})
-    with environment, context, cuda_as_on(profile), from_pretrained_intercepted(calls, stand_in), \
+    with environment, context, no_rendezvous(), cuda_as_on(profile), from_pretrained_intercepted(calls, stand_in), \
             placed_by_accelerate(calls, stand_in), recorded:
         try:
             loader(request)
