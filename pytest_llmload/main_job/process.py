@@ -300,10 +300,7 @@ class MainJob:
     def crash_rows(self, code: int, what: str = "pytest itself ended") -> list[Row]:
         """The rows of the checks that were running when pytest itself ended abnormally (a signal, an internal
         error), or ended with no result for a check it had started."""
-        from pytest_llmload.runners.children import describe_exitcode
-
-        how = describe_exitcode(code) if code < 0 else f"exit code {code}"
-        return self._running_rows(f"{what} ({how}) while this check ran; its output: {self.log_path}")
+        return self._running_rows(f"{what} ({exit_described(code)}) while this check ran; its output: {self.log_path}")
 
     def _running_rows(self, reason: str, cause: Optional[str] = None) -> list[Row]:
         """An ``error`` row with ``reason`` for each check that was running, with what it guards against as the child
@@ -314,6 +311,13 @@ class MainJob:
             rows.append(Row(check=check, verdict="error", cause=cause, sentence=reason, guards=guards,
                             guards_origin=origin, seconds=round(time.monotonic() - started, 3)))
         return rows
+
+
+def exit_described(code: int) -> str:
+    """pytest's exit in words: ``killed by SIGKILL (exit code -9)``, ``exit code 3``."""
+    from pytest_llmload.runners.children import describe_exitcode
+
+    return describe_exitcode(code) if code < 0 else f"exit code {code}"
 
 
 def report_interrupted(job: MainJob, signum: int) -> int:

@@ -23,6 +23,7 @@ from pytest_llmload.main_job.process import (
     FAIL_NOT_EXERCISED,
     HOUSE_PLUGINS,
     INTERRUPTED,
+    exit_described,
     in_main_job_terms,
     seconds_shown,
     shown,
@@ -136,8 +137,11 @@ def report(job: "MainJob", code: int) -> tuple[int, bool]:
     if assumed:
         for line in assumption_lines(assumed, FAIL_NOT_EXERCISED, args.fail_not_exercised):
             job.say(in_main_job_terms(line))  # (an assumption may name a pytest option)
-    stopped = (f"interrupted while {', '.join(row.check for row in rows)} ran (pytest's exit {code}: a "
-               "KeyboardInterrupt, raised in the loader or the check, or Ctrl-C in its terminal)") if interrupted else None
+    running = ", ".join(row.check for row in rows)
+    stopped = (f"interrupted while {running} ran (pytest's exit {code}: a KeyboardInterrupt, raised in the loader or "
+               "the check, or Ctrl-C in its terminal)" if interrupted else
+               f"pytest itself ended ({exit_described(code)}) {f'while {running} ran' if rows else 'between checks'}"
+               if crashed else None)
     json_lost = not write_json(job, stopped=stopped, interrupted=interrupted)
     summary = ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items()))
     keep = bool(failed) or json_lost or crashed or bool(args.log)

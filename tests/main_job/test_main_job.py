@@ -466,8 +466,12 @@ def test_a_crashing_loader_is_summed_up_by_its_cause_under_xdist_too(misbehaving
 
 
 def test_pytest_dying_under_the_main_job_is_a_row_and_keeps_the_log(misbehaving):
-    run = main_job("--loader", "misbehaving:kills_pytest", "-k", "pad_token and not cuda", cwd=misbehaving)
+    run = main_job("--loader", "misbehaving:kills_pytest", "-k", "pad_token and not cuda", "--json",
+                   str(misbehaving / "out.json"), cwd=misbehaving)
     assert run.returncode == 1, run.stdout + run.stderr
+    document = json.loads((misbehaving / "out.json").read_text())  # (issue 49: why the run stopped early)
+    assert document["stopped"] == "pytest itself ended (killed by SIGKILL (exit code -9)) while " \
+        "check_pad_token_set_offline ran" and [row["cause"] for row in document["results"]] == [None]
     tmpdir = Path(os.environ["TMPDIR"])
     (kept,) = tmpdir.glob("llmload-main-*")
     assert [p.name for p in kept.iterdir()] == ["pytest.log"]  # the isolated check's temp dir went with the rest
