@@ -116,42 +116,24 @@ def test_what_a_childs_recorder_saw_comes_back_with_its_answer_into_the_tests_re
     assert recorder.artefacts(recorder.mark()) == {"models": [], "phases": []}
 
 
-NO_SPOOL = """
+PHASE_IN_CHILD = '''
 import os
 import tempfile
 
-from pytest_llmload.runners.isolation import run_isolated
-
-tempfile.tempdir = os.path.abspath("tmp")  # (this run's own, where a spool would be made)
-os.makedirs(tempfile.tempdir)
-
-
-def test_isolated():
-    made = run_isolated(os.listdir, (tempfile.tempdir,), timeout=60)
-    assert [name for name in made if not name.startswith("llmload-isolated-")] == []  # (the child's own workdir)
-"""
-
-
-def test_the_html_report_writes_no_spool_of_its_own(pytester):
-    from fixtures import warm_runs
-
-    pytester.makepyfile(test_no_spool=NO_SPOOL)
-    result = warm_runs.runpytest(pytester, "--llmload-html", "report.html", "-p", "no:cacheprovider")
-    result.assert_outcomes(passed=1)
-    assert (pytester.path / "report.html").is_file()
-
-
-PHASE_IN_CHILD = '''
 from pytest_llmload import Check, KnownFailure
 from pytest_llmload.instruments.phases import phase
 
 FAILURE = KnownFailure(id="own-phase", title="a phase", write_up="myrepo#1", signatures=(), root_cause="-",
                        fix="-", occurs="-")
+tempfile.tempdir = os.path.abspath("tmp")  # (this run's own, where a spool would be made)
+os.makedirs(tempfile.tempdir)
 
 
 def own_phase(loader, checkpoint, workdir):
     with phase("load", "in the isolated child"):
         pass
+    made = os.listdir(tempfile.tempdir)
+    assert [name for name in made if not name.startswith("llmload-isolated-")] == []  # (its own workdir only)
 
 
 CHECKS = [Check(own_phase, FAILURE, isolated=True)]
@@ -166,17 +148,20 @@ def pytest_llmload_check_result(item, check, result):
 '''
 
 
-def test_a_rows_artefacts_carry_what_its_isolated_child_recorded(pytester):
+def test_the_html_report_spools_nothing_and_a_rows_artefacts_carry_what_its_isolated_child_recorded(pytester):
     """The row is what the HTML report reads (issue 47 point 2): the phases an isolated child ran come back with its
-    answer into the row's artefacts."""
+    answer into the row's artefacts, and the report writes no spool of its own (before: a folder per test, a file
+    per child, while the report was on)."""
     import json
 
     from fixtures import warm_runs
 
     pytester.makepyfile(myrepo_checks=PHASE_IN_CHILD, hookplug=HOOK)
     result = warm_runs.runpytest(pytester, "--pyargs", "pytest_llmload.suite", "--llmload-checks", "myrepo_checks",
-                                 "-k", "own_phase", "-p", "hookplug", "-p", "no:cacheprovider")
+                                 "-k", "own_phase", "-p", "hookplug", "--llmload-html", "report.html",
+                                 "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
+    assert (pytester.path / "report.html").is_file()
     (row,) = map(json.loads, (pytester.path / "hook.jsonl").read_text().splitlines())
     (child,) = [p for p in row["artefacts"]["phases"] if p.get("child")]
     assert (child["name"], child["detail"], row["verdict"]) == ("load", "in the isolated child", "passed")
