@@ -165,3 +165,19 @@ def test_the_html_report_spools_nothing_and_a_rows_artefacts_carry_what_its_isol
     (row,) = map(json.loads, (pytester.path / "hook.jsonl").read_text().splitlines())
     (child,) = [p for p in row["artefacts"]["phases"] if p.get("child")]
     assert (child["name"], child["detail"], row["verdict"]) == ("load", "in the isolated child", "passed")
+
+
+def test_every_isolated_checks_judge_travels_to_a_forkserver_child():
+    """Where this process has initialised CUDA, the child starts from the forkserver and its spec goes by pickle:
+    the judge of every isolated check, its GPU variant's included, must make the trip."""
+    import functools
+    import pickle
+
+    from pytest_llmload.checks.judgement import judged_in_child
+    from pytest_llmload.failures import REGISTRY
+
+    isolated = [variant for check in REGISTRY if check.isolated for variant in (check, check.on_gpu())]
+    assert isolated
+    for check in isolated:
+        judge = pickle.loads(pickle.dumps(functools.partial(judged_in_child, check)))
+        assert judge(None)["check"] == check.name
