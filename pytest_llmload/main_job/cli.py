@@ -29,10 +29,9 @@ from pytest_llmload.main_job.process import (
     Interrupted,
     MainJob,
     in_main_job_terms,
-    report_interrupted,
     signals_interrupt,
 )
-from pytest_llmload.main_job.table import report
+from pytest_llmload.main_job.table import report, report_interrupted
 from pytest_llmload.system.output_files import UnsafeOutputFile, open_output, unsafe_reason
 
 # What --log and --json need free at least before the run starts (the log of a run is tens of KiB).

@@ -292,6 +292,14 @@ class MainJob:
             child.wait()
             return False
 
+    def keep_rows_at_a_stop(self, reason: str) -> None:
+        """After the main job stopped its pytest: the results pytest wrote before it ended, then an ``error`` row
+        (cause ``interrupted``) with ``reason`` for each check still running."""
+        with contextlib.suppress(Exception):  # (a progress file cut mid-line: the rows read before it stand)
+            for record in self._new_records():
+                self._take(record)
+        self.results += self._running_rows(reason, cause="interrupted")
+
     def interrupted_rows(self) -> list[Row]:
         """The rows of the checks that were running when the run was interrupted (pytest's exit 2)."""
         return self._running_rows(f"interrupted while this check ran (a KeyboardInterrupt: raised in the loader or "
@@ -318,25 +326,3 @@ def exit_described(code: int) -> str:
     from pytest_llmload.runners.children import describe_exitcode
 
     return describe_exitcode(code) if code < 0 else f"exit code {code}"
-
-
-def report_interrupted(job: MainJob, signum: int) -> int:
-    """The one line an interrupted main job prints, after stopping its pytest; the exit code, 128 + ``signum``.
-    The rows so far survive: those pytest wrote while it stopped, an ``error`` row (cause ``interrupted``) for each
-    check still running, and ``--json`` with them, marked interrupted."""
-    from pytest_llmload.main_job.table import write_json
-
-    stopped = job.stop(signum)
-    name = "SIGINT (Ctrl-C)" if signum == signal.SIGINT else signal.Signals(signum).name
-    with contextlib.suppress(Exception):  # (a progress file cut mid-line: the rows read before it stand)
-        for record in job._new_records():
-            job._take(record)
-    for row in job._running_rows(f"interrupted by {name} while this check ran", cause="interrupted"):
-        job.results.append(row)
-    how = "stopped and cleaned up" if stopped else f"killed: it had not stopped {STOP_GRACE_S:g} s after the signal"
-    log = f"pytest output: {job.log_path}" if job.args.log else "pytest output removed (--log PATH keeps it)"
-    said = (f"interrupted by {name} after {time.monotonic() - job.started:.1f}s with "
-            f"{sum(row.cause != 'interrupted' for row in job.results)} of {job.total or '?'} checks done")
-    write_json(job, stopped=said, interrupted=True)
-    print(f"llmload: {said}; pytest {how}; {log}", file=sys.stderr, flush=True)
-    return 128 + signum

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -23,6 +24,7 @@ from pytest_llmload.main_job.process import (
     FAIL_NOT_EXERCISED,
     HOUSE_PLUGINS,
     INTERRUPTED,
+    STOP_GRACE_S,
     exit_described,
     in_main_job_terms,
     seconds_shown,
@@ -273,3 +275,19 @@ def json_records(results: list[Row]) -> list[dict]:
     (``devices``: each one's modules, weights, peak and capacity in bytes; ``tiers``: gpu, cpu and disk;
     ``placement``: the modules per device, layers as ranges; ``device_map``: every entry), else ``null``."""
     return [row.as_dict() for row in results]
+
+
+def report_interrupted(job: "MainJob", signum: int) -> int:
+    """The one line an interrupted main job prints, after stopping its pytest; the exit code, 128 + ``signum``.
+    The rows so far survive: those pytest wrote while it stopped, an ``error`` row (cause ``interrupted``) for each
+    check still running, and ``--json`` with them, marked interrupted."""
+    stopped = job.stop(signum)
+    name = "SIGINT (Ctrl-C)" if signum == signal.SIGINT else signal.Signals(signum).name
+    job.keep_rows_at_a_stop(f"interrupted by {name} while this check ran")
+    how = "stopped and cleaned up" if stopped else f"killed: it had not stopped {STOP_GRACE_S:g} s after the signal"
+    log = f"pytest output: {job.log_path}" if job.args.log else "pytest output removed (--log PATH keeps it)"
+    said = (f"interrupted by {name} after {time.monotonic() - job.started:.1f}s with "
+            f"{sum(row.cause != 'interrupted' for row in job.results)} of {job.total or '?'} checks done")
+    write_json(job, stopped=said, interrupted=True)
+    print(f"llmload: {said}; pytest {how}; {log}", file=sys.stderr, flush=True)
+    return 128 + signum

@@ -778,7 +778,8 @@ def test_a_signal_keeps_the_rows_so_far_and_writes_them_to_json_marked_interrupt
     import io
     import types
 
-    from pytest_llmload.main_job.process import MainJob, report_interrupted
+    from pytest_llmload.main_job.process import MainJob
+    from pytest_llmload.main_job.table import report_interrupted
     from pytest_llmload.system import json_lines
 
     args = argparse.Namespace(log=None, json_path=str(tmp_path / "out.json"), runner=None, model=None, pytest_args=[])
