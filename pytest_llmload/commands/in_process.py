@@ -82,13 +82,19 @@ def start() -> None:
 
 # --- the command's crash, where it happened in the repo ---------------------------------------------------
 
-def _repo_frames(exc: BaseException) -> list[str]:
-    """``path:line in function`` of the frames in the repo's code (not a library's, not Python's, not ours)."""
+def is_repo_file(filename: str) -> bool:
+    """A file of the repo's code: not a library's, Python's, an environment's scripts (a launcher's ``bin/torchrun``)
+    or this package's, and a file (not ``<string>``, ``<frozen ...>``)."""
     from pytest_llmload.system import tracebacks
 
+    return not (tracebacks.is_installed(filename) or tracebacks.is_ours(filename) or filename.startswith("<")
+                or os.path.abspath(filename).startswith((sys.prefix + os.sep, sys.exec_prefix + os.sep)))
+
+
+def _repo_frames(exc: BaseException) -> list[str]:
+    """``path:line in function`` of the frames in the repo's code."""
     return [f"{os.path.relpath(f.filename)}:{f.lineno} in {f.name}" for f in traceback.extract_tb(exc.__traceback__)
-            if not (tracebacks.is_installed(f.filename) or tracebacks.is_ours(f.filename)
-                    or tracebacks.is_frozen(f.filename) or f.filename.startswith("<"))]
+            if is_repo_file(f.filename)]
 
 
 def _record_crash(previous: Callable, kind: type, exc: BaseException, tb: Any) -> None:
@@ -146,13 +152,10 @@ def _first_argument(args: tuple, kwargs: dict, keyword: str) -> tuple[Any, tuple
 
 def _callers_line() -> str:
     """``path:line`` of the repo's innermost frame that is calling now: where a from_pretrained call is written."""
-    from pytest_llmload.system import tracebacks
-
     frame = sys._getframe(1)
     while frame is not None:
-        filename = frame.f_code.co_filename
-        if not (tracebacks.is_installed(filename) or tracebacks.is_ours(filename) or filename.startswith("<")):
-            return f"{os.path.relpath(filename)}:{frame.f_lineno}"
+        if is_repo_file(frame.f_code.co_filename):
+            return f"{os.path.relpath(frame.f_code.co_filename)}:{frame.f_lineno}"
         frame = frame.f_back
     return "the command"
 

@@ -16,11 +16,10 @@ from typing import Callable, Optional
 
 from pytest_llmload.checks.base import NOT_EXERCISED
 from pytest_llmload.commands.command import CommandRun
-from pytest_llmload.commands.in_process import GENERATE_TOKENS
+from pytest_llmload.commands.in_process import GENERATE_TOKENS, is_repo_file
 from pytest_llmload.failures import CATALOG
 from pytest_llmload.reports.row import Row
 from pytest_llmload.reports.verdict import failure_origin
-from pytest_llmload.system import tracebacks
 
 COMMAND_ROW = "command"
 
@@ -169,11 +168,18 @@ _DUMPED_FRAME = re.compile(r'File "([^"]+)", line (\d+) in (\S+)')
 def _repo_frames_dumped(text: str) -> list[str]:
     """The repo's frames of a faulthandler dump, innermost first, as ``path:line in function``."""
     return [f"{os.path.relpath(path)}:{line} in {name}" for path, line, name in _DUMPED_FRAME.findall(text)
-            if not (tracebacks.is_installed(path) or tracebacks.is_ours(path) or path.startswith("<"))]
+            if is_repo_file(path)]
+
+
+# A stack stopped inside transformers' own from_pretrained, and one stopped in this run's own code (a tiny build).
+_IN_FROM_PRETRAINED = re.compile(r'transformers[/\\]modeling_utils\.py", line \d+ in from_pretrained')
+_IN_THE_RUN = re.compile(r'pytest_llmload[/\\]commands[/\\]tiny_weights\.py"')
 
 
 def _hung_in_load(run: CommandRun) -> bool:
-    return run.hung and any("from_pretrained" in text for text in run.stacks.values())
+    """The command passed its deadline inside a load (offload-hang's mechanism), not in this run's tiny build."""
+    return run.hung and any(_IN_FROM_PRETRAINED.search(text) and not _IN_THE_RUN.search(text)
+                            for text in run.stacks.values())
 
 
 def failure_rows(run: CommandRun, facts: Facts) -> list[Row]:
@@ -214,11 +220,14 @@ def command_row(run: CommandRun, facts: Facts) -> Row:
     if run.hung:
         stuck = sorted({frame for text in run.stacks.values() for frame in _repo_frames_dumped(text)[:1]})
         at = f" stuck at {', '.join(stuck)};" if stuck else ""
+        ours = " (in pytest-llmload run's own tiny build: a fault of the run, please report it)" if any(
+            _IN_THE_RUN.search(text) for text in run.stacks.values()) else ""
         return Row(verdict="error", cause="hang", **common, sentence=(
-            f"the command did not end within its {run.deadline:g} s deadline:{at} every process was ended, their "
-            f"stacks ({len(run.stacks)}) are at the end of its output {run.log}"))
+            f"the command did not end within its {run.deadline:g} s deadline:{at}{ours} every process was ended, "
+            f"their stacks ({len(run.stacks)}) are at the end of its output {run.log}"))
     if facts.crashes:
-        crash = facts.crashes[0]
+        # a rank's crash in the repo's code, rather than its launcher's report of it (torchrun's ChildFailedError)
+        crash = next((crash for crash in facts.crashes if crash["repo_frames"]), facts.crashes[0])
         fault: Optional[dict] = crash["fault"]
         cause = f" ({fault['cause']})" if fault else ""
         known = [failure.id for failure in CATALOG if failure.matches(crash["text"])]

@@ -10,10 +10,12 @@ them).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Optional
@@ -124,7 +126,38 @@ def tiny_checkpoint(config: dict, root: Optional[Path] = None) -> Path:
     return dest
 
 
+def _save(model, dest: Path) -> None:
+    """The checkpoint's files, written by this process whatever its rank (transformers' ``save_pretrained`` writes
+    only on rank 0 of an initialized process group, and each rank builds its own)."""
+    from safetensors.torch import save_model
+
+    model.config.save_pretrained(dest)
+    model.generation_config.save_pretrained(dest)
+    save_model(model, str(dest / "model.safetensors"), metadata={"format": "pt"})  # (tied weights once)
+
+
+@contextlib.contextmanager
+def _outside_zero3():
+    """ZeRO-3 off meanwhile: a checkpoint built here (and the real model counted on meta) is not partitioned by
+    DeepSpeed's ``zero.Init``, which transformers wraps every model build in while a ZeRO-3 config is alive (built
+    under it, the real model's 7 billion parameters were materialized and partitioned: minutes)."""
+    deepspeed = sys.modules.get("transformers.integrations.deepspeed")
+    held = getattr(deepspeed, "_hf_deepspeed_config_weak_ref", None)
+    if held is not None:
+        deepspeed._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        if held is not None:
+            deepspeed._hf_deepspeed_config_weak_ref = held
+
+
 def _build(real: dict, tiny: dict, dest: Path) -> None:
+    with _outside_zero3():
+        _build_model(real, tiny, dest)
+
+
+def _build_model(real: dict, tiny: dict, dest: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -132,7 +165,7 @@ def _build(real: dict, tiny: dict, dest: Path) -> None:
     config = AutoConfig.for_model(**{k: v for k, v in tiny.items() if k not in ("torch_dtype", "dtype")})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype))
-    model.save_pretrained(dest, safe_serialization=True)
+    _save(model, dest)
     tiny_models.save_tokenizer(tiny_models.build_tokenizer(TOKENIZER_VOCABULARY), dest, TOKENIZER_VOCABULARY)
     real_model = architectures.empty_model(real, getattr(torch, dtype))
     (dest / SIZES_FILE).write_text(json.dumps({"tiny_parameters": architectures.parameter_count(model),
@@ -188,6 +221,11 @@ def tiny_adapter(name_or_path: str, base_model, call: str, root: Optional[Path] 
 
 
 def _build_adapter(name_or_path: str, base_config, dest: Path) -> None:
+    with _outside_zero3():
+        _build_adapter_model(name_or_path, base_config, dest)
+
+
+def _build_adapter_model(name_or_path: str, base_config, dest: Path) -> None:
     import torch
     from peft import PeftConfig, get_peft_model
     from transformers import AutoModelForCausalLM
