@@ -180,3 +180,28 @@ def test_an_adapter_on_an_offloaded_base_is_caught_at_the_repos_line(adapter_ser
            if (adapter_serving.repo / path).is_file()]
     if new:  # (peft 0.21 stages the offloaded shard again under a path relative to the working directory)
         assert f"it wrote {len(new)} file(s) into its working directory all the same (left there)" in command["note"]
+
+
+def test_a_tiny_checkpoint_is_whole_whatever_the_rank_and_built_outside_zero3(tmp_path, monkeypatch):
+    import weakref
+
+    from pytest_llmload.commands import tiny_weights
+
+    deepspeed = pytest.importorskip("transformers.integrations.deepspeed")
+
+    class Zero3:  # what transformers holds while a ZeRO-3 config is alive (Trainer's, accelerate's)
+        def is_zero3(self):
+            return True
+
+    alive = Zero3()
+    monkeypatch.setattr(deepspeed, "_hf_deepspeed_config_weak_ref", weakref.ref(alive))
+    try:
+        from transformers.distributed import mixin
+    except ImportError:  # (transformers 4.x's save_pretrained writes on every rank)
+        mixin = None
+    if mixin is not None:  # rank 1 of an initialized process group
+        monkeypatch.setattr(mixin, "_is_torch_distributed_initialized", lambda: True)
+        monkeypatch.setattr(mixin, "_get_torch_distributed_rank", lambda: 1)
+    built = tiny_weights.tiny_checkpoint(tiny_weights.real_config("Qwen/Qwen2.5-7B", {}, "call"), tmp_path)
+    assert {"config.json", "model.safetensors", tiny_weights.SIZES_FILE} <= {p.name for p in built.iterdir()}
+    assert deepspeed._hf_deepspeed_config_weak_ref() is alive  # (ZeRO-3 on again for the command)

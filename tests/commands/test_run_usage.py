@@ -13,8 +13,9 @@ import time
 import pytest
 
 from pytest_llmload.commands import cli, tiny_weights
-from pytest_llmload.commands.command import run_command
-from pytest_llmload.commands.rows import Facts, _placements, command_row
+from pytest_llmload.commands.command import CommandRun, run_command
+from pytest_llmload.commands.in_process import is_repo_file
+from pytest_llmload.commands.rows import Facts, _placements, command_row, failure_rows
 
 
 def usage(capsys, *argv):
@@ -148,3 +149,22 @@ def test_a_sigterm_ends_the_run_and_every_process_of_the_command(tmp_path):
 def test_a_placement_says_which_budgeted_gpus_this_runner_lacks():
     load = {"where": "train_baseline.py:20", "places": ["cpu"], "gpus_budgeted_absent": ["0"]}
     assert _placements([load]) == "train_baseline.py:20: cpu (its max_memory budgets GPU 0, which this runner lacks)"
+
+
+def test_a_launchers_script_in_the_environment_is_not_the_repos_code():
+    assert not is_repo_file(os.path.join(sys.prefix, "bin", "torchrun"))
+    assert not is_repo_file("<string>")
+    assert is_repo_file("/home/me/repo/train.py")
+
+
+def test_a_hang_in_the_runs_own_tiny_build_is_not_offload_hang(tmp_path):
+    ran = CommandRun(["python", "train.py"], None, 60.0, 1.0, 60.0, [], {}, tmp_path, tmp_path / "log", [], [])
+    build = ('  File "/x/site-packages/transformers/modeling_utils.py", line 5 in from_pretrained\n'
+             '  File "/x/pytest_llmload/commands/tiny_weights.py", line 137 in _build\n')
+    load = '  File "/x/site-packages/transformers/modeling_utils.py", line 5 in from_pretrained\n'
+    for stack, caught in ((build, False), (load, True)):
+        ran.stacks = {1: stack}
+        row = next(row for row in failure_rows(ran, Facts(ran)) if row.guards == "offload-hang")
+        assert (row.verdict == "failed") is caught
+    ran.stacks = {1: build}
+    assert "in pytest-llmload run's own tiny build: a fault of the run" in command_row(ran, Facts(ran)).sentence
