@@ -225,39 +225,66 @@ def run_children(specs, timeout: float, *, start: Start = Start(), tmp_root=None
     outcomes = [ChildOutcome(i, spec.label) for i, spec in enumerate(specs)]
     procs, conns = [], []
     go = ctx.Event() if start_together or once_forked is not None else None
-    try:
-        for index, spec in enumerate(specs):
-            receiver, sender = ctx.Pipe(duplex=False)
-            proc = ctx.Process(
-                target=_child_main, name=f"llmload-{spec.label.replace(' ', '')}",
-                args=(index, spec, sender, workdir, os.getpid() if start.method == "fork" else None,
-                      logging.getLogger().level, coverage, go),
-                # Not daemonic: a daemonic process may not start children, and an isolated test may start ranks,
-                # a rank DataLoader workers. The children are reaped here, whatever happens (finally, below).
-                daemon=False,
-            )
-            with forking_quietly():
-                proc.start()
-            sender.close()
-            procs.append(proc)
-            conns.append(receiver)
-            outcomes[index].pid = proc.pid
-        if once_forked is not None:
-            once_forked()
-        if go is not None:
-            go.set()
-        pending = _collect(procs, conns, outcomes, time.monotonic() + timeout, on_failure)
-        if pending:
-            child_output.take_stacks(procs, outcomes, pending, workdir)
-        # Ended before reading: what a child logs or prints after its answer (a rank's teardown) is kept too.
-        _reap(procs, outcomes)
-        child_output.hand_back(workdir, outcomes, specs)
-        return outcomes
-    finally:
-        _reap(procs, outcomes)
-        for conn in conns:
-            conn.close()
-        shutil.rmtree(workdir, ignore_errors=True)
+    started = lifeline.boot_clock()
+    with lifeline.orphans_adopted():  # a child that dies leaves what it started to this process, not to init
+        try:
+            for index, spec in enumerate(specs):
+                receiver, sender = ctx.Pipe(duplex=False)
+                proc = ctx.Process(
+                    target=_child_main, name=f"llmload-{spec.label.replace(' ', '')}",
+                    args=(index, spec, sender, workdir, os.getpid() if start.method == "fork" else None,
+                          logging.getLogger().level, coverage, go),
+                    # Not daemonic: a daemonic process may not start children, and an isolated test may start ranks,
+                    # a rank DataLoader workers. The children are reaped here, whatever happens (finally, below).
+                    daemon=False,
+                )
+                with forking_quietly():
+                    proc.start()
+                sender.close()
+                procs.append(proc)
+                conns.append(receiver)
+                outcomes[index].pid = proc.pid
+            if once_forked is not None:
+                once_forked()
+            if go is not None:
+                go.set()
+            pending = _collect(procs, conns, outcomes, time.monotonic() + timeout, on_failure)
+            if pending:
+                child_output.take_stacks(procs, outcomes, pending, workdir)
+            # Ended before reading: what a child logs or prints after its answer (a rank's teardown) is kept too.
+            _reap(procs, outcomes)
+            child_output.hand_back(workdir, outcomes, specs)
+            return outcomes
+        finally:
+            _reap(procs, outcomes)
+            _end_left_behind(procs, outcomes, started)
+            for conn in conns:
+                conn.close()
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _end_left_behind(procs, outcomes, since: float) -> None:
+    """Kill what the children left running below this process, started ``since`` (:func:`.lifeline.boot_clock`):
+    what a child that died or was killed had started (its orphans came here, :func:`.lifeline.orphans_adopted`);
+    reap those that are this process's children now. A child that answered ended what it started itself."""
+    if all(outcome.status in ("ok", "raised") for outcome in outcomes):
+        return
+    children = {proc.pid for proc in procs}  # (joined by multiprocessing, which reaps them)
+    left = [pid for pid in lifeline.descendants(os.getpid(), since) if pid not in children]
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    end = time.monotonic() + _JOIN_S
+    while left and time.monotonic() < end:
+        for pid in list(left):
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0] == 0:
+                    continue
+            except ChildProcessError:  # not a child of this process (its own parent reaps it)
+                pass
+            left.remove(pid)
+        if left:
+            time.sleep(0.01)
 
 
 def _reap(procs, outcomes) -> None:

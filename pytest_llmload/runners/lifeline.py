@@ -161,14 +161,47 @@ def become_subreaper() -> bool:
         return False
 
 
-def descendants(root: int) -> list[int]:
+@contextlib.contextmanager
+def orphans_adopted():
+    """While the block runs, this process reaps the orphans of its descendants (``PR_SET_CHILD_SUBREAPER``, as it
+    was before afterwards): what a child that died left running (a daemon in a session of its own) comes here, not
+    to init, and :func:`descendants` of this process still finds it. Does nothing where the system has no such
+    call."""
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+        was = ctypes.c_int(0)
+        if prctl(37, ctypes.byref(was), 0, 0, 0) != 0:  # PR_GET_CHILD_SUBREAPER
+            raise OSError
+    except (OSError, AttributeError):
+        yield
+        return
+    if not was.value:
+        prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    try:
+        yield
+    finally:
+        if not was.value:
+            prctl(36, 0, 0, 0, 0)
+
+
+def boot_clock() -> float:
+    """Seconds since the machine booted: the clock of a process's start time in /proc (:func:`descendants`)."""
+    import time
+
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+def descendants(root: int, since: Optional[float] = None) -> list[int]:
     """The pids below ``root`` in the process tree, read from /proc (empty where there is none), those in sessions
-    of their own included."""
+    of their own included; with ``since`` (:func:`boot_clock`), only those started in a later clock tick."""
     parent_of: dict[int, int] = {}
+    after = None if since is None else int(since * os.sysconf("SC_CLK_TCK"))
     with contextlib.suppress(OSError):
         for entry in os.listdir("/proc"):
             fields = proc_stat(int(entry)) if entry.isdigit() else None
-            if fields and len(fields) > 1:
+            if fields and len(fields) > 19 and (after is None or int(fields[19]) > after):
                 parent_of[int(entry)] = int(fields[1])
     found, frontier = [], [root]
     while frontier:

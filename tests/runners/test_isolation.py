@@ -758,3 +758,17 @@ def test_an_interrupted_runs_daemons_in_sessions_of_their_own_end_with_its_child
     with pytest.raises(KeyboardInterrupt):
         children.run_children(specs, 60, on_failure=_interrupted)
     assert _gone(marker) == []
+
+
+def _leaves_a_daemon_behind_and_dies(marker: str):
+    _leaves_a_daemon_behind(marker)
+    os._exit(3)  # (a crash: no answer, nothing of its own cleanup runs)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_CHILD_SUBREAPER and /proc are Linux's")
+def test_a_child_that_dies_leaves_no_daemon_behind():
+    """Before (issue 49 point 6): a child that crashed left its daemons to init, outside every group and tree."""
+    marker = f"{6000 + os.getpid() % 1000}.{time.time_ns() % 10**6}"
+    (outcome,) = children.run_children([children.ChildSpec("dies", _leaves_a_daemon_behind_and_dies, (marker,))], 60)
+    assert (outcome.status, outcome.exitcode) == ("died", 3)
+    assert _gone(marker) == []
