@@ -6,7 +6,7 @@ was being called (an isolated check's or a rank's child still in the loader at i
 of waiting out its own deadline in the same call. ``--llmload-wait-after-hang`` runs every test to its deadline.
 Under xdist each worker learns of a hang by itself: one hang per worker, at most.
 
-Switched on by its gate in :mod:`pytest_llmload.plugin.hooks` when a run uses the plugin; imports nothing heavy.
+Switched on by its gate in :mod:`pytest_llmload.plugin.gates` when a run uses the plugin; imports nothing heavy.
 """
 
 from __future__ import annotations
