@@ -208,8 +208,9 @@ def _redirect(cls: Any, keyword: str = "pretrained_model_name_or_path", around: 
 
 
 def _load_model(load: Callable[[dict], Any], tiny: Any, kwargs: dict) -> Any:
-    """A model's load, as the real one would go on this runner: its ``max_memory`` scaled to the tiny weights (what
-    the real model would offload, the tiny one offloads), its ``offload_folder`` in the run's folder; the weight data
+    """A model's load, as the real one would go on this runner: under a ``max_memory``, the tiny model placed module by
+    module as from_pretrained places the real one (else that budget scaled to the tiny weights), its
+    ``offload_folder`` in the run's folder; the weight data
     it writes outside that folder recorded (offload-hang's mechanism, :func:`~pytest_llmload.failures.offload_hang.
     weight_writes`), and what placement it asked for and got (the placement failures' rows)."""
     from pytest_llmload.commands import tiny_weights
@@ -218,7 +219,13 @@ def _load_model(load: Callable[[dict], Any], tiny: Any, kwargs: dict) -> Any:
     given = dict(kwargs)
     if isinstance(kwargs.get("max_memory"), dict) and isinstance(tiny, (str, os.PathLike)) and (
             Path(tiny) / tiny_weights.SIZES_FILE).is_file():
-        given["max_memory"] = tiny_weights.scaled_budget(kwargs["max_memory"], tiny)
+        planned = tiny_weights.planned_placement(tiny, kwargs.get("device_map"), kwargs["max_memory"],
+                                                 kwargs.get("torch_dtype", kwargs.get("dtype")))
+        if planned is not None:  # the real model's placement, module by module
+            given["device_map"] = planned
+            given.pop("max_memory")
+        else:  # (a GPU this runner lacks in the real placement: the budget in proportion)
+            given["max_memory"] = tiny_weights.scaled_budget(kwargs["max_memory"], tiny)
     if kwargs.get("offload_folder") is not None and not _ours(kwargs["offload_folder"]):
         given["offload_folder"] = str(_in_output_dir(kwargs["offload_folder"]))
     with record_writes() as writes:

@@ -14,11 +14,12 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from pytest_llmload.loader import tiny_models
 from pytest_llmload.placement import architectures
@@ -169,7 +170,8 @@ def _build_model(real: dict, tiny: dict, dest: Path) -> None:
     tiny_models.save_tokenizer(tiny_models.build_tokenizer(TOKENIZER_VOCABULARY), dest, TOKENIZER_VOCABULARY)
     real_model = architectures.empty_model(real, getattr(torch, dtype))
     (dest / SIZES_FILE).write_text(json.dumps({"tiny_parameters": architectures.parameter_count(model),
-                                               "real_parameters": architectures.parameter_count(real_model)}))
+                                               "real_parameters": architectures.parameter_count(real_model),
+                                               "real_config": real}))
 
 
 def scaled_budget(max_memory: dict, checkpoint: Path) -> dict:
@@ -234,3 +236,46 @@ def _build_adapter_model(name_or_path: str, base_config, dest: Path) -> None:
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_config(base_config)
     get_peft_model(base, config).save_pretrained(dest)
+
+
+_LAYER = re.compile(r"^(?P<stack>.+)\.(?P<index>\d+)$")
+
+
+def planned_placement(checkpoint: Path, device_map: str, max_memory: dict, dtype: Any) -> Optional[dict]:
+    """The tiny model's ``device_map``, module by module as from_pretrained would place the real model under
+    ``device_map`` (a strategy) and ``max_memory`` (its own planner, run on the real model built empty): the same
+    modules on the cpu and the disk, the tiny model's layers spread in the real layers' proportions. ``None`` where
+    the real placement uses a GPU this runner lacks, or the checkpoint keeps no real config."""
+    import torch
+
+    from pytest_llmload.placement import planner
+
+    sizes = json.loads((Path(checkpoint) / SIZES_FILE).read_text())
+    real = sizes.get("real_config")
+    if real is None or device_map not in planner.STRATEGIES:
+        return None
+    if not isinstance(dtype, torch.dtype):
+        dtype = getattr(torch, real.get("torch_dtype") or "float32")
+    with _outside_zero3():
+        real_map = planner.plan(architectures.empty_model(real, dtype), device_map, max_memory, dtype=dtype)
+    if any(where not in ("cpu", "disk") for where in real_map.values()) and torch.cuda.device_count() == 0:
+        return None
+    return _tiny_map(real_map, real["num_hidden_layers"], json.loads((Path(checkpoint) / "config.json").read_text())[
+        "num_hidden_layers"])
+
+
+def _tiny_map(real_map: dict, real_layers: int, tiny_layers: int) -> dict:
+    """``real_map`` for the tiny model: every module that is not a layer as it is; tiny layer ``i`` where the real
+    layer at the same depth goes."""
+    tiny, stacks = {}, {}
+    for name, where in real_map.items():
+        layer = _LAYER.match(name)
+        if layer and int(layer["index"]) < real_layers:
+            stacks.setdefault(layer["stack"], {})[int(layer["index"])] = where
+        else:
+            tiny[name] = where
+    for stack, layers in stacks.items():
+        for i in range(tiny_layers):
+            depth = min(real_layers - 1, (2 * i + 1) * real_layers // (2 * tiny_layers))
+            tiny[f"{stack}.{i}"] = layers.get(depth, layers[min(layers, key=lambda j: abs(j - depth))])
+    return tiny

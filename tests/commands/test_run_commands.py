@@ -205,3 +205,18 @@ def test_a_tiny_checkpoint_is_whole_whatever_the_rank_and_built_outside_zero3(tm
     built = tiny_weights.tiny_checkpoint(tiny_weights.real_config("Qwen/Qwen2.5-7B", {}, "call"), tmp_path)
     assert {"config.json", "model.safetensors", tiny_weights.SIZES_FILE} <= {p.name for p in built.iterdir()}
     assert deepspeed._hf_deepspeed_config_weak_ref() is alive  # (ZeRO-3 on again for the command)
+
+
+def test_a_budget_places_the_tiny_model_as_from_pretrained_places_the_real_one(tiny_cache):
+    import torch
+
+    from pytest_llmload.commands import tiny_weights
+
+    tiny = tiny_weights.tiny_checkpoint(tiny_weights.real_config("Qwen/Qwen2.5-7B-Instruct", {}, "call"), tiny_cache)
+    # 7.6 billion float32 parameters (30 GB) under 10 GiB of host memory: the embeddings and 6 of the 28 layers on
+    # the cpu, the rest on disk; the tiny model's 2 layers stand at depths 7 and 21, both on disk
+    placed = tiny_weights.planned_placement(tiny, "auto", {"cpu": "10GiB"}, torch.float32)
+    assert placed["model.embed_tokens"] == "cpu" and placed["lm_head"] == "disk"
+    assert (placed["model.layers.0"], placed["model.layers.1"]) == ("disk", "disk")
+    placed = tiny_weights.planned_placement(tiny, "auto", {"cpu": "20GiB"}, torch.float32)  # (depth 7 on the cpu now)
+    assert (placed["model.layers.0"], placed["model.layers.1"]) == ("cpu", "disk")

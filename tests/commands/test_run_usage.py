@@ -168,3 +168,12 @@ def test_a_hang_in_the_runs_own_tiny_build_is_not_offload_hang(tmp_path):
         assert (row.verdict == "failed") is caught
     ran.stacks = {1: build}
     assert "in pytest-llmload run's own tiny build: a fault of the run" in command_row(ran, Facts(ran)).sentence
+
+
+def test_the_tiny_layers_go_where_the_real_layers_at_their_depth_go():
+    real = {"model.embed_tokens": "cpu", **{f"model.layers.{i}": "cpu" if i < 20 else "disk" for i in range(32)},
+            "model.norm": "disk", "lm_head": "disk"}
+    assert tiny_weights._tiny_map(real, 32, 2) == {"model.embed_tokens": "cpu", "model.norm": "disk",
+                                                   "lm_head": "disk", "model.layers.0": "cpu",
+                                                   "model.layers.1": "disk"}
+    assert tiny_weights._tiny_map({"": "cpu"}, 32, 2) == {"": "cpu"}
