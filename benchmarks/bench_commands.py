@@ -8,7 +8,8 @@ Per cell: **right** (the row says what EXPECTED.md says), **false alarm** (the r
 **miss** (the row did not fail where the failure is caught), **wrong reason** (both agree nothing fails, but one says
 "not observed" and the other "not reachable"). The command's own row is judged the same way (finished, crashed at
 FILE:LINE, deadline). CPU seconds are the command's (the run and every process it started: ``wait4``'s rusage,
-as ``/usr/bin/time -f "%U %S"`` gives them). Run one command at a time: the CPUs are shared.
+as ``/usr/bin/time -f "%U %S"`` gives them). Run one command at a time: the CPUs are shared. Each command's log
+(``--keep-logs``) holds run's table and, where a row failed, the command's own output (run's kept folder is removed).
 
 Some commands import packages neither stack installs (``datasets``, ``trl``, ``lm_eval``, ``fastapi``): they run
 with ``--extras DIR`` on ``PYTHONPATH`` (made once with ``pip install --target DIR --no-deps`` of the packages that
@@ -108,6 +109,11 @@ def run_one(entry: dict, stack: str, cache: Path, extras: Path, logs: Path) -> d
         log = logs / f"{entry['id']}-{stack}.log"
         wall, cpu, code = run_timed(argv, cwd=repo, env=env, check=False, log=log)
         document = json.loads(report.read_text()) if report.is_file() else None
+        if document and document.get("outputs"):  # (run keeps a failed command's folder; its output goes to the log)
+            kept = Path(document["outputs"]).parent
+            with log.open("a") as out:
+                out.write("\n--- the command's own output ---\n" + (kept / "command.log").read_text(errors="replace"))
+            shutil.rmtree(kept, ignore_errors=True)
     return {"id": entry["id"], "stack": stack, "exit": code, "wall_s": round(wall, 1), "cpu_s": round(cpu, 1),
             "rows": document["results"] if document else None, "log": str(log)}
 
