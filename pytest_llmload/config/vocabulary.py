@@ -186,6 +186,19 @@ SETTINGS = (
         "seconds the loader's module may take to import (at collection, offline); past it the run ends with a usage "
         "error naming the line it was blocked in, with every thread's stack. A progress line is printed every "
         "llmload_phase_progress_seconds meanwhile. Default 300.")),
+    # --- the repo's own commands from pytest (pytest_llmload.plugin.command_items)
+    Setting("commands", "lines", metavar="'NAME: COMMAND'", help=(
+        "the repo's own commands, one 'NAME: COMMAND' each (the option may be repeated, the ini key takes one a "
+        "line), each a test item llmload-command::NAME, run by 'python -m pytest_llmload run' in the rootdir on a "
+        "run of the whole project; 'gpu: NAME: COMMAND' marks it gpu (pytest -m gpu).")),
+    Setting("command_steps", "count", metavar="N", default=2, help=(
+        "optimizer steps before a command's training stops (llmload_commands, the llmload_run fixture). Default 2.")),
+    Setting("command_deadline", "seconds", metavar="SECONDS", default=600.0, help=(
+        "a command's whole deadline (llmload_commands, the llmload_run fixture). Default 600.")),
+    Setting("command_models", "lines", metavar="ID=CONFIG", help=(
+        "the architecture of a model a command names that pytest-llmload does not ship, one 'ID=CONFIG' each (a "
+        "shipped name or a config.json; the option may be repeated, the ini key takes one a line), as run's "
+        "--model.")),
     # --- hangs (pytest_llmload.plugin.loader_hang)
     Setting("wait_after_hang", "bool", help=(
         "after the loader under test hangs (a deadline passes inside its call), run every later test that uses it "

@@ -166,6 +166,23 @@ def llmload_load(llmload_loader, llmload_checkpoint, llmload_device) -> Callable
 
 
 @pytest.fixture
+def llmload_run(request, tmp_path):
+    """Run one of the repo's own commands as ``python -m pytest_llmload run`` does (tiny weights, bounded, every
+    known failure watched): ``llmload_run(command, steps=None, deadline=None, models=None, cwd=None)`` returns its
+    rows (:class:`~pytest_llmload.plugin.command_items.CommandResult`: ``.rows``, ``.command_row``,
+    ``.row("fp16-unscale")``, ``.assert_no_known_failure()``). The options default to the settings
+    ``llmload_command_steps``, ``_deadline``, ``_models``; the command runs in the rootdir, its temporary files
+    under ``tmp_path``::
+
+        def test_training_runs(llmload_run):
+            llmload_run("python train.py --config configs/ci.json").assert_no_known_failure()
+    """
+    from pytest_llmload.plugin.command_items import command_runner
+
+    return command_runner(request.config, tmp_path)
+
+
+@pytest.fixture
 def gpu_model(llmload_load):
     """The tiny model loaded through the loader under test onto ``cuda:0``; marks the test ``gpu`` and skips
     it where no GPU is visible."""

@@ -43,6 +43,7 @@ from pytest_llmload.plugin.fixtures import (  # noqa: F401  (pytest discovers fi
     llmload_load,
     llmload_loader,
     llmload_offline,
+    llmload_run,
     llmload_tokenizer,
     lora_model,
 )
