@@ -54,6 +54,9 @@ class KnownFailure(NamedTuple):
     # Its place in the catalog: the registry, the main job's rows and the docs' tables list the failures in this
     # order (the write-ups first, then those from issue trackers as they were added). A new failure takes the next.
     order: int = 0
+    # The fix phrased for a repo's own script (``run``'s rows): its change, no name of this plugin (a helper, a
+    # declaration, an option); empty where ``fix`` already is.
+    script_fix: str = ""
 
     @property
     def slug(self) -> str:

@@ -16,8 +16,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from pytest_llmload.main_job.cli import UsageError as OutputPathError
-from pytest_llmload.main_job.cli import _check_output_path
+from pytest_llmload.main_job.cli import UsageError, check_output_path
 from pytest_llmload.main_job.process import EXIT_FAILED, EXIT_OK, EXIT_USAGE, Interrupted, signals_interrupt
 from pytest_llmload.main_job.table import json_records, summary_table
 from pytest_llmload.main_job.terminal import columns, wrapped
@@ -26,10 +25,6 @@ from pytest_llmload.system.output_files import open_output
 DEFAULT_STEPS = 2
 DEFAULT_DEADLINE_S = 600.0
 FAILED_VERDICTS = ("failed", "error")
-
-
-class UsageError(Exception):
-    """A command line ``run`` cannot run; the message says what to change."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,7 +73,7 @@ def _parsed(argv: list[str]) -> argparse.Namespace:
         raise UsageError(f"--deadline {args.deadline:g}: give a number of seconds above 0")
     args.models = _models(args.model)
     if args.json_path:
-        _check_output_path(args.json_path, "--json")  # (the main job's checks of an output file, before the run)
+        check_output_path(args.json_path, "--json")  # (the main job's checks of an output file, before the run)
     return args
 
 
@@ -89,7 +84,7 @@ def main(argv: Optional[list[str]] = None, out=None) -> int:
     out = out or sys.stdout
     try:
         args = _parsed(sys.argv[2:] if argv is None else argv)
-    except (UsageError, OutputPathError) as exc:
+    except UsageError as exc:
         print(f"llmload run: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     workdir, keep = new_workdir(), False

@@ -75,8 +75,8 @@ def run_command(argv: list[str], workdir: Path, *, steps: int, deadline: float, 
     run_dir, output_dir, log = workdir / "run", workdir / "outputs", workdir / "command.log"
     run_dir.mkdir(parents=True)
     output_dir.mkdir()
-    (run_dir / SETTINGS_FILE).write_text(json.dumps({"steps": steps, "models": models,
-                                                     "output_dir": str(output_dir)}))
+    (run_dir / SETTINGS_FILE).write_text(json.dumps({"steps": steps, "models": models, "output_dir": str(output_dir),
+                                                     "repo": str(Path.cwd())}))  # (where the repo's code is)
     boot = write_bootstrap(workdir / "bootstrap")
     env = {**os.environ, **OFFLINE, RUN_DIR_VARIABLE: str(run_dir),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(boot), os.environ.get("PYTHONPATH")]))}

@@ -83,12 +83,20 @@ def start() -> None:
 # --- the command's crash, where it happened in the repo ---------------------------------------------------
 
 def is_repo_file(filename: str) -> bool:
-    """A file of the repo's code: not a library's, Python's, an environment's scripts (a launcher's ``bin/torchrun``)
-    or this package's, and a file (not ``<string>``, ``<frozen ...>``)."""
+    """A file of the repo's code: not a library's, Python's, an environment's scripts (a launcher's ``bin/torchrun``),
+    a package on a ``PYTHONPATH`` entry outside the repo (one installed with ``pip install --target``) or this
+    package's, and a file (not ``<string>``, ``<frozen ...>``)."""
     from pytest_llmload.system import tracebacks
 
-    return not (tracebacks.is_installed(filename) or tracebacks.is_ours(filename) or filename.startswith("<")
-                or os.path.abspath(filename).startswith((sys.prefix + os.sep, sys.exec_prefix + os.sep)))
+    if filename.startswith("<") or tracebacks.is_installed(filename) or tracebacks.is_ours(filename):
+        return False
+    path = os.path.abspath(filename)
+    if path.startswith(tuple(prefix + os.sep for prefix in {sys.prefix, sys.exec_prefix, sys.base_prefix})):
+        return False
+    repo = os.path.abspath(RUN.settings.get("repo", ".") if RUN is not None else ".") + os.sep
+    outside_repo = [os.path.abspath(entry) + os.sep for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                    if entry and not (os.path.abspath(entry) + os.sep).startswith(repo)]
+    return path.startswith(repo) or not path.startswith(tuple(outside_repo))
 
 
 def _repo_frames(exc: BaseException) -> list[str]:
@@ -228,38 +236,50 @@ def _load_model(load: Callable[[dict], Any], tiny: Any, kwargs: dict) -> Any:
             given["max_memory"] = tiny_weights.scaled_budget(kwargs["max_memory"], tiny)
     if kwargs.get("offload_folder") is not None and not _ours(kwargs["offload_folder"]):
         given["offload_folder"] = str(_in_output_dir(kwargs["offload_folder"]))
+    load_record = _load_call(kwargs)  # (recorded before the call: a load that raises is one the run made)
+    RUN.findings.record["loads"].append(load_record)
     with record_writes() as writes:
-        model = load(given)
+        try:
+            model = load(given)
+        except BaseException as exc:
+            load_record["raised"] = f"{type(exc).__name__}: {next(iter(str(exc).strip().splitlines()), '')}"
+            raise
     try:
-        _record_load(model, kwargs, given, writes)
+        _record_placement(load_record, model, given, writes)
     except Exception as exc:  # (a fault of the watch never breaks the command: its row says what was not watched)
         RUN.findings.record["watch_errors"].append(f"the load at {_callers_line()}: {type(exc).__name__}: {exc}")
     return model
 
 
-def _record_load(model: Any, kwargs: dict, given: dict, writes: list) -> None:
+def _load_call(kwargs: dict) -> dict:
+    """A from_pretrained call as the script makes it, before it runs: its line, what it asks for, the state it runs
+    in (ZeRO-3 on or off, a distributed process); what it placed is filled in when it returns."""
+    return {
+        "where": _callers_line(), "device_map": None if kwargs.get("device_map") is None else str(kwargs["device_map"]),
+        "max_memory": None if kwargs.get("max_memory") is None else str(kwargs["max_memory"]), "places": [],
+        "offloaded": False, "quantized": kwargs.get("quantization_config") is not None,
+        "zero3": _zero3_enabled(), "distributed": bool(RUN.findings.record["distributed"]), "raised": None,
+        "weight_writes": 0, "weight_writes_shown": [], "gpus_budgeted_absent": _gpus_absent(kwargs.get("max_memory"))}
+
+
+def _record_placement(load_record: dict, model: Any, given: dict, writes: list) -> None:
     from pytest_llmload.failures.offload_hang import weight_writes
 
     device_map = getattr(model, "hf_device_map", None) or {}
-    places = sorted({str(place) for place in device_map.values()})
     offloaded = _offloaded(model)
     counted, _ = weight_writes(writes, given.get("offload_folder") or RUN.dir / "no-offload-folder", RUN.dir,
                                offloaded=offloaded)
-    RUN.findings.record["loads"].append({
-        "where": _callers_line(), "device_map": None if kwargs.get("device_map") is None else str(kwargs["device_map"]),
-        "max_memory": None if kwargs.get("max_memory") is None else str(kwargs["max_memory"]), "places": places,
-        "offloaded": offloaded, "quantized": kwargs.get("quantization_config") is not None,
-        "zero3": _zero3_enabled(), "distributed": bool(RUN.findings.record["distributed"]),
-        "weight_writes": len(counted), "weight_writes_shown": [f"{w.event} {w.path} (by {w.by})" for w in counted[:3]],
-        "gpus_budgeted_absent": _gpus_absent(kwargs.get("max_memory"))})
+    load_record.update(places=sorted({str(place) for place in device_map.values()}), offloaded=offloaded,
+                       weight_writes=len(counted),
+                       weight_writes_shown=[f"{w.event} {w.path} (by {w.by})" for w in counted[:3]])
 
 
 def _gpus_absent(max_memory: Any) -> list[str]:
     """The GPUs a ``max_memory`` budgets that this runner lacks (from_pretrained leaves them out of the placement)."""
-    import torch
-
     if not isinstance(max_memory, dict):
         return []
+    import torch
+
     return [str(key) for key in max_memory if isinstance(key, int) and key >= torch.cuda.device_count()]
 
 
@@ -430,6 +450,14 @@ def _patch_grad_scaler(module) -> None:
     module.GradScaler.unscale_ = counted_unscale
 
 
+def _patch_deepspeed_comm(module) -> None:
+    """DeepSpeed's shared-memory op, never built: the plugin's own ranks' way (its build costs 80-210 s of CPU on every
+    command where another environment's build replaced it; collectives run through torch.distributed without it)."""
+    from pytest_llmload.runners.ranks import disable_deepspeed_shm_op
+
+    disable_deepspeed_shm_op()
+
+
 # Module -> what is wrapped in it once it is imported (whichever the command imports first: each is wrapped once).
 AFTER_IMPORT: dict[str, Callable[[Any], None]] = {
     "transformers.modeling_utils": _patch_modeling_utils,
@@ -444,4 +472,5 @@ AFTER_IMPORT: dict[str, Callable[[Any], None]] = {
     "torch.optim.optimizer": _patch_optimizer,
     "torch.amp.grad_scaler": _patch_grad_scaler,
     "peft.peft_model": _patch_peft_model,
+    "deepspeed.comm.torch": _patch_deepspeed_comm,
 }

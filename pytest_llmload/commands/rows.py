@@ -28,21 +28,25 @@ class Facts:
     """What the run's processes did, together."""
 
     def __init__(self, run: CommandRun) -> None:
-        processes = run.processes
-        self.loads = [load for p in processes for load in p["loads"]]
-        self.offloaded = [load for load in self.loads if load["offloaded"]]
+        processes = sorted(run.processes, key=lambda p: p.get("started", 0))  # (their files' order is their pids')
+        self.loads = [load for p in processes for load in p["loads"]]  # every from_pretrained call, raised or not
+        self.loaded = [load for load in self.loads if not load.get("raised")]
+        self.offloaded = [load for load in self.loaded if load["offloaded"]]
         self.steps = max((p["steps"] for p in processes), default=0)
         self.unscales = sum(p["unscales"] for p in processes)
         self.generates = sum(p["generates"] for p in processes)
         self.trainers = [t for p in processes for t in p["trainers"]]
         self.distributed = [p for p in processes if p["distributed"]]
-        self.crashes = [p["crash"] for p in processes if p["crash"]]
+        self.crashed = [p for p in processes if p["crash"]]
+        self.crashes = [p["crash"] for p in self.crashed]
         self.adapters = [adapter for p in processes for adapter in p["adapters"]]
 
 
 def _placements(loads: list) -> str:
     """Each load's placement, and the GPUs its budget names that this runner lacks (its split differs there)."""
     def placement(load: dict) -> str:
+        if load.get("raised"):
+            return f"{load['where']}: raised {load['raised']}"
         absent = load.get("gpus_budgeted_absent") or []
         lacking = f" (its max_memory budgets GPU {', '.join(absent)}, which this runner lacks)" if absent else ""
         return f"{load['where']}: {', '.join(load['places']) or 'one device'}{lacking}"
@@ -82,12 +86,27 @@ def _dp_dtype(facts: Facts) -> tuple[bool, str]:
                    "only where it sees 2 or more (not reachable on this runner)")
 
 
+def _nothing_loaded(loads: list, facts: Facts) -> str:
+    """Why no model was placed: the calls that raised, else the crash before any call."""
+    if loads:
+        return _placements(loads)
+    if facts.crashes:
+        return f"the command crashed at {_where(_the_crash(facts))} before any from_pretrained call"
+    return "no from_pretrained call"
+
+
 def _distributed_device_map(facts: Facts) -> tuple[bool, str]:
-    mapped = [load for load in facts.loads if load["device_map"] is not None and load["distributed"]]
     if not facts.distributed:
         return False, "the command started no distributed process (no WORLD_SIZE, RANK or LOCAL_RANK)"
+    loaded = [load for load in facts.loaded if load["distributed"]]
+    if not loaded:  # (the refusal comes at a load: ranks that crashed before one never reached it)
+        called = [load for load in facts.loads if load["distributed"]]
+        return False, (f"{len(facts.distributed)} distributed process(es) placed no model "
+                       f"({_nothing_loaded(called, facts)})")
+    mapped = [load for load in loaded if load["device_map"] is not None]
     if not mapped:
-        return True, f"{len(facts.distributed)} distributed process(es) loaded without a device_map"
+        return True, (f"{len(loaded)} load(s) in {len(facts.distributed)} distributed process(es) without a "
+                      f"device_map ({', '.join(sorted({load['where'] for load in loaded}))})")
     spread = [load for load in mapped if len(load["places"]) > 1]
     if spread:
         return True, f"device_map spread a model over {_placements(spread)} in a distributed process"
@@ -97,9 +116,14 @@ def _distributed_device_map(facts: Facts) -> tuple[bool, str]:
 
 def _zero3_device_map(facts: Facts) -> tuple[bool, str]:
     zero3 = [load for load in facts.loads if load["zero3"]]
+    placed = [load for load in zero3 if not load.get("raised")]
+    if placed:
+        return True, f"{len(placed)} load(s) under ZeRO-3 ({_placements(placed)})"
     if zero3:
-        return True, f"{len(zero3)} load(s) under ZeRO-3 ({_placements(zero3)})"
-    return False, "ZeRO-3 was not enabled at any from_pretrained call"
+        return False, (f"ZeRO-3 was on at {len(zero3)} from_pretrained call(s), which raised before placing the model "
+                       f"({_placements(zero3)})")
+    made = "" if facts.loads else f" ({_nothing_loaded([], facts)})"
+    return False, f"ZeRO-3 was not enabled at any from_pretrained call{made}"
 
 
 def _fp16_unscale(facts: Facts) -> tuple[bool, str]:
@@ -116,7 +140,7 @@ def _move_offloaded(facts: Facts) -> tuple[bool, str]:
 
 
 def _quantized_cast(facts: Facts) -> tuple[bool, str]:
-    quantized = [load for load in facts.loads if load["quantized"]]
+    quantized = [load for load in facts.loaded if load["quantized"]]
     if quantized:
         return True, f"{len(quantized)} quantized load(s)"
     return False, "no quantized load"
@@ -161,6 +185,33 @@ def _where(crash: dict) -> str:
     return crash["repo_frames"][-1] if crash["repo_frames"] else "a library's code (no file of the repo in its traceback)"
 
 
+def _the_crash(facts: Facts) -> dict:
+    """The crash the command's row names: one in the repo's code before a launcher's report of it (torchrun's
+    ChildFailedError, raised in its own bin script), a rank's before a launcher's; the earliest started first."""
+    return max(facts.crashed, key=lambda p: (bool(p["crash"]["repo_frames"]), bool(p["distributed"])))["crash"]
+
+
+def _fix_at(line: str, fix: str) -> str:
+    """A fix as the repo's change at its line."""
+    return f"at {line}: {fix}" if fix else fix
+
+
+def _load_that_raised(crash: dict, facts: Facts) -> Optional[dict]:
+    """The from_pretrained call a crash came out of: a call that raised at a line among the crash's frames."""
+    lines = {frame.partition(" in ")[0] for frame in crash["repo_frames"]}
+    return next((load for load in facts.loads if load.get("raised") and load["where"] in lines), None)
+
+
+def _budget_names_absent_gpus(load: Optional[dict]) -> Optional[tuple[str, str]]:
+    """Where the call that raised budgets GPUs this runner lacks: the cause and the change at its line."""
+    if not load or not load.get("gpus_budgeted_absent"):
+        return None
+    gpus = ", ".join(load["gpus_budgeted_absent"])
+    return (f" (max_memory={load['max_memory']} at {load['where']} budgets GPU {gpus}, which this runner lacks)",
+            _fix_at(load["where"], f"give max_memory only the GPUs the runner has (e.g. {{i: ... for i in "
+                    f"range(torch.cuda.device_count())}} and 'cpu'), or run the command where GPU {gpus} exists"))
+
+
 # A frame in a faulthandler dump: `  File "train.py", line 12 in main` (innermost first).
 _DUMPED_FRAME = re.compile(r'File "([^"]+)", line (\d+) in (\S+)')
 
@@ -186,20 +237,22 @@ def failure_rows(run: CommandRun, facts: Facts) -> list[Row]:
     rows = []
     for failure in CATALOG:
         common = {"check": f"watch_{failure.slug}", "guards": failure.id, "guards_origin": failure_origin(failure),
-                  "loader": " ".join(run.argv)}  # (what ran: the command, not a loader function)
+                  "loader": " ".join(run.argv),  # (what ran: the command, not a loader function)
+                  "seconds": round(run.seconds, 2)}  # (the watch lasted the command's run)
+        fix = failure.script_fix or failure.fix  # (phrased for a script: no name of this plugin)
         caught = next((crash for crash in facts.crashes if failure.matches(crash["text"])), None)
         if caught is not None:
-            rows.append(Row(verdict="failed", failure=failure.id, fix=failure.fix, **common,
+            rows.append(Row(verdict="failed", failure=failure.id, fix=_fix_at(_where(caught), fix), **common,
                             sentence=f"{failure.id} caught at {_where(caught)}: {_first_line(caught['message'])}"))
             continue
         if failure.hang_is_mechanism and _hung_in_load(run):
-            rows.append(Row(verdict="failed", failure=failure.id, fix=failure.fix, **common,
+            rows.append(Row(verdict="failed", failure=failure.id, fix=fix, **common,
                             sentence=f"{failure.id}: a from_pretrained call did not return within the run's "
                                      f"{run.deadline:g} s deadline"))
             continue
         seen_by_mechanism = CAUGHT.get(failure.id, lambda facts: None)(facts)
         if seen_by_mechanism is not None:
-            rows.append(Row(verdict="failed", failure=failure.id, fix=failure.fix, **common,
+            rows.append(Row(verdict="failed", failure=failure.id, fix=fix, **common,
                             sentence=f"{failure.id} caught at {seen_by_mechanism}"))
             continue
         judge = REACHED.get(failure.id)
@@ -226,13 +279,13 @@ def command_row(run: CommandRun, facts: Facts) -> Row:
             f"the command did not end within its {run.deadline:g} s deadline:{at}{ours} every process was ended, "
             f"their stacks ({len(run.stacks)}) are at the end of its output {run.log}"))
     if facts.crashes:
-        # a rank's crash in the repo's code, rather than its launcher's report of it (torchrun's ChildFailedError)
-        crash = next((crash for crash in facts.crashes if crash["repo_frames"]), facts.crashes[0])
+        crash = _the_crash(facts)
         fault: Optional[dict] = crash["fault"]
-        cause = f" ({fault['cause']})" if fault else ""
+        cause, fix = (f" ({fault['cause']})", _fix_at(_where(crash), fault["fix"])) if fault else ("", None)
+        cause, fix = _budget_names_absent_gpus(_load_that_raised(crash, facts)) or (cause, fix)
         known = [failure.id for failure in CATALOG if failure.matches(crash["text"])]
         cause += f" (the known failure {', '.join(known)}: its row says what to change)" if known else ""
-        return Row(verdict="error", cause="command", fix=fault and fault["fix"], **common, sentence=(
+        return Row(verdict="error", cause="command", fix=fix, **common, sentence=(
             f"the command crashed at {_where(crash)}: {crash['type']}: {_first_line(crash['message'])}{cause}"))
     if not run.processes:
         return Row(verdict="error", cause="command", **common, sentence=(
@@ -244,7 +297,7 @@ def command_row(run: CommandRun, facts: Facts) -> Row:
     bounded = any(p["outcome"] == "bounded" for p in run.processes) or any(facts.trainers)
     ended = f"stopped after {facts.steps} optimizer step(s)" if bounded and facts.steps else \
         f"finished ({facts.steps} optimizer step(s))"
-    ran = f"{ended} in {len(run.processes)} process(es); {len(facts.loads)} model load(s) on tiny weights"
+    ran = f"{ended} in {len(run.processes)} process(es); {len(facts.loaded)} model load(s) on tiny weights"
     return Row(verdict="passed", **{**common, "notes": (ran, *common["notes"])})
 
 

@@ -103,6 +103,12 @@ FAILURE = KnownFailure(
         "the host, merge_and_unload there and dispatch the merged model under the budget, or refuse the budget "
         "before loading (pytest_llmload.fixes.adapters.adapter_placement_kwargs / put_adapter)."
     ),
+    script_fix=(
+        "Do not put an adapter on an offloaded base: load the base whole on one device (device_map={'': device}) and "
+        "then the adapter (tloen/alpaca-lora#368); where the device's budget cannot hold it, load it whole on the "
+        "host, merge_and_unload there and dispatch the merged model under the budget, or refuse the budget before "
+        "loading."
+    ),
     occurs=("peft 0.x with accelerate offload (reproduced: peft 0.21, accelerate 1.15, transformers 5.23, "
             "torch 2.13, CPU with disk offload; and peft 0.17.1, accelerate 1.10.1, transformers 4.56.2 as a "
             "KeyError in peft's _update_offload / accelerate's move refusal); reports on cuda:N with cpu/disk "

@@ -70,6 +70,10 @@ FAILURE = KnownFailure(
         "without device_map, or pin the whole model to the rank's device (device_map={'': local_rank}; "
         "pytest_llmload.fixes.training_scripts.device_map_for_rank gives it)."
     ),
+    script_fix=(
+        "When WORLD_SIZE/RANK/LOCAL_RANK (or a DeepSpeed flag) say the process is one rank of a job, load without "
+        "device_map, or pin the whole model to the rank's device (device_map={'': int(os.environ['LOCAL_RANK'])})."
+    ),
     occurs="accelerate >= 0.20 with DistributedType DEEPSPEED, MULTI_GPU or MULTI_CPU; CPU (gloo) and GPU.",
 )
 

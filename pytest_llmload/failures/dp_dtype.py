@@ -76,6 +76,11 @@ FAILURE = KnownFailure(
         "uses a Trainer class (the loader's package or the modules it imports, read from their source); declare "
         "llmload_trains_without_trainer where the repo never trains with transformers.Trainer."
     ),
+    script_fix=(
+        "Do not let Trainer data-parallelise a placed model: give the process only the GPUs its device_map uses "
+        "(CUDA_VISIBLE_DEVICES=0 for a model on GPU 0), or launch one process per GPU (torchrun --nproc-per-node N) "
+        "with the whole model on each rank's device."
+    ),
     occurs=("2+ GPUs seen by one process, the model placed where Trainer sees no model parallelism (on one GPU, "
             "or a spread its hf_device_map does not show); Trainer up to 4.57 wraps 4-bit models, later versions "
             "skip 4-bit but still count n_gpu."),

@@ -69,6 +69,11 @@ FAILURE = KnownFailure(
         "in bf16 (bf16=True), which needs no GradScaler. Where the training turns mixed precision off for "
         "half-precision weights (no GradScaler at all), declare llmload_trains_fp16_without_scaler."
     ),
+    script_fix=(
+        "Keep the trainable parameters in float32: load in float32 and let autocast compute in float16, or upcast the"
+        " trainable parameters after loading (p.data = p.data.float() for each p with requires_grad; for LoRA, keep "
+        "peft's default autocast_adapter_dtype=True). Or train in bf16 (bf16=True), which needs no GradScaler."
+    ),
     occurs=(
         "any torch with GradScaler (torch.cuda.amp and torch.amp); on GPU under Trainer/accelerate fp16, on CPU "
         "with torch.amp.GradScaler('cpu') (torch 2.13 here); LoRA only with peft < 0.11 or "

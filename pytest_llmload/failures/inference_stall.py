@@ -27,6 +27,10 @@ FAILURE = KnownFailure(
         "see this report's 'llmload: phases' section), cap max_new_tokens, and give the model enough GPU "
         "memory that nothing is offloaded for interactive use."
     ),
+    script_fix=(
+        "Time each phase (tokenize, to-device, generate, decode) and record memory, cap max_new_tokens, and give the "
+        "model enough GPU memory that nothing is offloaded for interactive use."
+    ),
     occurs="any version; models larger than GPU memory with cpu/disk offload.",
 )
 

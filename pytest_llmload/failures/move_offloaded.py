@@ -69,6 +69,11 @@ FAILURE = KnownFailure(
         ".to() only when hf_device_map has a single device (move_offloaded.may_move), and never hand an "
         "offloaded model to deepspeed.initialize."
     ),
+    script_fix=(
+        "Do not move or cast a model loaded with an offloading device_map: use it as loaded (pass the dtype to "
+        "from_pretrained), or load it whole on one device (device_map={'': device}) when it fits; call .to() only "
+        "when hf_device_map has a single device, and never hand an offloaded model to deepspeed.initialize."
+    ),
     occurs=("accelerate >= 0.2x with transformers 4.x-5.x device_map offload (reproduced: transformers 5.23, "
             "accelerate 1.15, CPU with disk offload); any hardware: cuda:N with cpu offload in the reports."),
 )

@@ -88,6 +88,12 @@ FAILURE = KnownFailure(
         "stage (transformers.integrations.is_deepspeed_zero3_enabled(), or LoadRequest.zero_stage == 3); keep "
         "{'': LOCAL_RANK} for DDP and ZeRO-0/1/2 only."
     ),
+    script_fix=(
+        "Under ZeRO-3 pass no device_map (and no low_cpu_mem_usage on transformers 4.x): decide from "
+        "transformers.integrations.is_deepspeed_zero3_enabled(), which is true only once the TrainingArguments (or "
+        "HfDeepSpeedConfig) with the ZeRO-3 config exist, so build them before the model; keep {'': LOCAL_RANK} for "
+        "DDP and ZeRO-0/1/2 only."
+    ),
     occurs=("transformers >= 4.2x with DeepSpeed ZeRO-3 (Trainer --deepspeed, accelerate DeepSpeedPlugin with "
             "zero3_init_flag); CPU (DS_ACCELERATOR=cpu, gloo) and GPU; reproduced on transformers 5.23, "
             "accelerate 1.15, deepspeed 0.19.8."),

@@ -130,7 +130,7 @@ def _check_prediction_args(args: argparse.Namespace) -> None:
         raise UsageError(str(exc)) from None
 
 
-def _check_output_path(path: str, option: str) -> None:
+def check_output_path(path: str, option: str) -> None:
     """``--log`` / ``--json``: a file in an existing directory, not a link another user may have made, checked
     before anything runs."""
     target = Path(path)
@@ -246,7 +246,7 @@ def run(argv: Optional[list[str]] = None, out=None, popen=None) -> int:
         _check_prediction_args(args)
         for path, option in ((args.log, "--log"), (args.json_path, "--json")):
             if path:
-                _check_output_path(path, option)
+                check_output_path(path, option)
         for path, option in _report_paths(args.pytest_args):
             _check_not_planted(path, option)
     except (LoaderSpecError, UsageError) as exc:

@@ -73,8 +73,9 @@ def _no_shm_op() -> None:
     return None
 
 
-def _deepspeed_without_shm_op() -> None:
-    """In a rank: for the rest of its life."""
+def disable_deepspeed_shm_op() -> None:
+    """In a rank (or any process that imported ``deepspeed.comm.torch``, as ``run``'s bootstrap does): for the rest of
+    its life."""
     comm_torch = sys.modules.get("deepspeed.comm.torch")
     if comm_torch is not None:
         comm_torch.build_shm_op = _no_shm_op
@@ -332,7 +333,7 @@ def _prepare_rank(rank, world_size, port, backend, env, init_pg, timeout):
     # (children.start_child has set one OpenMP thread: 2 ranks on 2 cores want no more, and GNU OpenMP is not
     # fork-safe.) accelerate sets torch's thread count from OMP_NUM_THREADS when it is unset: see the env.
     _forget_inherited_state()
-    _deepspeed_without_shm_op()
+    disable_deepspeed_shm_op()
     if init_pg:
         import torch.distributed as dist
 
