@@ -20,6 +20,7 @@ SAMPLE_BY_KEY = {  # settings whose values are checked at configure
     "gpu_fixtures": ("my_gpu", ["my_gpu"]),
     "loader_dtypes": ("bfloat16", ["bfloat16"]),
     "not_applicable": ("check_zero3_load: we train with DDP only", ["check_zero3_load: we train with DDP only"]),
+    "commands": ("train: python train.py", ["train: python train.py"]),  # (collected as an item: -k test_read)
 }
 BAD = {"bool": "maybe", "seconds": "soon", "fraction": "2", "gpus": "two", "count": "0"}
 
@@ -48,11 +49,11 @@ def test_the_option_and_the_ini_key_read_as_the_same_typed_value(pytester, setti
     raw, expected = _sample(setting)
     pytester.makepyfile(READER.format(key=setting.key))
     option = [setting.option] if setting.kind == "bool" else [setting.option, raw]
-    by_option = pytester.runpytest("-s", "-p", "no:randomly", *option)
+    by_option = pytester.runpytest("-s", "-p", "no:randomly", "-k", "test_read", *option)
     by_option.assert_outcomes(passed=1)
     assert f"VALUE={expected!r}\n" in by_option.stdout.str()
     pytester.makeini(f"[pytest]\n{setting.ini} = {raw if raw is not None else 'true'}\n")
-    by_ini = pytester.runpytest("-s", "-p", "no:randomly")
+    by_ini = pytester.runpytest("-s", "-p", "no:randomly", "-k", "test_read")
     by_ini.assert_outcomes(passed=1)
     assert f"VALUE={expected!r}\n" in by_ini.stdout.str()
 
