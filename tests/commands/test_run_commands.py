@@ -115,7 +115,7 @@ def test_the_known_failure_is_caught_at_the_repos_line_with_its_fix(fp16_before)
     row = fp16_before.rows["watch_fp16_unscale"]
     assert row["verdict"] == "failed" and row["failure"] == "fp16-unscale"
     assert row["sentence"] == "fp16-unscale caught at train.py:29 in main: Attempting to unscale FP16 gradients."
-    assert row["fix"].startswith("Keep the trainable parameters in float32")
+    assert row["fix"].startswith("at train.py:29 in main: Keep the trainable parameters in float32")
     command = fp16_before.rows["command"]
     assert command["verdict"] == "error"
     assert "crashed at train.py:29 in main: ValueError: Attempting to unscale FP16 gradients." in command["sentence"]
@@ -171,7 +171,7 @@ def test_an_adapter_on_an_offloaded_base_is_caught_at_the_repos_line(adapter_ser
     assert row["verdict"] == "failed" and row["failure"] == "adapter-on-offloaded"
     # (peft 0.21 copies meta weights; peft 0.17 fails on a module name in _update_offload)
     assert row["sentence"].startswith("adapter-on-offloaded caught at serve.py:18 in load: ")
-    assert row["fix"].startswith("Do not put an adapter on an offloaded base")
+    assert row["fix"].startswith("at serve.py:18 in load: Do not put an adapter on an offloaded base")
     command = adapter_serving.rows["command"]
     assert "the known failure adapter-on-offloaded" in command["sentence"]
     assert any(p.name.startswith("adapter-lora-") for p in tiny_cache.iterdir())
