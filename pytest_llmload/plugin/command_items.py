@@ -180,7 +180,7 @@ class CommandItem(pytest.Item):
         try:
             try:
                 result = run_command(self.command.argv, workdir=workdir, cwd=self.config.rootpath,
-                                     **run_options(self.config))
+                                     **self.parent.options)
             except CommandNotRun as exc:
                 raise CommandFailed(str(exc)) from None
             if result.failed:
@@ -227,16 +227,17 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     if not found or not _runs_the_whole_project(config):
         return
     commands = CommandList.from_parent(session, name=COMMAND_NODE, nodeid=COMMAND_NODE,
-                                       commands=named_commands(found[0], found[1]))
+                                       commands=named_commands(found[0], found[1]), options=run_options(config))
     items.extend(session.genitems(commands))  # (reported as collected: the counts and --collect-only say them)
 
 
 class CommandList(pytest.Collector):
     """``llmload-command``: the named commands, one item each."""
 
-    def __init__(self, *, commands: list[NamedCommand], **kwargs) -> None:
+    def __init__(self, *, commands: list[NamedCommand], options: dict, **kwargs) -> None:
         super().__init__(**kwargs)
         self.commands = commands
+        self.options = options  # (read at collection: a bad mapping is a usage error before anything runs)
 
     def collect(self) -> list[pytest.Item]:
         return [CommandItem.from_parent(self, name=command.name, command=command) for command in self.commands]

@@ -62,6 +62,16 @@ def test_gpu_commands_are_marked_and_only_a_run_of_the_whole_project_collects_co
     chosen.stdout.fnmatch_lines(["test_plain.py::test_plain", "llmload-command::crash", "2/5 tests collected*"])
     one_file = pytester.runpytest("test_plain.py", "--collect-only", "-q")
     one_file.stdout.fnmatch_lines(["test_plain.py::test_plain", "1 test collected*"])
+    by_option = pytester.runpytest(  # (the option wins over the ini's list)
+        "--llmload-commands", "eval: python eval.py", "-k", "eval", "--collect-only", "-q")
+    by_option.stdout.fnmatch_lines(["llmload-command::eval", "1/2 tests collected*"])
+
+
+def test_a_model_mapping_that_is_not_id_equals_config_is_a_usage_error(pytester):
+    pytester.makeini(COMMANDS_INI + "    llmload_command_models = my-org/my-model\n")
+    result = pytester.runpytest("--collect-only", "-q")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*ini 'llmload_command_models': 'my-org/my-model' is not ID=CONFIG; write e.g.*"])
 
 
 @pytest.mark.parametrize("line, said", [
