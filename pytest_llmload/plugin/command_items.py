@@ -174,7 +174,7 @@ class CommandItem(pytest.Item):
             self.add_marker(pytest.mark.gpu)
 
     def runtest(self) -> None:  # (a gpu one is skipped at setup where no GPU is visible: markers.enforce_needs_gpus)
-        # Under the session's temp root, removed unless a row failed (its outputs are then named in the failure).
+        # In the system's temp folder, removed unless a row failed (the failure then names its outputs).
         workdir = Path(tempfile.mkdtemp(prefix=f"llmload-command-{self.command.name}-"))
         kept = False
         try:
@@ -214,11 +214,12 @@ def _runs_the_whole_project(config: pytest.Config) -> bool:
     testpaths = {(root / path).resolve() for path in config.getini("testpaths")}
     for argument in config.args:
         path = (config.invocation_params.dir / argument.split("::")[0]).resolve()
-        if path == root or root.is_relative_to(path) or path in testpaths or path == config.inipath:
+        if root.is_relative_to(path) or path in testpaths or path == config.inipath:
             return True
     return False
 
 
+@pytest.hookimpl(tryfirst=True)  # before -k, -m and --deselect choose among the items
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     """The named commands, as items after the collected tests, before ``-k`` and ``-m`` deselect."""
     from pytest_llmload.config import settings
