@@ -1,14 +1,19 @@
 """The repo's own commands from pytest: ``llmload_commands`` as test items (``llmload-command::NAME``) and the
 ``llmload_run`` fixture, each run through ``python -m pytest_llmload run``, on commands that import no stack."""
 
+import shlex
+import shutil
+import sys
 import tempfile
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from pytest_llmload.plugin.command_items import CommandResult, named_commands
 from pytest_llmload.reports.row import Row
 
+COMMANDS = Path(__file__).resolve().parents[2] / "fixtures" / "commands"
 COMMANDS_INI = """
     [pytest]
     llmload_commands =
@@ -105,3 +110,21 @@ def test_the_failure_text_is_the_failed_rows_with_their_fixes():
         "    fix (fp16-unscale): load in float32"]
     with pytest.raises(KeyError, match="its rows: command, fp16-unscale, dp-dtype"):
         result.row("offload-hang")
+
+
+def test_a_real_commands_known_failure_fails_its_item_at_the_repos_line_with_the_fix(pytester, monkeypatch, tmp_path):
+    # fixtures/commands/fp16_repo: float16 weights under a GradScaler, fp16-unscale at train.py:29 (one real run).
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("PYTEST_LLMLOAD_TINY_CACHE", str(tmp_path / "tiny-checkpoints"))
+    shutil.copytree(COMMANDS / "fp16_repo", pytester.path, dirs_exist_ok=True)
+    python = shlex.quote(sys.executable)  # (this stack's, whichever python is first on PATH)
+    pytester.makeini(f"[pytest]\nllmload_commands = before: {python} train.py --config configs/before.json\n"
+                     "llmload_command_steps = 1\n")
+    result = pytester.runpytest("-p", "no:randomly")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        "*__ llmload-command::before __*",
+        "*python* train.py --config configs/before.json",
+        "FAILED watch_fp16_unscale: fp16-unscale caught at train.py:29 in main*",
+        "    fix (fp16-unscale): *",
+    ])
