@@ -7,12 +7,11 @@ and the remaining sub-plugins' gates (:mod:`pytest_llmload.plugin.gates`)."""
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 
 from pytest_llmload.config import vocabulary
-from pytest_llmload.config.stash_keys import checks_key, configuration_key, prediction_key
+from pytest_llmload.config.stash_keys import checks_key, configuration_key, prediction_key, progress_key
 from pytest_llmload.plugin.gates import BEFORE_CONFIGURE, SUB_PLUGINS, in_use_key, register_gates
 
 
@@ -101,14 +100,13 @@ def _progress_writer(config: pytest.Config):
         raise pytest.UsageError(f"{settings.given(config, 'progress')[1]} {path!r} cannot be opened for appending "
                                 f"({type(exc).__name__}: {exc.strerror}); name a file in a directory that "
                                 "exists.") from None
-    config.stash[progress.progress_key] = writer
+    config.stash[progress_key] = writer
     config.pluginmanager.register(writer, "llmload-progress")
     return writer
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    progress = sys.modules.get("pytest_llmload.reports.progress")
-    writer = None if progress is None else config.stash.get(progress.progress_key, None)
+    writer = config.stash.get(progress_key, None)
     if writer is not None:
         config.pluginmanager.unregister(writer)
         writer.close()

@@ -21,10 +21,10 @@ def say(config: pytest.Config, line: str) -> None:
     """``line`` on the console at once: on stderr (a plain run's console, the main job's log) and, where the main job
     follows this run, as its progress file's ``console`` event, which it prints."""
     from pytest_llmload.instruments.heartbeat import stderr_line
-    from pytest_llmload.reports import progress  # (as the writer was registered: the same module, the same key)
+    from pytest_llmload.config.stash_keys import progress_key
 
     stderr_line(line)
-    writer = config.stash.get(progress.progress_key, None)
+    writer = config.stash.get(progress_key, None)
     if writer is not None:
         writer.write(event="console", line=line)
 

@@ -68,7 +68,6 @@ from pytest_llmload.reports.html_pictures import (
     placement_text,
     placements,
 )
-from pytest_llmload.reports.progress import row_of_report
 from pytest_llmload.reports.row import Row
 from pytest_llmload.placement.picture import placement_tiers
 from pytest_llmload.system.output_files import open_output, unsafe_reason
@@ -188,6 +187,8 @@ class HtmlReport:
             return
         row = self._row(report.nodeid)
         row["seconds"] += report.duration
+        from pytest_llmload.reports.progress import row_of_report  # (not at import: a plain run imports this module)
+
         decided = row_of_report(report, row["seconds"])  # taken as it is: the progress file's
         if decided is not None:
             row["row"] = decided

@@ -24,7 +24,6 @@ import pytest
 from pytest_llmload.system import json_lines
 from pytest_llmload.reports.row import Row, row_name
 
-progress_key = pytest.StashKey["ProgressWriter"]()
 _PARAM_ID = re.compile(r"\[(?:[^\]-]*-)?((?:check|predict)_[^\]]+)\]$")
 
 
