@@ -14,6 +14,7 @@ process, which the parent reads (:mod:`.rows`). On SIGUSR1 it writes every threa
 from __future__ import annotations
 
 import atexit
+import contextlib
 import faulthandler
 import functools
 import importlib.abc
@@ -238,17 +239,24 @@ def _load_model(load: Callable[[dict], Any], tiny: Any, kwargs: dict) -> Any:
         given["offload_folder"] = str(_in_output_dir(kwargs["offload_folder"]))
     load_record = _load_call(kwargs)  # (recorded before the call: a load that raises is one the run made)
     RUN.findings.record["loads"].append(load_record)
-    with record_writes() as writes:
-        try:
-            model = load(given)
-        except BaseException as exc:
-            load_record["raised"] = f"{type(exc).__name__}: {next(iter(str(exc).strip().splitlines()), '')}"
-            raise
+    with record_writes() as writes, _recorded_if_raised(load_record):
+        model = load(given)
     try:
         _record_placement(load_record, model, given, writes)
     except Exception as exc:  # (a fault of the watch never breaks the command: its row says what was not watched)
         RUN.findings.record["watch_errors"].append(f"the load at {_callers_line()}: {type(exc).__name__}: {exc}")
     return model
+
+
+@contextlib.contextmanager
+def _recorded_if_raised(call_record: dict):
+    """A call the script made, marked ``raised`` (its exception's first line) where it raised: its mechanism was not
+    reached, and the rows say so instead of what it would have done."""
+    try:
+        yield
+    except BaseException as exc:
+        call_record["raised"] = f"{type(exc).__name__}: {next(iter(str(exc).strip().splitlines()), '')}"
+        raise
 
 
 def _load_call(kwargs: dict) -> dict:
@@ -331,8 +339,10 @@ def _patch_peft_model(module) -> None:
             call = f"{klass.__name__}.from_pretrained(model, {str(model_id)!r}) at {_callers_line()}"
             model_id = tiny_weights.tiny_adapter(str(model_id), model, call)
             RUN.findings.record["redirected"].append({"call": call, "to": str(model_id)})
-        RUN.findings.record["adapters"].append({"where": _callers_line(), "on_offloaded": _offloaded(model)})
-        return original(klass, model, model_id, *args, **kwargs)
+        adapter = {"where": _callers_line(), "on_offloaded": _offloaded(model), "raised": None}
+        RUN.findings.record["adapters"].append(adapter)
+        with _recorded_if_raised(adapter):
+            return original(klass, model, model_id, *args, **kwargs)
 
     module.PeftModel.from_pretrained = classmethod(from_pretrained)
 

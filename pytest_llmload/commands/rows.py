@@ -80,6 +80,8 @@ def _dp_dtype(facts: Facts) -> tuple[bool, str]:
     if not facts.trainers:
         return False, "the command built no Trainer"
     gpus = max(t["n_gpu"] for t in facts.trainers)
+    if gpus > 1 and not facts.steps:  # (Trainer decides the wrap in train(): a crash before it never reached it)
+        return False, f"Trainer saw {gpus} GPUs, but no optimizer step ran: the command never trained with it"
     if gpus > 1:
         return True, f"Trainer saw {gpus} GPUs and did not wrap the placed model"
     return False, (f"Trainer at {facts.trainers[0]['where']} saw {gpus} GPU(s); it wraps a model in DataParallel "
@@ -148,8 +150,12 @@ def _quantized_cast(facts: Facts) -> tuple[bool, str]:
 
 def _adapter_on_offloaded(facts: Facts) -> tuple[bool, str]:
     on_offloaded = [adapter for adapter in facts.adapters if adapter["on_offloaded"]]
+    loaded = [adapter for adapter in on_offloaded if not adapter.get("raised")]
+    if loaded:
+        return True, f"an adapter was put on an offloaded base at {loaded[0]['where']} and loaded"
     if on_offloaded:
-        return True, f"an adapter was put on an offloaded base at {on_offloaded[0]['where']} and loaded"
+        return False, (f"an adapter put on an offloaded base at {on_offloaded[0]['where']} raised before it loaded "
+                       f"({on_offloaded[0]['raised']}), not as this failure does")
     if facts.adapters:
         return False, f"{len(facts.adapters)} adapter(s) put on a base with nothing offloaded"
     return False, "the command put no adapter on a model (PeftModel.from_pretrained)"

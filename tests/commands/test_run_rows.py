@@ -83,6 +83,15 @@ def test_distributed_device_map_is_not_exercised_where_the_ranks_crashed_before_
         watched.notes[0]
 
 
+def test_dp_dtype_passes_only_where_trainer_trained_on_the_gpus_it_saw(tmp_path):
+    trainer = {"where": "train.py:150", "class": "Trainer", "n_gpu": 2, "model_parallel": False, "fp16": False,
+               "output_dir": "out"}
+    for steps, verdict in ((0, "not exercised"), (2, "passed")):
+        built = [process(9001, 1.0, steps=steps)]
+        built[0]["trainers"] = [trainer]
+        assert row(failure_rows(ran(tmp_path, *built), Facts(ran(tmp_path, *built))), "dp-dtype").verdict == verdict
+
+
 @pytest.fixture
 def in_a_run(tmp_path, monkeypatch):
     """This process as one of a command's, under ZeRO-3."""
@@ -107,6 +116,22 @@ def test_a_load_that_raises_is_recorded_with_the_state_it_ran_in(in_a_run, tmp_p
     watched = row(failure_rows(ran(tmp_path, *processes), Facts(ran(tmp_path, *processes))), "zero3-device-map")
     assert watched.verdict == "not exercised"
     assert "ZeRO-3 was on at 1 from_pretrained call(s), which raised before placing the model" in watched.sentence
+
+
+def test_an_adapter_that_raises_on_an_offloaded_base_is_recorded_and_not_watched_as_loaded(in_a_run, tmp_path):
+    class PeftModel:
+        @classmethod
+        def from_pretrained(cls, model, model_id, **kwargs):
+            raise KeyError("base_model.model.model.layers.1.self_attn.q_proj.base_layer.weight")
+
+    in_process._patch_peft_model(types.SimpleNamespace(PeftModel=PeftModel))
+    offloaded_base = types.SimpleNamespace(hf_device_map={"model.layers.1": "disk"}, parameters=lambda: [])
+    with pytest.raises(KeyError):
+        PeftModel.from_pretrained(offloaded_base, str(in_a_run.dir / "adapter"))
+    processes = [process(9001, 1.0, crash=crash("KeyError", "...", "serve.py:18 in load"))]
+    processes[0]["adapters"] = in_a_run.findings.record["adapters"]
+    watched = row(failure_rows(ran(tmp_path, *processes), Facts(ran(tmp_path, *processes))), "adapter-on-offloaded")
+    assert watched.verdict == "not exercised" and "raised before it loaded (KeyError: " in watched.sentence
 
 
 def test_the_bootstrap_never_builds_deepspeeds_shared_memory_op(monkeypatch):
