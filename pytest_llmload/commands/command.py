@@ -24,8 +24,8 @@ from pytest_llmload.commands.bootstrap import write_bootstrap
 from pytest_llmload.commands.in_process import RUN_DIR_VARIABLE, SETTINGS_FILE, STACK_SIGNAL
 from pytest_llmload.commands.tiny_weights import CACHE_VARIABLE
 
-STACKS_GRACE_S = 2.0
-MAX_FILES_LISTED = 20_000  # the repo's files listed before and after the command, to say what it wrote there  # after the deadline, how long the processes get to write their stacks
+STACKS_GRACE_S = 2.0  # after the deadline, how long the processes get to write their stacks
+MAX_FILES_LISTED = 20_000  # the repo's files listed before and after the command, to say what it wrote there
 # The hub and its libraries offline: a model, tokenizer or dataset the command would download is refused, naming it.
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "HF_HUB_DISABLE_TELEMETRY": "1", "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}

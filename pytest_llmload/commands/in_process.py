@@ -43,7 +43,8 @@ class Findings:
         self.path = run_dir / f"process-{os.getpid()}.json"
         self.record: dict[str, Any] = {
             "pid": os.getpid(), "argv": list(sys.argv), "outcome": "finished", "steps": 0, "unscales": 0,
-            "generates": 0, "loads": [], "trainers": [], "redirected": [], "saved": [], "crash": None, "watch_errors": [], "adapters": [],
+            "generates": 0, "loads": [], "trainers": [], "redirected": [], "saved": [], "crash": None,
+            "watch_errors": [], "adapters": [],
             "distributed": {name: os.environ[name] for name in DISTRIBUTED_VARIABLES if name in os.environ},
             "started": time.time()}
 

@@ -72,7 +72,8 @@ def _backward_through_offload(facts: Facts) -> tuple[bool, str]:
     if not facts.steps:
         return False, "no optimizer step ran"
     if facts.offloaded:
-        return True, f"{facts.steps} optimizer step(s) on a model with offloaded weights ({_placements(facts.offloaded)})"
+        return True, (f"{facts.steps} optimizer step(s) on a model with offloaded weights "
+                      f"({_placements(facts.offloaded)})")
     return False, f"{facts.steps} optimizer step(s), but no load offloaded ({_placements(facts.loads)})"
 
 
@@ -188,7 +189,9 @@ def _first_line(text: str) -> str:
 
 
 def _where(crash: dict) -> str:
-    return crash["repo_frames"][-1] if crash["repo_frames"] else "a library's code (no file of the repo in its traceback)"
+    if crash["repo_frames"]:
+        return crash["repo_frames"][-1]
+    return "a library's code (no file of the repo in its traceback)"
 
 
 def _the_crash(facts: Facts) -> dict:

@@ -52,7 +52,8 @@ UNUSED = "Some specified arguments are not used by the HfArgumentParser: ['--eva
 
 def test_the_ranks_crash_in_the_repo_is_named_not_the_launchers_report_of_it(tmp_path):
     # torchrun started first (pid 10000 sorts before 9001 as a file name), its bin script once taken for the repo's
-    launcher = process(10000, 100.0, crash=crash("ChildFailedError", "train.py FAILED", ".venv/bin/torchrun:6 in <module>"))
+    launcher = process(10000, 100.0, crash=crash("ChildFailedError", "train.py FAILED",
+                                                 ".venv/bin/torchrun:6 in <module>"))
     ranks = [process(pid, 101.0, distributed={**RANK, "RANK": str(pid - 9001)},
                      crash=crash("ValueError", UNUSED, "train.py:130 in train")) for pid in (9001, 9002)]
     the_row = command_row(ran(tmp_path, launcher, *ranks), Facts(ran(tmp_path, launcher, *ranks)))
