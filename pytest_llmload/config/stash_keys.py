@@ -64,6 +64,7 @@ class Configuration:
 configuration_key = pytest.StashKey[Configuration]()
 prediction_key = pytest.StashKey[tuple]()  # (runner profiles, (model name, config)) the predictions run for
 prediction_record_key = pytest.StashKey[dict]()  # a prediction test's Prediction.record(): its row carries it
+interrupted_key = pytest.StashKey[str]()  # what stopped the run early (a signal, its deadline): the reports say it
 progress_key = pytest.StashKey[Any]()  # the run's progress writer (reports.progress.ProgressWriter), where the main job asks for one
 checks_key = pytest.StashKey[tuple]()  # every check of the run: built-in, installed extensions, the `checks` setting
 

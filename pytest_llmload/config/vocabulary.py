@@ -186,6 +186,11 @@ SETTINGS = (
         "seconds the loader's module may take to import (at collection, offline); past it the run ends with a usage "
         "error naming the line it was blocked in, with every thread's stack. A progress line is printed every "
         "llmload_phase_progress_seconds meanwhile. Default 300.")),
+    # --- the run stopped early (pytest_llmload.plugin.interruption)
+    Setting("run_deadline", "seconds", metavar="SECONDS", help=(
+        "seconds the whole run may take; past them it stops as on Ctrl-C (the check running is ended), JUnit XML "
+        "and the HTML report are written with the rows finished so far and marked interrupted, and pytest exits 2. "
+        "Default: none (0 too).")),
     # --- the repo's own commands from pytest (pytest_llmload.plugin.command_items)
     Setting("commands", "lines", metavar="'NAME: COMMAND'", help=(
         "the repo's own commands, one 'NAME: COMMAND' each (the option may be repeated, the ini key takes one a "

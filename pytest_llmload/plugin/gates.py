@@ -34,6 +34,7 @@ SUB_PLUGINS = {
     "pytest_llmload.plugin.loader_hang": in_use_key,  # after the loader hangs once, the rest fail at once
     "pytest_llmload.plugin.phase_state": in_use_key,  # markers enforced; offline mode, DeepSpeed only where needed
     "pytest_llmload.reports.html_report": in_use_key,  # --llmload-html, pytest-html extras: device maps, memory
+    "pytest_llmload.plugin.interruption": in_use_key,  # SIGTERM/SIGHUP, the run deadline: the reports still written
     "pytest_llmload.plugin.command_items": in_use_key,  # llmload_commands: the repo's commands as test items
     XDIST_GPUS: xdist_controller_key,
     LAUNCHER: launched_key,

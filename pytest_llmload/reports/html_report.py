@@ -54,6 +54,7 @@ from typing import Any, Optional
 import pytest
 
 from pytest_llmload.config.distribution import FIELD_REPORT_URL
+from pytest_llmload.config.stash_keys import interrupted_key
 from pytest_llmload.reports.known_failures import SECTION as KNOWN_FAILURE_SECTION
 from pytest_llmload.reports.html_data import record_from, record_of
 from pytest_llmload.reports.html_pictures import (
@@ -251,6 +252,7 @@ h2 { font-size: 20px; margin: 24px 0 10px; border-bottom: 1px solid #d0d7de; pad
 h3 { font-size: 17px; margin: 22px 0 6px; word-break: break-all; }
 h4 { font-size: 14px; margin: 14px 0 4px; }
 .meta { color: #424a53; margin: 2px 0; }
+.interrupted { background: #fff8c5; border: 1px solid #d4a72c; padding: 6px 10px; }
 .counts span { display: inline-block; margin: 6px 8px 0 0; }
 table { border-collapse: collapse; width: 100%; font-size: 14px; table-layout: fixed; }
 col.c-test { width: 33%; } col.c-verdict { width: 49%; } col.c-failure { width: 11%; } col.c-seconds { width: 7%; }
@@ -468,6 +470,10 @@ def render_html(config: pytest.Config, rows: list[dict], started: float, ended: 
         f"started {esc(when)}, took {ended - started:.1f} s; {len(rows)} test{'s' if len(rows) != 1 else ''}</p>",
         f'<p class="counts">{_counts(rows)}</p>',
     ]
+    interrupted = config.stash.get(interrupted_key, None)
+    if interrupted:  # (pytest_llmload.plugin.interruption: the rows below are those finished before it)
+        parts.append(f'<p class="interrupted" role="alert"><b>Interrupted:</b> {esc(interrupted)}. The rows below '
+                     "are the tests that finished before it.</p>")
     drawn = _Pictures()  # (in the order of the page: a picture is embedded where it is first seen)
     if cards:
         parts.append(f"<h2>Failures ({len(cards)})</h2>")
