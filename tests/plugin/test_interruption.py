@@ -33,14 +33,14 @@ def test_never_started():
 WAIT_S = 60.0  # for a loaded runner; a run that works takes about a second
 
 
-def _run(pytester: pytest.Pytester, *args: str, signum=None) -> tuple[int, str]:
-    """pytest on :data:`SLEEPER` with ``args``; ``signum`` sent once the sleeping test has started. Its exit code
-    and output."""
+def _run(pytester: pytest.Pytester, *args: str, signum=None, env=None) -> tuple[int, str]:
+    """pytest on :data:`SLEEPER` with ``args`` (and ``env`` added to the environment); ``signum`` sent once the
+    sleeping test has started. Its exit code and output."""
     from fixtures.warm_popen import popen_forked
 
     pytester.makepyfile(test_sleeper=SLEEPER)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(pytester.path),
-                                                                     os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(filter(None, [str(pytester.path),
+                                                                                   os.environ.get("PYTHONPATH")]))}
     output_path = pytester.path / "output.txt"
     with open(output_path, "wb") as output:
         child = popen_forked([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *args], stdout=output,
@@ -66,8 +66,15 @@ def _junit(pytester: pytest.Pytester) -> tuple[list[str], dict[str, str]]:
             {prop.get("name"): prop.get("value") for prop in suite.iter("property")})
 
 
-def test_sigterm_writes_junit_with_the_rows_so_far(pytester: pytest.Pytester) -> None:
-    code, output = _run(pytester, "--junitxml=junit.xml", signum=signal.SIGTERM)
+@pytest.mark.parametrize("under_main_job", [False, True], ids=["plain pytest", "the main job's pytest"])
+def test_sigterm_writes_junit_with_the_rows_so_far(pytester: pytest.Pytester, under_main_job: bool) -> None:
+    """Under the main job (which passes SIGTERM and SIGHUP on as SIGTERM) its pytest has the main job's handler
+    (:func:`pytest_llmload.runners.lifeline.tie_to_main_job`, here with this process as the main job): the same
+    file, the same property."""
+    from pytest_llmload.config.vocabulary import PARENT_ENV
+
+    code, output = _run(pytester, "--junitxml=junit.xml", signum=signal.SIGTERM,
+                        env={PARENT_ENV: str(os.getpid())} if under_main_job else None)
     assert code == pytest.ExitCode.INTERRUPTED, output
     cases, properties = _junit(pytester)
     assert cases == ["test_finished"]  # (no nameless testcase for the test that was running)
