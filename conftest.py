@@ -24,7 +24,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 if not visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES"), physical_devices()):
     os.environ.setdefault("PYTEST_LLMLOAD_COLD_FORKSERVER", "1")
 
-pytest_plugins = ["pytester", "fixtures.browser"]  # browser_page: a headless Chromium (fixtures/browser.py)
+# browser_page: a headless Chromium (fixtures/browser.py); xdist_run: one pytest -n 2 run several tests read
+# (fixtures/xdist_run.py)
+pytest_plugins = ["pytester", "fixtures.browser", "fixtures.xdist_run"]
 
 # In-process pytester runs restore sys.modules afterwards, and torch cannot be imported twice in one
 # process (the second import crashes). Importing the stack before the snapshot keeps it loaded.

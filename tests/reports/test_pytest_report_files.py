@@ -3,77 +3,66 @@
 
 import json
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
 
+from fixtures.xdist_run import GATE
+
 pytestmark = pytest.mark.timeout(180)
-
-# Three checks of a repo's own (a failure seen, the check's own crash: an error row, a pass) and a plain test.
-FILES = {
-    "mychecks": (
-        "from pytest_llmload.checks.base import Check\n"
-        "from pytest_llmload.failures import BY_ID\n\n"
-        "def check_sees_its_failure(loader, checkpoint, workdir):\n"
-        "    '''Sees the mechanism.'''\n"
-        "    assert False, 'the mechanism, observed'\n\n"
-        "def check_breaks(loader, checkpoint, workdir):\n"
-        "    '''Crashes: an error, not the failure it guards against.'''\n"
-        "    raise ValueError('the check broke')\n\n"
-        "def check_passes(loader, checkpoint, workdir):\n"
-        "    '''Passes.'''\n\n"
-        "CHECKS = [Check(check_sees_its_failure, failure=BY_ID['meta-backward']),\n"
-        "          Check(check_breaks, failure=BY_ID['offload-hang']),\n"
-        "          Check(check_passes, failure=BY_ID['dp-dtype'])]\n\n"
-        "def load(request):\n"
-        "    return None\n"),
-    "test_gate": (
-        "from pytest_llmload.plugin.parametrize import parametrize_with_loader_checks\n"
-        "from mychecks import CHECKS, load\n\n"
-        "@parametrize_with_loader_checks([load], checks=CHECKS)\n"
-        "def test_loader(loader, check, tmp_path):\n"
-        "    check(loader, tmp_path, tmp_path)\n\n"
-        "def test_plain():\n"
-        "    assert 1 == 2\n"),
-}
-
 
 @pytest.fixture
 def gate(pytester, monkeypatch):
-    pytester.makepyfile(**FILES)
+    """Three checks of a repo's own (a failure seen, the check's own crash: an error row, a pass) and a plain test:
+    the module test_gate of the shared xdist run (fixtures/xdist_run.py), here in a run of its own."""
+    pytester.makepyfile(**GATE)
     monkeypatch.setenv("PYTHONPATH", str(pytester.path))  # (xdist's workers, new interpreters, import mychecks too)
     monkeypatch.syspath_prepend(pytester.path)
     return pytester
 
 
 def _testcases(path) -> dict[str, ET.Element]:
-    return {case.get("name").rpartition("-")[2].rstrip("]"): case for case in ET.parse(path).getroot().iter("testcase")}
+    """test_gate's test cases by check (or test) name."""
+    return {case.get("name").rpartition("-")[2].rstrip("]"): case for case in ET.parse(path).getroot().iter("testcase")
+            if case.get("classname") == "test_gate"}
+
+
+def _run(request, xdist: bool, *args: str) -> tuple[dict[str, int], Path]:
+    """test_gate's outcomes and the directory its report files are in: a run of its own, or under xdist the shared
+    run's (every output on, the other modules' tests beside)."""
+    if xdist:
+        shared = request.getfixturevalue("xdist_run")
+        return shared.outcomes("test_gate"), shared.path
+    gate = request.getfixturevalue("gate")
+    result = gate.runpytest("-p", "no:randomly", *args)
+    return {k: v for k, v in result.parseoutcomes().items() if k not in ("warnings", "warning")}, gate.path
 
 
 @pytest.mark.parametrize("xdist", [False, True], ids=["plain", "xdist"])
-def test_an_error_row_is_an_error_in_junit_xml_and_a_failure_stays_a_failure(gate, xdist):
+def test_an_error_row_is_an_error_in_junit_xml_and_a_failure_stays_a_failure(request, xdist):
     """Before (issue 39): every failing check's call was a ``<failure>``, the check's own crash (or the loader's
     error) included, which JUnit readers count as the code under test failing."""
-    args = ["-p", "no:randomly", "--junitxml", "out.xml"]
-    result = gate.runpytest_subprocess(*args, "-p", "xdist", "-n", "2") if xdist else gate.runpytest(*args)
-    result.assert_outcomes(passed=1, failed=3)  # (pytest's own counts: an error row failed in its call)
-    cases = _testcases(gate.path / "out.xml")
+    outcomes, path = _run(request, xdist, "--junitxml", "out.xml")
+    assert outcomes == {"passed": 1, "failed": 3}  # (pytest's own counts: an error row failed in its call)
+    cases = _testcases(path / "out.xml")
     assert [child.tag for child in cases["check_breaks"] if child.tag in ("failure", "error")] == ["error"]
     assert "the check broke" in cases["check_breaks"].find("error").text
     assert [child.tag for child in cases["check_sees_its_failure"] if child.tag in ("failure", "error")] == ["failure"]
     assert cases["test_plain"].find("failure") is not None  # (no row: pytest's own)
     properties = {p.get("name"): p.get("value") for p in cases["check_breaks"].iter("property")}
     assert (properties["llmload_verdict"], properties["llmload_cause"]) == ("error", "check")
-    suite = ET.parse(gate.path / "out.xml").getroot().find("testsuite")
-    assert (suite.get("errors"), suite.get("failures"), suite.get("tests")) == ("1", "2", "4")
+    suite = ET.parse(path / "out.xml").getroot().find("testsuite")
+    # Under xdist the shared run's other modules add their 19 tests and 1 failure (test_isolated's hang).
+    assert (suite.get("errors"), suite.get("failures"), suite.get("tests")) == (("1", "3", "23") if xdist else
+                                                                              ("1", "2", "4"))
 
 
 @pytest.mark.parametrize("xdist", [False, True], ids=["plain", "xdist"])
-def test_each_row_is_a_record_in_the_report_log_after_its_report(gate, xdist):
+def test_each_row_is_a_record_in_the_report_log_after_its_report(request, xdist):
     pytest.importorskip("pytest_reportlog")
-    args = ["-p", "no:randomly", "--report-log", "log.jsonl"]
-    result = gate.runpytest_subprocess(*args, "-p", "xdist", "-n", "2") if xdist else gate.runpytest(*args)
-    result.assert_outcomes(passed=1, failed=3)
-    records = [json.loads(line) for line in (gate.path / "log.jsonl").read_text().splitlines()]
+    outcomes, path = _run(request, xdist, "--report-log", "log.jsonl")
+    assert outcomes == {"passed": 1, "failed": 3}
+    records = [json.loads(line) for line in (path / "log.jsonl").read_text().splitlines()]
     rows = [r for r in records if r["$report_type"] == "LlmloadRow"]
     assert sorted((r["check"], r["verdict"], r["outcome"]) for r in rows) == [
         ("check_breaks", "error", "error"), ("check_passes", "passed", "passed"),

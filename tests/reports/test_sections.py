@@ -193,33 +193,12 @@ def test_a_model_loaded_whole_is_summarised_as_such(pytester):
     assert [line for line in out.splitlines() if "hf_device_map" in line] == one_device
 
 
-SUMMARY = """
-import pytest
-from pytest_llmload.checks.ground_truth import offload_budget
-from pytest_llmload.instruments.recorder import note_deadline
-
-@pytest.mark.timeout(120)
-def test_loads(llmload_load):
-    llmload_load()
-
-@pytest.mark.timeout(120)
-def test_loads_offloaded(llmload_load, llmload_checkpoint, tmp_path):
-    llmload_load(max_memory=offload_budget(llmload_checkpoint), offload_folder=tmp_path / "offload")
-
-def test_check_close_to_its_deadline():
-    note_deadline("a forward pass of the offloaded model", 27.0, 30.0)
-
-def test_check_well_within_its_deadline():
-    note_deadline("generate(4 tokens)", 3.0, 30.0)
-"""
-
-
 @pytest.mark.timeout(180)
-def test_the_session_summary_under_xdist_lists_loads_peaks_and_checks_near_their_deadline(pytester):
-    pytester.makepyfile(test_summary=SUMMARY)
-    # The controller forked from this process (fixtures/warm_runs.py); its workers are xdist's own new interpreters.
-    result = warm_runs.runpytest(pytester, "-n", "2", "-p", "no:cacheprovider")
-    result.assert_outcomes(passed=4)
+def test_the_session_summary_under_xdist_lists_loads_peaks_and_checks_near_their_deadline(xdist_run):
+    # The shared run (fixtures/xdist_run.py), its module test_summary: two loads, one offloaded, and two checks'
+    # deadlines, one close to it; no other module of that run loads a model.
+    assert xdist_run.outcomes("test_summary") == {"passed": 4}
+    result = xdist_run.result
     result.stdout.fnmatch_lines([
         "*= llmload diagnostics =*",
         "models loaded: 2 in 2 tests, * s in all (median * s, slowest 2):",

@@ -19,8 +19,8 @@ import time
 
 import pytest
 
-from fixtures import warm_runs
 from fixtures.processes import gone
+from fixtures import xdist_run as xdist_run_suite
 from pytest_llmload import failures as catalog
 from pytest_llmload.runners import children, isolation
 from pytest_llmload.reports import known_failures as known_failure_report
@@ -30,7 +30,7 @@ from pytest_llmload.runners.isolation import ChildError, ChildTraceback, Isolati
 
 pytestmark = pytest.mark.timeout(60)
 
-PROBE = "LLMLOAD_ISOLATION_PROBE"
+PROBE = xdist_run_suite.ISOLATION_PROBE  # (the shared xdist run sets it in its isolated tests too)
 
 
 def _restore_absent_probe(monkeypatch) -> None:
@@ -599,38 +599,13 @@ def test_known_failures_raised_in_a_child_are_named(pytester, llmload_checkpoint
     result.stdout.fnmatch_lines(["llmload: failures matching known failures: *offload-hang (1)*"])
 
 
-XDIST_TESTS = """
-    import os, threading
-    import pytest
-
-    @pytest.mark.parametrize("i", range(4))
-    @pytest.mark.llmload_isolated(timeout=60)
-    def test_isolated(i):
-        os.environ["{probe}"] = str(i)
-
-    @pytest.mark.llmload_isolated(timeout=1)
-    def test_hangs():
-        with open(os.path.join({pid_dir!r}, str(os.getpid())), "w"):
-            pass
-        threading.Event().wait()
-
-    @pytest.mark.parametrize("i", range(2))
-    def test_clean(i):
-        assert "{probe}" not in os.environ
-"""
-
-
 @pytest.mark.timeout(120)
-def test_isolated_tests_under_xdist(pytester, tmp_path):
-    pid_dir = tmp_path / "pids"
-    pid_dir.mkdir()
-    pytester.makepyfile(test_xdist=textwrap.dedent(XDIST_TESTS.format(probe=PROBE, pid_dir=str(pid_dir))))
-    # The controller forked from this process (fixtures/warm_runs.py); its workers are xdist's own new interpreters,
-    # whose isolated tests fork from them.
-    result = warm_runs.runpytest(pytester, "-n", "2", "-p", "no:cacheprovider", timeout=110)
-    result.assert_outcomes(passed=6, failed=1)
-    result.stdout.fnmatch_lines(["*isolated test test_hangs did not return: deadline of 1 s exceeded*"])
-    (hung,) = [int(p.name) for p in pid_dir.iterdir()]
+def test_isolated_tests_under_xdist(xdist_run):
+    # The shared run (fixtures/xdist_run.py): its controller forked from this process, its workers xdist's own new
+    # interpreters, whose isolated tests fork from them.
+    assert xdist_run.outcomes("test_isolated") == {"passed": 6, "failed": 1}
+    xdist_run.result.stdout.fnmatch_lines(["*isolated test test_hangs did not return: deadline of 1 s exceeded*"])
+    (hung,) = [int(p.name) for p in (xdist_run.path / xdist_run_suite.PIDS).iterdir()]
     assert gone(hung)
 
 

@@ -10,64 +10,13 @@ import sys
 
 import pytest
 
+from fixtures.xdist_run import ORDERED  # two llmload tests, each followed by a plain one
 from pytest_llmload.system import offline
 from pytest_llmload.system.offline import NetworkAccessBlocked, hub_offline, network_guard
 
 pytestmark = pytest.mark.timeout(180)
 
 FAKE = ("10.255.255.1", 9)  # a private address: refused by the guard before a packet could leave
-
-# Two llmload tests (one through a session fixture, set up inside the first), each followed by a plain one.
-ORDERED = """
-import _socket, os, socket
-
-import huggingface_hub.constants
-import pytest
-
-from pytest_llmload.system import offline
-
-OFFLINE_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
-
-
-def assert_offline():
-    assert all(os.environ[name] == "1" for name in OFFLINE_VARS)
-    assert huggingface_hub.constants.HF_HUB_OFFLINE is True
-    with pytest.raises(offline.NetworkAccessBlocked):
-        socket.gethostbyname("10.0.0.1")
-
-
-def assert_as_without_the_plugin():
-    assert not any(name in os.environ for name in OFFLINE_VARS), dict(os.environ)
-    assert huggingface_hub.constants.HF_HUB_OFFLINE is False
-    assert not offline.guard_active()
-    assert "connect" not in vars(socket.socket) and socket.gethostbyname is _socket.gethostbyname  # no patches
-    assert socket.getaddrinfo.__code__.co_filename == socket.__file__
-    assert socket.gethostbyname("10.0.0.1") == "10.0.0.1"  # numeric: no DNS, and no guard in the way
-
-
-@pytest.fixture
-def setup_and_teardown_offline(llmload_offline):
-    assert_offline()
-    yield
-    assert_offline()
-
-
-def test_llmload_fixture(llmload_loader, setup_and_teardown_offline):
-    assert_offline()
-
-
-def test_plain_after_llmload_fixture():
-    assert_as_without_the_plugin()
-
-
-def test_llmload_offline_is_the_switch(llmload_offline):
-    assert_offline()
-
-
-def test_plain_at_the_end():
-    assert_as_without_the_plugin()
-"""
-
 
 @pytest.fixture
 def online_environment(monkeypatch):
@@ -84,11 +33,10 @@ def test_offline_only_while_llmload_tests_run(pytester, online_environment):
     assert not offline.guard_active()
 
 
-def test_offline_only_while_llmload_tests_run_under_xdist(pytester, online_environment):
-    # loadfile: each file's tests run in order on one worker, and each worker has an llmload test first.
-    pytester.makepyfile(test_first=ORDERED, test_second=ORDERED)
-    result = pytester.runpytest_subprocess("-p", "xdist", "-n", "2", "--dist", "loadfile", "-p", "no:cacheprovider")
-    result.assert_outcomes(passed=8)
+def test_offline_only_while_llmload_tests_run_under_xdist(xdist_run):
+    # The shared run (fixtures/xdist_run.py), on a machine without the hub's offline variables: two files of ORDERED
+    # under --dist loadfile: each file's tests run in order on one worker, and each worker has an llmload test first.
+    assert (xdist_run.outcomes("test_a_offline"), xdist_run.outcomes("test_b_offline")) == ({"passed": 4},) * 2
 
 
 @pytest.mark.parametrize("reach", [
