@@ -175,6 +175,8 @@ RECORD_DOCS = {
                              "otherwise a hung loader is an `error` row",
         "order": "its place in the catalog: the registry, the main job's rows and the tables list failures in "
                  "this order; a new failure takes the next number",
+        "script_fix": "the fix phrased for a repo's own script (`python -m pytest_llmload run`'s rows): the change "
+                      "there, no name of this plugin; empty where `fix` already is",
     },
     "Check": {
         "function": "`function(loader, checkpoint, workdir)`, raising `AssertionError` on a faulty loader; it gets the "
