@@ -104,7 +104,7 @@ SLOW_FILES = (
     "tests/plugin/test_check_registry.py", "tests/test_downstream_repo.py", "tests/test_readme_adapter.py",
     "tests/plugin/test_loader_hang.py", "tests/runners/test_warm_server.py",
     "tests/test_write_ups_as_written.py", "tests/reports/test_html_report_browser.py",
-    "tests/docs/test_docs_render.py", "tests/commands/test_run_commands.py",
+    "tests/docs/test_docs_render.py", "tests/commands/test_run_commands.py", "tests/prediction/test_simulated_machine.py",
 )
 SLOW_TESTS = {
     "tests/checks/test_contract.py": ("test_every_check_goes_through_the_contract[check_train_request_trains]",
@@ -132,7 +132,8 @@ SLOW_TESTS = {
         "test_an_isolated_check_that_hangs_fails_at_its_timeout_with_the_stacks",
         "test_ctrl_c_kills_the_children_and_removes_the_temp_dir",
         "test_isolated_tests_pass_fail_hang_and_die_on_their_own", "test_isolated_tests_under_xdist",
-        "test_known_failures_raised_in_a_child_are_named", "test_the_childs_log_records_reach_this_processs_handlers"),
+        "test_known_failures_raised_in_a_child_are_named", "test_the_childs_log_records_reach_this_processs_handlers",
+        "test_a_hung_childs_daemons_in_sessions_of_their_own_end_with_it_at_its_deadline"),
     "tests/runners/test_ranks.py": (
         "test_forkserver_ranks_work_too", "test_ranks_simulating_a_runner_without_gpus_see_none_on_a_machine_with_gpus",
         "test_a_hanging_rank_fails_the_test_within_its_deadline_with_the_stacks",
@@ -191,6 +192,19 @@ SLOW_TESTS = {
         "test_deepspeed_is_imported_after_collection_only_when_a_test_needs_it",
         "test_deepspeed_is_not_imported_for_tests_that_skip_for_want_of_gpus",
         "test_deepspeeds_import_at_collection_prints_nothing"),
+    "tests/plugin/test_guarded_import.py": (
+        "test_a_slow_loader_import_shows_its_progress_on_the_main_jobs_console_and_ends_at_its_deadline",),
+    "tests/checks/test_judgement.py": (
+        "test_the_html_report_spools_nothing_and_a_rows_artefacts_carry_what_its_isolated_child_recorded",),
+    "tests/commands/test_run_usage.py": (
+        "test_a_hang_ends_every_process_at_the_deadline_with_each_stack",
+        "test_a_sigterm_ends_the_run_and_every_process_of_the_command"),
+    "tests/plugin/test_command_items.py": (
+        "test_named_commands_pass_fail_and_skip_with_the_rows_text_and_the_fixture_returns_rows",
+        "test_a_real_commands_known_failure_fails_its_item_at_the_repos_line_with_the_fix"),
+    "tests/plugin/test_interruption.py": (
+        "test_sigterm_writes_junit_with_the_rows_so_far", "test_sighup_writes_the_html_report_with_a_banner",
+        "test_run_deadline_stops_the_run_and_writes_the_reports"),
 }
 
 
