@@ -12,7 +12,6 @@ ROOT = Path(__file__).parent.parent
 # The test modules that start a `pytest -n N` of their own, and why the shared run cannot serve them.
 OWN_XDIST_RUNS = {
     "tests/reports/test_html_report.py": "its report's every row and picture are counted: a run of its own suite",
-    "tests/reports/test_header.py": "the header names the one loader of its run",
     "tests/main_job/test_main_job.py": "the main job's own pytest under xdist, the loader from its ini",
     "tests/plugin/test_xdist_gpus.py": "a worker count and GPUs of each case's own (its workers import no stack)",
     "tests/loader/test_seam.py": "a usage error before any worker starts",
@@ -23,8 +22,9 @@ STARTS_WORKERS = re.compile(r'"-n",\s*"(?:\d+|auto)"')
 
 
 def test_only_a_run_that_needs_a_configuration_of_its_own_starts_xdist_workers():
-    """Before: the tests of a row in JUnit XML and pytest-reportlog under xdist, of isolated tests, of offline mode
-    and of the session summary each started their own ``pytest -n 2`` (two workers importing the stack each)."""
+    """Before: the tests of a row in JUnit XML and pytest-reportlog under xdist, of the header, of isolated tests,
+    of offline mode and of the session summary each started their own ``pytest -n 2`` (two workers importing the
+    stack each)."""
     starting = {str(path.relative_to(ROOT)) for path in (ROOT / "tests").rglob("*.py")
                 if STARTS_WORKERS.search(path.read_text(encoding="utf-8"))}
     assert starting <= set(OWN_XDIST_RUNS), f"use the xdist_run fixture instead: {sorted(starting - set(OWN_XDIST_RUNS))}"

@@ -71,18 +71,14 @@ def test_the_header_names_the_loader_the_checks_run_not_the_reference_one(pytest
     assert header.startswith("llmload: loader myrepo_loading:load (from parametrize_with_loader_checks); "), header
 
 
-def test_the_header_is_there_under_xdist(pytester, monkeypatch):
+def test_the_header_is_there_under_xdist(xdist_run):
     """Before (issue 39): ``pytest -n 2`` printed no llmload line (the controller collects nothing; the workers'
-    output is not shown). The controller prints it from the workers' test ids."""
-    from fixtures import warm_runs
-
-    monkeypatch.delenv("PYTEST_LLMLOAD_LOADER", raising=False)
-    monkeypatch.setenv("PYTHONPATH", str(pytester.path))  # (xdist's workers are new interpreters)
-    pytester.makepyfile(**DOWNSTREAM)
-    result = warm_runs.runpytest(pytester, "-p", "xdist", "-n", "2", "-p", "no:randomly", "-p", "no:cacheprovider")
-    result.assert_outcomes(passed=1)
+    output is not shown). The controller prints it from the workers' test ids. The shared run (fixtures/xdist_run.py):
+    its module test_gate gates a repo's own loader (mychecks.load) with parametrize_with_loader_checks, no ini key."""
+    assert xdist_run.outcomes("test_gate") == {"passed": 1, "failed": 3}
+    result = xdist_run.result
     (header,) = [line for line in result.stdout.lines if line.startswith("llmload:")]
     # (the ids name the loader by its short id: mod.function)
-    assert header.startswith("llmload: loader myrepo_loading.load (from parametrize_with_loader_checks); "), header
+    assert header.startswith("llmload: loader mychecks.load (from parametrize_with_loader_checks); "), header
     lines = result.stdout.lines
     assert lines.index(header) < next(i for i, line in enumerate(lines) if "passed" in line)
