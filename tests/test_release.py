@@ -102,12 +102,28 @@ def _metadata_of(wheel: Path) -> dict:
             "content_type": message["Description-Content-Type"], "files": files}
 
 
-def _build_wheel(source: Path, into: Path) -> Path:
-    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(into), str(source)],
-                          capture_output=True, text=True, timeout=300)
+@pytest.fixture(scope="module")
+def build_wheel(tmp_path_factory):
+    """``build_wheel(source, into)``: the wheel pyproject.toml's build backend builds from ``source``, as ``pip wheel``
+    and ``python -m build`` do in an isolated environment: the build requirements installed once for this module's
+    builds (pip installed them again for each), then the backend called in an interpreter that sees only them and the
+    standard library (``-S``: not this environment's site-packages, whose setuptools plugins could change a build)."""
+    requirements = tmp_path_factory.mktemp("build-requirements")
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", str(requirements),
+                           *PYPROJECT["build-system"]["requires"]], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    (wheel,) = into.glob("pytest_llmload-*.whl")
-    return wheel
+    backend = PYPROJECT["build-system"]["build-backend"]
+
+    def build(source: Path, into: Path) -> Path:
+        into.mkdir(exist_ok=True)
+        call = f"import sys; sys.path.insert(0, sys.argv[1]); import {backend}; {backend}.build_wheel(sys.argv[2])"
+        done = subprocess.run([sys.executable, "-S", "-c", call, str(requirements), str(into)], cwd=source,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        (wheel,) = into.glob("pytest_llmload-*.whl")
+        return wheel
+
+    return build
 
 
 def _head_is_tagged() -> bool:
@@ -116,8 +132,8 @@ def _head_is_tagged() -> bool:
 
 
 @pytest.mark.slow
-def test_a_wheel_built_from_the_clone_carries_the_git_version_the_urls_and_passes_twine_check(tmp_path):
-    wheel = _build_wheel(ROOT, tmp_path)
+def test_a_wheel_built_from_the_clone_carries_the_git_version_the_urls_and_passes_twine_check(build_wheel, tmp_path):
+    wheel = build_wheel(ROOT, tmp_path)
     found = _metadata_of(wheel)
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     if head.returncode != 0:  # (a copy of the tree without its git metadata)
@@ -135,12 +151,12 @@ def test_a_wheel_built_from_the_clone_carries_the_git_version_the_urls_and_passe
 
 
 @pytest.mark.slow
-def test_a_tree_without_git_metadata_builds_its_fallback_version(tmp_path):
+def test_a_tree_without_git_metadata_builds_its_fallback_version(build_wheel, tmp_path):
     # As a downloaded zip of the repository: the package and what its build reads, no .git.
     tree = tmp_path / "tree"
     tree.mkdir()
     for name in ("pyproject.toml", "README.md", "LICENSE", "MANIFEST.in", "CHANGELOG.md"):
         shutil.copy(ROOT / name, tree / name)
     shutil.copytree(ROOT / "pytest_llmload", tree / "pytest_llmload", ignore=shutil.ignore_patterns("__pycache__"))
-    wheel = _build_wheel(tree, tmp_path / "wheel")
+    wheel = build_wheel(tree, tmp_path / "wheel")
     assert _metadata_of(wheel)["version"] == PYPROJECT["tool"]["setuptools_scm"]["fallback_version"]

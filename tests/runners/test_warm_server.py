@@ -30,10 +30,34 @@ def test_a_forkserver_child_finds_the_stack_imported_and_no_cuda_initialised(mon
     assert "PYTORCH_NVML_BASED_CUDA_CHECK" not in os.environ  # the server's only, not this process's
 
 
+# Each server costs a new interpreter importing torch (~2.5 s of CPU), and a server is only restarted for other
+# settings: the tests below run in an order where the cold server of one serves the next (cold switch, fork, another
+# accelerator), so that this module starts 4 servers, not 5.
 def test_the_cold_switch_restarts_the_server_with_torch_alone(monkeypatch):
     monkeypatch.setenv(warm_server.COLD_ENV, "1")
     found = isolation.run_isolated(what_the_child_finds, start="forkserver", timeout=200)
     assert found["deepspeed engine"] is False and found["transformers"] is False
+
+
+def what_a_fork_finds() -> tuple:
+    before = warm_server.forkserver_pid()
+    # the same settings: its parent's server serves it, its child included
+    served_by = isolation.run_isolated(os.getppid, start="forkserver", timeout=100)
+    warm_server.ensure(accelerator="cpu", gpus_hidden=True)  # other settings: its own, its parent's left running
+    return before, served_by, warm_server.forkserver_pid()
+
+
+def test_a_fork_uses_the_server_its_parent_started_and_leaves_it_running(monkeypatch):
+    # An isolated test's child forked after the GPU-less server started must use it, not start another
+    # (multiprocessing's own check of a server is waitpid, which a fork cannot call on its parent's child).
+    monkeypatch.setenv(warm_server.COLD_ENV, "1")  # (cheap: which server serves is tested, not the stack)
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    warm_server.ensure(accelerator="cpu")
+    parents = warm_server.forkserver_pid()
+    before, served_by, own = isolation.run_isolated(what_a_fork_finds, timeout=150)
+    assert before == served_by == parents
+    assert own not in (None, parents)
+    assert warm_server.forkserver_pid() == parents  # still running for this process
 
 
 def test_another_accelerator_restarts_the_server_with_it(monkeypatch):
@@ -102,24 +126,3 @@ def test_the_gpu_less_server_imports_what_the_ranks_imported_each(monkeypatch):
     hidden, gpu = asked
     assert {"peft", "transformers.models.llama.modeling_llama"} <= set(hidden) - set(gpu)
     assert "peft" not in gpu  # (a server that sees a GPU must not: bitsandbytes initialises CUDA at import)
-
-
-def what_a_fork_finds() -> tuple:
-    before = warm_server.forkserver_pid()
-    # the same settings: its parent's server serves it, its child included
-    served_by = isolation.run_isolated(os.getppid, start="forkserver", timeout=100)
-    warm_server.ensure(accelerator="cpu", gpus_hidden=True)  # other settings: its own, its parent's left running
-    return before, served_by, warm_server.forkserver_pid()
-
-
-def test_a_fork_uses_the_server_its_parent_started_and_leaves_it_running(monkeypatch):
-    # An isolated test's child forked after the GPU-less server started must use it, not start another
-    # (multiprocessing's own check of a server is waitpid, which a fork cannot call on its parent's child).
-    monkeypatch.setenv(warm_server.COLD_ENV, "1")  # (cheap: which server serves is tested, not the stack)
-    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    warm_server.ensure(accelerator="cpu")
-    parents = warm_server.forkserver_pid()
-    before, served_by, own = isolation.run_isolated(what_a_fork_finds, timeout=150)
-    assert before == served_by == parents
-    assert own not in (None, parents)
-    assert warm_server.forkserver_pid() == parents  # still running for this process
