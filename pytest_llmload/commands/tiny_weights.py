@@ -112,12 +112,16 @@ def tiny_checkpoint(config: dict, root: Optional[Path] = None) -> Path:
     dest = root / f"{tiny.get('model_type', 'model')}-{_key(config, tiny)}"
     if (dest / SIZES_FILE).is_file():  # (written last: the checkpoint is whole)
         return dest
+    return _built_once(root, dest, lambda building: _build(config, tiny, building))
+
+
+def _built_once(root: Path, dest: Path, build) -> Path:
+    """``dest`` in the cache ``root``, made by ``build(folder)`` in a folder of its own, then renamed into place:
+    another rank or command building the same checkpoint at the same time never reads a half-written one."""
     root.mkdir(parents=True, exist_ok=True)
     building = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
     try:
-        _build(config, tiny, building)
-        if dest.exists() and not (dest / SIZES_FILE).is_file():  # (an earlier release's, without its sizes)
-            shutil.rmtree(dest, ignore_errors=True)
+        build(building)
         try:
             os.rename(building, dest)
         except OSError:  # another process built it first: theirs is the same
@@ -209,17 +213,7 @@ def tiny_adapter(name_or_path: str, base_model, call: str, root: Optional[Path] 
     dest = root / f"adapter-{real.get('peft_type', 'peft').lower()}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
     if (dest / "adapter_config.json").is_file():
         return dest
-    root.mkdir(parents=True, exist_ok=True)
-    building = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
-    try:
-        _build_adapter(name_or_path, base_model.config, building)
-        try:
-            os.rename(building, dest)
-        except OSError:  # another process built it first: theirs is the same
-            pass
-    finally:
-        shutil.rmtree(building, ignore_errors=True)
-    return dest
+    return _built_once(root, dest, lambda building: _build_adapter(name_or_path, base_model.config, building))
 
 
 def _build_adapter(name_or_path: str, base_config, dest: Path) -> None:
