@@ -21,6 +21,7 @@ from pytest_llmload.main_job.process import EXIT_FAILED, EXIT_OK, EXIT_USAGE, In
 from pytest_llmload.main_job.table import json_records, summary_table
 from pytest_llmload.main_job.terminal import columns, wrapped
 from pytest_llmload.system.output_files import open_output
+from pytest_llmload.reports.row import failed_lines
 
 DEFAULT_STEPS = 2
 DEFAULT_DEADLINE_S = 600.0
@@ -131,10 +132,8 @@ def _print(rows: list, failed: list, run, out) -> None:
         print(line, file=out)
     print("", file=out)
     for row in failed:
-        label = "ERROR" if row.verdict == "error" else "FAILED"
-        print(wrapped(f"{label} {row.check}: {row.sentence}", width), file=out)
-        if row.fix:
-            print(wrapped(f"    fix ({row.failure or 'the command'}): {row.fix}", width), file=out)
+        for line in failed_lines(row, "the command"):
+            print(wrapped(line, width), file=out)
     where = f"; its output and outputs: {run.log.parent}" if failed else ""
     print(wrapped(f"llmload run: {len(failed)} failed of {len(rows)} rows; the command took {run.seconds:.1f}s, "
                   f"{run.cpu_seconds:.1f}s CPU{where}", width), file=out)

@@ -32,7 +32,7 @@ from pytest_llmload.main_job.process import (
 )
 from pytest_llmload.main_job.terminal import NAME_PARTS, at_most, wrap
 from pytest_llmload.placement.picture import where_the_model_goes
-from pytest_llmload.reports.row import Row, assumption_lines
+from pytest_llmload.reports.row import Row, assumption_lines, failed_lines
 from pytest_llmload.system.output_files import open_output
 
 if TYPE_CHECKING:
@@ -121,14 +121,12 @@ def report(job: "MainJob", code: int) -> tuple[int, bool]:
     fast = [row for row in failed if row.not_run]
     for row in reported:
         if row not in fast:
-            label = {"error": "ERROR", "predicted": "PREDICTED"}.get(row.outcome, "FAILED")
-            label += "" if row in failed else " (not gated)"
-            text = in_main_job_terms(row.finding).replace("\n", "\n    ")
-            job.say(f"{label} {row.check}: {text}")
             # What to do: the row names a fix where it observed (or predicted) the very failure the check guards
             # against, or where the loader's own error is a known fault (loader.faults; its text may say it already).
-            if row.fix is not None and row.fix not in text:
-                job.say(f"    fix ({row.failure or 'the loader'}): {in_main_job_terms(row.fix)}")
+            label = "" if row in failed else \
+                {"error": "ERROR", "predicted": "PREDICTED"}.get(row.outcome, "FAILED") + " (not gated)"
+            for line in failed_lines(row, "the loader", label=label, terms=in_main_job_terms):
+                job.say(line)
     if fast:
         names = ", ".join(row.check for row in fast)
         job.say(f"NOT RUN {names}: {in_main_job_terms(fast[0].finding)}")

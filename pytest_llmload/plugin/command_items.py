@@ -23,7 +23,7 @@ from typing import Optional, Union
 
 import pytest
 
-from pytest_llmload.reports.row import Row
+from pytest_llmload.reports.row import Row, failed_lines
 
 COMMAND_NODE = "llmload-command"  # the items' node ids: llmload-command::NAME
 GPU_PREFIX = "gpu"  # llmload_commands = gpu: serve: python serve.py --device cuda
@@ -103,11 +103,7 @@ class CommandResult:
 
     def failure_text(self) -> str:
         """The failed rows, each with its fix, as ``python -m pytest_llmload run`` prints them."""
-        lines = []
-        for row in self.failed:
-            lines.append(f"{'ERROR' if row.verdict == 'error' else 'FAILED'} {row.check}: {row.finding}")
-            if row.fix and row.fix not in row.finding:
-                lines.append(f"    fix ({row.failure or 'the command'}): {row.fix}")
+        lines = [line for row in self.failed for line in failed_lines(row, "the command")]
         kept = f"\nits output and outputs: {self.outputs}" if self.outputs else ""
         return "\n".join(lines) + kept
 

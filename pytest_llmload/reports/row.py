@@ -122,6 +122,20 @@ class Row:
         return None
 
 
+def failed_lines(row: Row, ran: str, *, label: str = "", terms=str) -> list[str]:
+    """How a row that did not pass is printed under a run's table (the main job's, ``run``'s, a named command's
+    failure): ``FAILED <check>: <finding>`` and, where it names one the finding does not already say, ``    fix
+    (<failure, else what ran>): <fix>``. ``ran``: what an error without a failure is about (``the loader``, ``the
+    command``); ``label`` instead of the verdict's (``FAILED (not gated)``); ``terms`` rewrites the text for the
+    reader (the main job's words for the plugin's options)."""
+    label = label or {"error": "ERROR", "predicted": "PREDICTED"}.get(row.outcome, "FAILED")
+    text = terms(row.finding).replace("\n", "\n    ")
+    lines = [f"{label} {row.check}: {text}"]
+    if row.fix is not None and row.fix not in text:
+        lines.append(f"    fix ({row.failure or ran}): {terms(row.fix)}")
+    return lines
+
+
 def row_name(check: Any, runner: Any = None) -> str:
     """A row's name: its check's own (a repo's check need not be named ``check_*``), on a runner profile for a
     prediction (``predict_inference_load@1x24GB-RTX4090``)."""
