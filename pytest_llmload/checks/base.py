@@ -124,6 +124,9 @@ class Check(NamedTuple):
     def __call__(self, loader: Any, checkpoint: Path, workdir: Path, **options: Any) -> None:
         """Run the check. ``options`` go to the check function where it takes them (``prepare_args``: the
         training script's hook for the Trainer check); others are ignored, so one set fits every check."""
+        import functools
+
+        from pytest_llmload.config.stash_keys import running_checks_judge
         from pytest_llmload.loader.seam import as_loader_under_test
 
         args = (as_loader_under_test(loader), Path(checkpoint), Path(workdir))
@@ -137,16 +140,19 @@ class Check(NamedTuple):
             from pytest_llmload.runners.preload import preload_for_isolated_checks
 
             preload_for_isolated_checks(args[1], peft=self.uses_peft)
-        if not self.isolated:
-            return self.function(*args, **kwargs)
-        import functools
+        # Its child, or each rank it starts, judges its own outcome (the row's judged fields come back with its
+        # answer): what it raised is itself there, pickled or not.
+        judge = functools.partial(judged_in_child, self)
+        token = running_checks_judge.set(judge)
+        try:
+            if not self.isolated:
+                return self.function(*args, **kwargs)
+            from pytest_llmload.runners import isolation
 
-        from pytest_llmload.runners import isolation
-
-        # The child judges its own outcome (its row's judged fields come back with its answer): what it raised is
-        # itself there, pickled or not.
-        isolation.run_isolated(self.function, args, kwargs, timeout=self.timeout, label=self.name,
-                               render=isolation.render_failure, judge=functools.partial(judged_in_child, self))
+            isolation.run_isolated(self.function, args, kwargs, timeout=self.timeout, label=self.name,
+                                   render=isolation.render_failure, judge=judge)
+        finally:
+            running_checks_judge.reset(token)
 
     def options_for(self, loader: Any, given: dict[str, Any]) -> dict[str, Any]:
         """The keywords the check function takes, by the one precedence: what the test passes (``given``), else the

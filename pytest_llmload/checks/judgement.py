@@ -1,6 +1,6 @@
-"""What a check's outcome means, judged where the check ran (this process, or the isolated child that ran it and sends
-the judgement back as plain data with its answer): the row's verdict, the known failure it names, what an error is,
-its whole reason and its fix (:func:`judged`).
+"""What a check's outcome means, judged where the check ran (this process, or the isolated child or the rank that ran
+it and sends the judgement back as plain data with its answer): the row's verdict, the known failure it names, what an
+error is, its whole reason and its fix (:func:`judged`).
 
 A known failure is named only when the check observed its mechanism: the check's own judgement (an
 ``AssertionError`` it raised, here or on a rank), or a deadline passed inside the loader call where a hang is the
@@ -76,8 +76,9 @@ def judged(check: Any, *, raised: Optional[BaseException] = None, skipped: Optio
 
 
 def judged_in_child(check: Any, raised: Optional[BaseException]) -> dict:
-    """In an isolated check's child (:class:`~pytest_llmload.runners.children.ChildSpec`'s ``judge``): the row's
-    judged fields for what the check's function did, returned (``raised`` ``None``), raised or skipped."""
+    """In an isolated check's child, or a rank its check started (:class:`~pytest_llmload.runners.children.ChildSpec`'s
+    ``judge``): the row's judged fields for what the child's function did, returned (``raised`` ``None``), raised or
+    skipped."""
     import pytest
 
     if isinstance(raised, pytest.skip.Exception):
@@ -96,8 +97,8 @@ def judge(exc: BaseException, failure: Any, check: Any = None) -> Optional[Verdi
     if _is_skip(exc):
         return None
     outcomes = child_outcomes(exc)
-    if outcomes is not None:  # an isolated child or the ranks: judge what they raised, then how they ended
-        return _of_children(exc, outcomes, failure, check)
+    if outcomes is not None:  # an isolated child or the ranks: how they ended, else the rows they judged
+        return _of_children(exc, outcomes, failure)
     if isinstance(exc, LoaderContractError):
         return Verdict("error", None, "contract", _whole(exc))
     if isinstance(exc, LoaderError):
@@ -114,7 +115,10 @@ def judge(exc: BaseException, failure: Any, check: Any = None) -> Optional[Verdi
     return check_broke(exc, check=check)
 
 
-def _of_children(exc: BaseException, outcomes: list, failure: Any, check: Any = None) -> Verdict:
+def _of_children(exc: BaseException, outcomes: list, failure: Any) -> Verdict:
+    """The verdict on children that ended without a row of their own (one hung or died), else the most telling of
+    the rows they judged themselves (each rank judged what it raised where it ran, with its check's judge:
+    :func:`judged_in_child`)."""
     from pytest_llmload.runners.children import children_end
 
     ending = children_end(outcomes)
@@ -122,18 +126,11 @@ def _of_children(exc: BaseException, outcomes: list, failure: Any, check: Any = 
         return _hang(failure, ending.in_loader, _first_line(exc))
     if ending.how == "died":
         return Verdict("error", None, "died", _first_line(exc))
-    verdicts = []
-    for o in outcomes:
-        if o.status == "raised" and isinstance(o.exception, BaseException) and not _is_skip(o.exception):
-            verdict = judge(o.exception, failure, check)
-            if verdict is not None and verdict.cause == "check":  # its frames are in the rank's traceback text
-                verdict = check_broke(o.exception, o.traceback or "", check)
-            verdicts.append(verdict)
-    verdicts = [v for v in verdicts if v is not None]
+    rows = [o.row for o in outcomes if o.status == "raised" and o.row is not None]
     for cause in ("mechanism", "contract", "loader", "model", "hang", "check"):  # the most telling first
-        found = next((v for v in verdicts if v.cause == cause), None)
-        if found is not None:
-            return found
+        row = next((row for row in rows if row["cause"] == cause), None)
+        if row is not None:
+            return Verdict(row["verdict"], row["failure"], cause, row["sentence"], row["fix"])
     return Verdict("error", None, "check", f"{_first_line(exc)} (report it: {bug_report_address()})")  # (did not come back)
 
 
@@ -144,17 +141,16 @@ def _hang(failure: Any, in_loader: bool, line: str) -> Verdict:
     return Verdict("error", None, "hang", f"{where}: {line}")
 
 
-def check_broke(exc: BaseException, traceback_text: str = "", check: Any = None) -> Verdict:
-    """The verdict on a check whose own code raised ``exc`` (``traceback_text``: its frames, where it was raised in
-    another process): a bug in this project, or in a repo's own check (named by its frame), or the loader's model's
-    fault where the library's frames say so."""
+def check_broke(exc: BaseException, check: Any = None) -> Verdict:
+    """The verdict on a check whose own code raised ``exc``: a bug in this project, or in a repo's own check (named by
+    its frame), or the loader's model's fault where the library's frames say so."""
     from pytest_llmload.loader.faults import MODEL_FAULTS, diagnose, said
 
-    found = diagnose(exc, traceback_text)
+    found = diagnose(exc)
     if found is not None and found.fault in MODEL_FAULTS:  # the loader's model, not the check's code, raised it
         return Verdict("error", None, "model", f"the loader's model raised {type(exc).__name__}: {_first_line(exc)}"
                                                f"{said(found)}", found.fix)
-    text = _traceback_text(exc, traceback_text)
+    text = _traceback_text(exc)
     repos_frame = _repos_check_frame(check, text)
     if repos_frame:  # a repo's own check (an extension): its code, not this project's, is what to fix
         return Verdict("error", None, "check",
@@ -167,12 +163,10 @@ def check_broke(exc: BaseException, traceback_text: str = "", check: Any = None)
                    f"with this traceback: {bug_report_address()}")
 
 
-def _traceback_text(exc: BaseException, text: str = "") -> str:
+def _traceback_text(exc: BaseException) -> str:
     """``exc``'s frames as printed (raised in another process and re-raised here: that process's traceback text)."""
     from pytest_llmload.runners.isolation import ChildTraceback
 
-    if text:
-        return text
     cause = exc.__cause__
     return str(cause) if isinstance(cause, ChildTraceback) else "".join(traceback.format_tb(exc.__traceback__))
 

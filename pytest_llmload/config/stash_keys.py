@@ -74,6 +74,11 @@ UNCONFIGURED = Configuration()  # a run that sets none of the plugin's settings:
 configured: contextvars.ContextVar[Configuration] = contextvars.ContextVar("llmload_configuration",
                                                                           default=UNCONFIGURED)
 
+# The judge of the check being run (set by Check.__call__ around its run): the ranks it starts judge what they raise
+# with it, as its isolated child does (a rank forked inherits it; a forkserver rank gets it pickled with its spec).
+running_checks_judge: contextvars.ContextVar[Optional[Callable]] = contextvars.ContextVar(
+    "llmload_running_checks_judge", default=None)
+
 # What a check says about how it judged, for its row (set by the plugin around the call, like the options above):
 # "simulated: ..." where a machine this runner lacks was stood in for.
 check_notes: contextvars.ContextVar["list[str] | None"] = contextvars.ContextVar("llmload_check_notes", default=None)

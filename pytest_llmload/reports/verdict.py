@@ -38,7 +38,8 @@ def row_of(check: Any, *, runner: Any = None, raised: Optional[BaseException] = 
     """The row of ``check`` (a :class:`~pytest_llmload.checks.base.Check`), built here once from what happened
     (:func:`~pytest_llmload.checks.judgement.judged`: it returned, ``raised``, ``skipped``, ``xfail``, or ``failed``
     with no exception of its own, ``failed_in``). What an isolated child raised comes with the row's judged fields
-    the child sent (:func:`~pytest_llmload.runners.isolation.judged_by_child`): taken as they are, never judged
+    the child sent (:func:`~pytest_llmload.runners.isolation.judged_by_child`), what its ranks raised with the rows
+    they judged (the most telling taken, :mod:`~pytest_llmload.checks.judgement`): taken as they are, never judged
     again here (a skip of the child's that this run fails, ``--llmload-strict``, is this run's failure). The rest is what the check's run carries: ``runner``, the runner profile a prediction's row is for;
     the loader that ran; the notes it made wherever it ran, the assumptions among them; a prediction's record;
     ``not_run``: an ``error`` that did not wait (the loader under test hung in an earlier check); how long it took;

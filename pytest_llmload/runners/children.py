@@ -16,7 +16,7 @@ deadline, takes the stacks of those still running, kills them, and returns one :
   (:mod:`.child_output`), measures coverage where the parent does (:mod:`.child_coverage`), and runs one OpenMP
   thread. Whatever its function changes process-wide dies with it; what that function starts is ended with it.
 - **What comes back**: one :class:`~.wire.Answer`, through the child's own pipe (:mod:`.wire`): the value, or the
-  exception as itself with its traceback; an isolated check's row, judged in the child (``ChildSpec.judge``); the
+  exception as itself with its traceback; a check's row, judged in its child or rank (``ChildSpec.judge``); the
   notes the check made for its row; and what the test's recorder saw in the child (its models and phases, for the
   HTML report), which joins the test's own recorder here. A child that sends none died: the parent judges only that,
   and a child still running at its deadline (:func:`children_end`).
@@ -58,7 +58,7 @@ class ChildOutcome:
         self.traceback = ""  # the child's traceback, as Python prints it
         self.exception = None  # the child's exception, unpickled here, where it could be
         self.rendered = None  # the child's own rendering of the failure (a pytest test's report)
-        self.row = None  # an isolated check's row, judged in the child (the judged fields, plain data)
+        self.row = None  # a check's row, judged in its isolated child or rank (the judged fields, plain data)
         self.exitcode = None
         self.stacks = ""
         self.output = ""  # the tail of stdout and stderr, for failure messages

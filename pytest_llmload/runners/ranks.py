@@ -263,10 +263,15 @@ def run_rank_groups(
             return time.monotonic() + _GRACE_AFTER_FAILURE_S
         return None
 
+    # Each rank of a check judges what it raised where it ran, as an isolated check's child does, and its row's judged
+    # fields come back with its answer (checks.judgement takes the most telling); outside a check, no judge.
+    from pytest_llmload.config.stash_keys import running_checks_judge
+
+    judge = running_checks_judge.get()
     try:
         specs = [
             children.ChildSpec(
-                f"rank {rank}", group.fn, group.args, group.kwargs, merge_output=True,
+                f"rank {rank}", group.fn, group.args, group.kwargs, merge_output=True, judge=judge,
                 prepare=functools.partial(_prepare_rank, rank, world_size, store.port, backend, dict(env or {}),
                                           init_process_group, timeout),
             )

@@ -267,11 +267,13 @@ def test_an_error_row_keeps_every_line_of_its_reason_and_names_a_known_failure_i
     judged = verdict.of_exception(moved, BY_ID["offload-hang"])
     assert (judged.kind, judged.failure, judged.cause) == ("error", None, "loader")
     assert "the same bug as check_offloaded_model_not_moved: move-offloaded" in judged.sentence, judged.sentence
-    # raised on a rank: judged through the ranks' outcomes, and said once
+    # raised on a rank: judged there (its row comes back with its answer), and said once
+    from pytest_llmload.checks.judgement import judged_in_child
     from pytest_llmload.runners.isolation import ChildOutcome
 
     outcome = ChildOutcome(0, "rank 0")
-    outcome.status, outcome.exception = "raised", moved
+    ranks_check = next(c for c in REGISTRY if c.failure.id == "distributed-device-map")
+    outcome.status, outcome.row = "raised", judged_in_child(ranks_check, moved)
     ranks_failed = RuntimeError("1 of 2 ranks failed")
     ranks_failed.outcomes = [outcome]
     judged = verdict.of_exception(ranks_failed, BY_ID["distributed-device-map"])

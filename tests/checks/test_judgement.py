@@ -6,6 +6,7 @@ Before: the child sent its exception, and the parent judged it; one that did not
 head (``LoaderError: ...``) the parent parsed, and a repo's check whose own exception did not pickle read
 ``ChildError: ...``."""
 
+import functools
 import os
 import threading
 
@@ -93,6 +94,62 @@ def test_a_childs_answer_carries_what_its_judge_made_of_its_end():
     assert raised.status == "raised" and raised.row == {"judged in": raised.pid, "raised": "HoldsALock"}
     assert plain.status == "ok" and plain.row is None
 
+
+
+# --- a check's ranks judge what they raised, each where it ran --------------------------------------------------------
+
+
+def unpicklable_on_rank_1():
+    if os.environ["RANK"] == "1":
+        raise HoldsALock()
+    return os.getpid()
+
+
+def finding_on_rank_0():
+    if os.environ["RANK"] == "0":
+        raise AssertionError("rank 0's model has config.use_cache=False")
+    return os.getpid()
+
+
+def own_ranks(loader, checkpoint, workdir, rank_code=unpicklable_on_rank_1):
+    from pytest_llmload.runners.ranks import run_ranks
+
+    run_ranks(rank_code, 2, init_process_group=False, timeout=60)
+
+
+def test_a_repo_checks_rank_that_raises_sends_its_row_naming_its_file_and_line(tmp_path):
+    """Before: the check's process judged each rank's exception; one that did not pickle never came back, and the
+    row read '... (report it: <this project's issues>)'."""
+    check = Check(own_ranks, FAILURE, world_size=2)
+    raised = raised_by(check, tmp_path)
+    ok, broke = raised.outcomes
+    assert (ok.status, ok.row["verdict"], broke.status, broke.exception) == ("ok", "passed", "raised", None)
+    line = unpicklable_on_rank_1.__code__.co_firstlineno + 2
+    sentence = ("the check own_ranks itself broke (a bug in the repo's own check, not a verdict on the loader): "
+                f"HoldsALock: cannot travel at unpicklable_on_rank_1 ({__file__}:{line})")
+    assert broke.row == {"check": "own_ranks", "verdict": "error", "guards": "use-cache-off", "failure": None,
+                         "cause": "check", "sentence": sentence, "fix": None}
+    row = row_of(check, raised=raised)
+    assert (row.verdict, row.cause, row.sentence) == ("error", "check", sentence)
+
+
+def test_the_checks_process_takes_the_most_telling_ranks_row_as_the_rank_judged_it(tmp_path, monkeypatch):
+    """The parent judges no rank's exception again: a judge that marks its output shows whose row it is."""
+    from pytest_llmload.checks import base
+
+    judged_in_child = base.judged_in_child
+
+    def marked(check, raised):
+        fields = judged_in_child(check, raised)
+        return {**fields, "sentence": f"{fields['sentence']} (judged in pid {os.getpid()})"}
+
+    monkeypatch.setattr(base, "judged_in_child", marked)
+    check = Check(functools.partial(own_ranks, rank_code=finding_on_rank_0), FAILURE, world_size=2, label="own_ranks")
+    raised = raised_by(check, tmp_path)
+    rank_0 = raised.outcomes[0]
+    row = row_of(check, raised=raised)
+    assert (row.verdict, row.failure, row.fix) == ("failed", "use-cache-off", FAILURE.fix)
+    assert row.sentence == f"rank 0's model has config.use_cache=False (judged in pid {rank_0.pid})", row.sentence
 
 
 def a_phase_in_the_child():
