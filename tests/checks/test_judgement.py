@@ -224,17 +224,18 @@ def test_the_html_report_spools_nothing_and_a_rows_artefacts_carry_what_its_isol
     assert (child["name"], child["detail"], row["verdict"]) == ("load", "in the isolated child", "passed")
 
 
-def test_every_isolated_checks_judge_travels_to_a_forkserver_child():
-    """Where this process has initialised CUDA, the child starts from the forkserver and its spec goes by pickle:
-    the judge of every isolated check, its GPU variant's included, must make the trip."""
+def test_every_forking_checks_judge_travels_to_a_forkserver_child():
+    """Where this process has initialised CUDA (or the ranks are GPU ranks), the child starts from the forkserver and
+    its spec goes by pickle: the judge of every isolated check and every check's ranks, its GPU variant's included,
+    must make the trip."""
     import functools
     import pickle
 
     from pytest_llmload.checks.judgement import judged_in_child
     from pytest_llmload.failures import REGISTRY
 
-    isolated = [variant for check in REGISTRY if check.isolated for variant in (check, check.on_gpu())]
-    assert isolated
-    for check in isolated:
+    forking = [variant for check in REGISTRY if check.forks for variant in (check, check.on_gpu())]
+    assert any(check.world_size > 1 for check in forking) and any(check.isolated for check in forking)
+    for check in forking:
         judge = pickle.loads(pickle.dumps(functools.partial(judged_in_child, check)))
         assert judge(None)["check"] == check.name
