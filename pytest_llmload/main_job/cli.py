@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -22,6 +23,7 @@ from typing import Optional
 from pytest_llmload.config.vocabulary import SETTING
 from pytest_llmload.loader.seam import ENV_VAR, LoaderSpecError, choose_loader
 from pytest_llmload.main_job.process import (
+    DEADLINE,
     EXIT_OK,
     EXIT_USAGE,
     FAIL_NOT_EXERCISED,
@@ -66,6 +68,17 @@ class _Parser(argparse.ArgumentParser):
             self.description, self.epilog = plain
 
 
+# Seconds as a person writes them, in ASCII digits: float() also reads '1e3', 'inf', 'nan', '-1' and '١٠'.
+_DECIMAL = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)", re.ASCII)
+
+
+def _deadline_seconds(text: str) -> float:
+    """``--deadline``: a number of seconds above 0, or a usage error naming the value."""
+    if not _DECIMAL.fullmatch(text.strip()) or not float(text) > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0; give e.g. {DEADLINE} 3600")
+    return float(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="llmload",
@@ -85,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(WAIT_AFTER_HANG, action="store_true",
                         help="after the loader hangs in one check, run every other check to its deadline too "
                         "(default: they fail at once, naming the hang)")
+    parser.add_argument(DEADLINE, type=_deadline_seconds, metavar="SECONDS",
+                        help="stop the run after SECONDS as an interruption (exit 2): the rows so far, an error row "
+                        "for the check it stopped in with its children's stacks, --json marked interrupted, and "
+                        "pytest's report files marked too (pytest: --llmload-run-deadline)")
     parser.add_argument("--json", metavar="PATH", dest="json_path",
                         help="also write the results to PATH: one document with the run (loader and its source, "
                         "stack versions, devices, order, start, duration) and its results, one object per check "
@@ -268,7 +285,7 @@ def run(argv: Optional[list[str]] = None, out=None, popen=None) -> int:
                 code, keep_log = report(job, job.follow())
                 return code
             except Interrupted as stop:
-                return report_interrupted(job, stop.signum)
+                return report_interrupted(job, stop)
     finally:
         if log_lock is not None:  # (the --log's lock ends with the run, not when its handle is collected)
             log_lock.close()

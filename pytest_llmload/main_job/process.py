@@ -6,11 +6,14 @@ result arrives, a heartbeat while one runs long, each line fitted to the termina
 prints comes from those events: the loader the child chose, the checks collected and what each guards against, each
 row. Exit codes, pytest's own: 0 nothing failed, 1 a check failed, 2 interrupted (a KeyboardInterrupt in a check, or
 collection errors), 4 usage error (a loader that does not import, say), 5 no check selected (``-k`` matched none),
-128 + N when the main job itself was stopped by signal N (130 for Ctrl-C, 143 for SIGTERM).
+128 + N when the main job itself was stopped by signal N (130 for Ctrl-C, 143 for SIGTERM); 2 too when the run's
+``--deadline`` passed.
 
 The parent owns everything below it: the pytest child runs in its own process group, ends when the parent ends
-however it ends (:mod:`pytest_llmload.runners.lifeline`), and gets SIGINT for Ctrl-C, SIGTERM for SIGTERM or
-SIGHUP, so that it stops as on Ctrl-C and its finalizers kill the checks' children and remove their temp dirs.
+however it ends (:mod:`pytest_llmload.runners.lifeline`), and gets the signal the parent got (SIGINT, SIGTERM,
+SIGHUP), so that it stops as on Ctrl-C, its finalizers kill the checks' children and remove their temp dirs, and its
+report files say what stopped it. ``--deadline S`` is pytest's own run deadline (``--llmload-run-deadline``), which
+marks its report files; the parent stops pytest itself where it has not ended :data:`STOP_GRACE_S` after it.
 """
 
 from __future__ import annotations
@@ -46,10 +49,12 @@ STOP_GRACE_S = 10.0
 POLL_S = 0.2  # how often the progress file is read
 WAIT_AFTER_HANG = "--wait-after-hang"
 FAIL_NOT_EXERCISED = "--fail-not-exercised"  # pytest's --llmload-strict
+DEADLINE = "--deadline"  # pytest's --llmload-run-deadline
 
 # The pytest options the main job passes on under its own names: how a message from pytest is shown here.
 _OWN_NAMES = {LOADER_OPTION: "--loader", WAIT_OPTION: WAIT_AFTER_HANG, CHECKS_OPTION: "--checks",
-              RUNNER_OPTION: "--runner", MODEL_OPTION: "--model", SETTING["strict"].option: FAIL_NOT_EXERCISED}
+              RUNNER_OPTION: "--runner", MODEL_OPTION: "--model", SETTING["strict"].option: FAIL_NOT_EXERCISED,
+              SETTING["run_deadline"].option: DEADLINE}
 
 
 def in_main_job_terms(text: str) -> str:
@@ -68,7 +73,7 @@ def usable_cpus() -> int:
 
 def pytest_command(loader: Optional[str], keyword: Optional[str], progress: Path, extra: list[str],
                    strict: bool = False, wait_after_hang: bool = False, runner: Optional[str] = None,
-                   model: Optional[str] = None, checks: tuple = ()) -> list[str]:
+                   model: Optional[str] = None, checks: tuple = (), deadline: Optional[float] = None) -> list[str]:
     # (no:hypothesispytest: its plugin imports all of hypothesis at the end of a run, a second for nothing here)
     # (pytest_llmload.suite's __main__: pytest, without the interpreter's 2 s teardown of the stack)
     # (no:unraisableexception: at its end it runs gc.collect() twice over the stack's millions of objects, 0.5 s for a
@@ -100,6 +105,8 @@ def pytest_command(loader: Optional[str], keyword: Optional[str], progress: Path
         argv += [MODEL_OPTION, model]
     for spec in checks:
         argv += [CHECKS_OPTION, spec]
+    if deadline:
+        argv += [SETTING["run_deadline"].option, f"{deadline:g}"]
     if keyword:
         argv += ["-k", keyword]
     return argv + extra
@@ -136,12 +143,23 @@ def progress_row(done: int, total: int, row: Row, name_width: int = 48, width: O
     return f"{counter}{cut(row.check, room):<{room}} {shown(row.outcome):<{OUTCOME_WIDTH}} {seconds}"
 
 
-class Interrupted(BaseException):
-    """SIGINT, SIGTERM or SIGHUP reached the main job."""
+def deadline_passed(seconds: float) -> str:
+    return f"the run's deadline ({DEADLINE} {seconds:g}) passed"
 
-    def __init__(self, signum: int):
+
+class Interrupted(BaseException):
+    """SIGINT, SIGTERM or SIGHUP reached the main job; or its ``--deadline`` (``deadline``, seconds) passed, and its
+    pytest had not stopped itself."""
+
+    def __init__(self, signum: int, deadline: Optional[float] = None):
         super().__init__(signum)
-        self.signum = signum
+        self.signum, self.deadline = signum, deadline
+
+    def said(self) -> str:
+        """What stopped the run: ``interrupted by SIGTERM``, ``the run's deadline (--deadline 2) passed``."""
+        if self.deadline is not None:
+            return deadline_passed(self.deadline)
+        return f"interrupted by {'SIGINT (Ctrl-C)' if self.signum == signal.SIGINT else signal.Signals(self.signum).name}"
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -181,6 +199,7 @@ class MainJob:
         self.tmp = workdir / "tmp"
         self.log_path = Path(args.log) if args.log else workdir / "pytest.log"
         self.child: Optional[subprocess.Popen] = None
+        self.child_started = time.monotonic()
         self.results: list[Row] = []  # (the progress file's rows, made again: Row.from_dict)
         self.collect_errors: list[dict] = []
         self.usage_error: Optional[str] = None  # the child's, read at its configure (a check spec that gives none)
@@ -191,6 +210,7 @@ class MainJob:
         self.started = time.monotonic()
         self.started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         self.loader: Optional[dict] = None  # the child's own choice (its "loader" event)
+        self.interruption: Optional[dict] = None  # what stopped the child, as it said (its "interrupted" event)
         self.width = columns(out)  # every line printed fits it
         self.name_width = 48  # the progress rows' name column: the longest collected name, once collected
         self._offset = 0
@@ -199,7 +219,8 @@ class MainJob:
         args = self.args
         command = pytest_command(args.loader, args.keyword, self.progress, args.pytest_args,
                                  strict=args.fail_not_exercised, wait_after_hang=args.wait_after_hang,
-                                 runner=args.runner, model=args.model, checks=tuple(args.checks))
+                                 runner=args.runner, model=args.model, checks=tuple(args.checks),
+                                 deadline=args.deadline)
         from pytest_llmload.runners.lifeline import PARENT_ENV, PARENT_WORKDIR_ENV
 
         # The child ends with this process (lifeline), and removes this temp dir if this process dies first. Its
@@ -212,6 +233,7 @@ class MainJob:
             # Its own process group: a Ctrl-C in the terminal reaches this process only, which passes it on once.
             self.child = self.popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                     process_group=0)
+        self.child_started = time.monotonic()  # (its run deadline counts from here)
 
     def follow(self) -> int:
         """Print a row per result as the child writes them, a heartbeat while one check runs long; the exit code."""
@@ -224,6 +246,9 @@ class MainJob:
                 self._take(record)
             if code is not None:
                 return code
+            deadline = self.args.deadline
+            if deadline and time.monotonic() - self.child_started > deadline + STOP_GRACE_S:  # pytest missed its own
+                raise Interrupted(signal.SIGTERM, deadline)
             if self.running and time.monotonic() - last_beat > HEARTBEAT_SECONDS:
                 last_beat = time.monotonic()
                 for check, started in self.running.values():
@@ -256,6 +281,8 @@ class MainJob:
             print(f"llmload: {self.total} checks collected", file=out, flush=True)
         elif event == "collect_error":
             self.collect_errors.append(record)
+        elif event == "interrupted":  # what stopped it (a deadline, a signal) and the stacks it took
+            self.interruption = record
         elif event == "console":  # a line the run shows at once (a slow import's progress): on this console too
             self.say(record["line"])
         elif event == "start":
@@ -276,13 +303,13 @@ class MainJob:
         print(wrapped(text, self.width), file=file or self.out, flush=True)
 
     def stop(self, signum: int) -> bool:
-        """Pass the signal on (SIGINT as SIGINT, else SIGTERM) to the child's process group and wait for it to
-        clean up; kill the group if it has not ended within :data:`STOP_GRACE_S`. False if it had to be killed."""
+        """Pass the signal on to the child's process group (its report files name it) and wait for it to clean up;
+        kill the group if it has not ended within :data:`STOP_GRACE_S`. False if it had to be killed."""
         child = self.child
         if child is None or child.poll() is not None:
             return True
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(child.pid, signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
+            os.killpg(child.pid, signum)
         try:
             child.wait(STOP_GRACE_S)
             return True
@@ -300,10 +327,27 @@ class MainJob:
                 self._take(record)
         self.results += self._running_rows(reason, cause="interrupted")
 
+    def interrupted_by(self) -> Optional[str]:
+        """What stopped pytest (its exit 2), as it said: this job's ``--deadline`` (or pytest's own run deadline),
+        a signal sent to pytest itself; ``None`` where it said nothing (a KeyboardInterrupt raised in the loader or
+        the check, Ctrl-C in its terminal)."""
+        said = self.interruption or {}
+        if said.get("by") == "deadline":
+            deadline = getattr(self.args, "deadline", None)
+            return deadline_passed(deadline) if deadline else in_main_job_terms(said["stopped"])
+        return f"interrupted by {said['by']}" if said.get("by") else None
+
     def interrupted_rows(self) -> list[Row]:
-        """The rows of the checks that were running when the run was interrupted (pytest's exit 2)."""
-        return self._running_rows(f"interrupted while this check ran (a KeyboardInterrupt: raised in the loader or "
-                                  f"the check, or Ctrl-C); its output: {self.log_path}", cause="interrupted")
+        """The rows of the checks that were running when the run was interrupted (pytest's exit 2), with the stacks
+        of their children where pytest took them (at a deadline)."""
+        by = self.interrupted_by()
+        reason = f"{by} while this check ran" if by else \
+            "interrupted while this check ran (a KeyboardInterrupt: raised in the loader or the check, or Ctrl-C)"
+        reason += f"; its output: {self.log_path}"
+        stacks = (self.interruption or {}).get("stacks")
+        if stacks:
+            reason += f"; its children's stacks when it stopped:\n{stacks}"
+        return self._running_rows(reason, cause="interrupted")
 
     def crash_rows(self, code: int, what: str = "pytest itself ended") -> list[Row]:
         """The rows of the checks that were running when pytest itself ended abnormally (a signal, an internal

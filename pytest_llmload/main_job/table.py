@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ from pytest_llmload.main_job.process import (
     HOUSE_PLUGINS,
     INTERRUPTED,
     STOP_GRACE_S,
+    Interrupted,
     exit_described,
     in_main_job_terms,
     seconds_shown,
@@ -70,7 +70,7 @@ def report(job: "MainJob", code: int) -> tuple[int, bool]:
     crashed = code < 0 or code == 3 or code > 5
     # pytest's exit 2 is an interruption (a KeyboardInterrupt: raised in the loader or the check, or Ctrl-C in its
     # terminal); mid-check, the rows so far are the run's, and the check it stopped in says so.
-    interrupted = code == INTERRUPTED and bool(job.running)
+    interrupted = code == INTERRUPTED and (bool(job.running) or job.interruption is not None)
     rows = (job.crash_rows(code) if crashed else job.interrupted_rows() if interrupted
             else job.crash_rows(code, "pytest ended without this check's result") if job.running else [])
     for row in rows:
@@ -138,10 +138,12 @@ def report(job: "MainJob", code: int) -> tuple[int, bool]:
         for line in assumption_lines(assumed, FAIL_NOT_EXERCISED, args.fail_not_exercised):
             job.say(in_main_job_terms(line))  # (an assumption may name a pytest option)
     running = ", ".join(row.check for row in rows)
-    stopped = (f"interrupted while {running} ran (pytest's exit {code}: a KeyboardInterrupt, raised in the loader or "
-               "the check, or Ctrl-C in its terminal)" if interrupted else
-               f"pytest itself ended ({exit_described(code)}) {f'while {running} ran' if rows else 'between checks'}"
-               if crashed else None)
+    during = f"while {running} ran" if rows else "between checks"
+    by = job.interrupted_by()
+    stopped = (f"{by} {during}" if interrupted and by else
+               f"interrupted {during} (pytest's exit {code}: a KeyboardInterrupt, raised in the loader or the check, "
+               "or Ctrl-C in its terminal)" if interrupted else
+               f"pytest itself ended ({exit_described(code)}) {during}" if crashed else None)
     json_lost = not write_json(job, stopped=stopped, interrupted=interrupted)
     summary = ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items()))
     keep = bool(failed) or json_lost or crashed or bool(args.log)
@@ -275,17 +277,17 @@ def json_records(results: list[Row]) -> list[dict]:
     return [row.as_dict() for row in results]
 
 
-def report_interrupted(job: "MainJob", signum: int) -> int:
-    """The one line an interrupted main job prints, after stopping its pytest; the exit code, 128 + ``signum``.
-    The rows so far survive: those pytest wrote while it stopped, an ``error`` row (cause ``interrupted``) for each
-    check still running, and ``--json`` with them, marked interrupted."""
-    stopped = job.stop(signum)
-    name = "SIGINT (Ctrl-C)" if signum == signal.SIGINT else signal.Signals(signum).name
-    job.keep_rows_at_a_stop(f"interrupted by {name} while this check ran")
+def report_interrupted(job: "MainJob", stop: Interrupted) -> int:
+    """The one line an interrupted main job prints, after stopping its pytest; the exit code, 128 + the signal's
+    number (pytest's interrupted, 2, at the run's deadline). The rows so far survive: those pytest wrote while it
+    stopped, an ``error`` row (cause ``interrupted``) for each check still running, and ``--json`` with them, marked
+    interrupted."""
+    stopped = job.stop(stop.signum)
+    job.keep_rows_at_a_stop(f"{stop.said()} while this check ran")
     how = "stopped and cleaned up" if stopped else f"killed: it had not stopped {STOP_GRACE_S:g} s after the signal"
     log = f"pytest output: {job.log_path}" if job.args.log else "pytest output removed (--log PATH keeps it)"
-    said = (f"interrupted by {name} after {time.monotonic() - job.started:.1f}s with "
+    said = (f"{stop.said()} after {time.monotonic() - job.started:.1f}s with "
             f"{sum(row.cause != 'interrupted' for row in job.results)} of {job.total or '?'} checks done")
     write_json(job, stopped=said, interrupted=True)
     print(f"llmload: {said}; pytest {how}; {log}", file=sys.stderr, flush=True)
-    return 128 + signum
+    return INTERRUPTED if stop.deadline is not None else 128 + stop.signum

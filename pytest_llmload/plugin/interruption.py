@@ -7,7 +7,9 @@ stopped it (:data:`~pytest_llmload.config.stash_keys.interrupted_key`); the exit
 A handler the user or another plugin set is left as it is (the main job's pytest has its own,
 :func:`pytest_llmload.runners.lifeline.tie_to_main_job`, which also raises ``KeyboardInterrupt``); the previous ones
 come back at unconfigure. A child forked from this process (an isolated check, a rank) dies of the signal as by
-default: its parent ends it (:mod:`pytest_llmload.runners.children`). Registered where the run uses the plugin
+default: its parent ends it (:mod:`pytest_llmload.runners.children`); at the deadline, the parent takes the stacks of
+the children still running first, and they are printed in the summary and sent with the main job's ``interrupted``
+progress event (what stopped the run, and how: ``by``). Registered where the run uses the plugin
 (:data:`pytest_llmload.plugin.gates.SUB_PLUGINS`); not in an xdist worker, whose controller writes the files."""
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Optional
 
 import pytest
 
-from pytest_llmload.config.stash_keys import interrupted_key
+from pytest_llmload.config.stash_keys import interrupted_key, progress_key
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 JUNIT_PROPERTY = "llmload_interrupted"
@@ -37,6 +39,9 @@ class Interruption:
         self.deadline: Optional[threading.Timer] = None
         self.stopping = False
         self.running: Optional[str] = None  # the test running now (its node id)
+        self.by: Optional[str] = None  # what stopped the run: "deadline", a signal's name
+        self.stacks: Optional[str] = None  # the stacks of the running test's children, taken at the deadline
+        self.children_stacks = None  # (runners.children's switch, where a deadline is set)
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():  # (signal handlers: main thread only)
@@ -49,6 +54,9 @@ class Interruption:
         given = settings.given(self.config, "run_deadline")
         if given and given[0]:
             seconds, source = given
+            from pytest_llmload.runners.children import stacks_at_interruption
+
+            self.children_stacks = stacks_at_interruption  # (imported here: not from the timer's thread)
             self.deadline = threading.Timer(seconds, self._deadline_passed,
                                             args=(f"stopped at the run deadline, {seconds:g} s ({source})",))
             self.deadline.daemon = True
@@ -57,6 +65,8 @@ class Interruption:
     def uninstall(self) -> None:
         if self.deadline is not None:
             self.deadline.cancel()
+        if self.children_stacks is not None:
+            self.children_stacks.clear()
         for signum, handler in self.saved.items():
             if signal.getsignal(signum) == self._interrupt:
                 signal.signal(signum, handler)
@@ -70,14 +80,18 @@ class Interruption:
         if self.stopping:  # a second signal must not break off the reports the first one lets pytest write
             return
         self.stopping = True
-        stopped = f"stopped by {signal.Signals(signum).name}"  # (the main job's pytest says it so too: lifeline)
+        self.by = signal.Signals(signum).name
+        stopped = f"stopped by {self.by}"  # (the main job's pytest says it so too: lifeline)
         self.config.stash.setdefault(interrupted_key, stopped)
         raise KeyboardInterrupt(stopped)
 
     def _deadline_passed(self, reason: str) -> None:
         """From the timer's thread: SIGINT to the main thread, which raises ``KeyboardInterrupt`` there even while it
-        waits in a system call (a check's child), as Ctrl-C would."""
+        waits in a system call (a check's child), as Ctrl-C would; a check's children still running give their
+        stacks before they are killed, as at their own deadline."""
         self.config.stash.setdefault(interrupted_key, reason)
+        self.by = self.by or "deadline"
+        self.children_stacks.set()
         signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
     def pytest_runtest_logstart(self, nodeid: str) -> None:
@@ -96,6 +110,8 @@ class Interruption:
         if stopped:  # (pytest's own line says only "KeyboardInterrupt" where the deadline sent it)
             terminalreporter.write_line(f"llmload: the run was interrupted: {stopped}; the report files (JUnit XML, "
                                         "the HTML report) hold the tests that finished before it.", yellow=True)
+        if self.stacks:
+            terminalreporter.write_line(f"llmload: the stacks of its children when it stopped:\n{self.stacks}")
 
     def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo) -> None:
         """Before pytest's sessionfinish writes the files: what stopped the run and the test it stopped in, on the
@@ -108,6 +124,10 @@ class Interruption:
         if self.running:
             stopped += f" while {self.running} ran (it has no row)"
         self.config.stash[interrupted_key] = stopped
+        self.stacks = getattr(excinfo.value, "llmload_stacks", None)  # (runners.children, at the deadline)
+        progress = self.config.stash.get(progress_key, None)
+        if progress is not None:  # the main job's rows say what stopped the run, with the stacks
+            progress.write(event="interrupted", by=self.by, stopped=stopped, stacks=self.stacks)
         from _pytest.junitxml import xml_key  # (pytest's own key for its LogXML: no public handle exists)
 
         xml = self.config.stash.get(xml_key, None)

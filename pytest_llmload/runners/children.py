@@ -35,6 +35,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from typing import NamedTuple, Optional
@@ -44,6 +45,9 @@ from pytest_llmload.system import tracebacks
 from pytest_llmload.system.words import a_type
 
 _JOIN_S = 2.0
+# Set at the run's deadline (pytest_llmload.plugin.interruption): the children still running when its interruption
+# reaches run_children give their stacks before they are killed, on the KeyboardInterrupt (``llmload_stacks``).
+stacks_at_interruption = threading.Event()
 
 
 class ChildOutcome:
@@ -255,12 +259,26 @@ def run_children(specs, timeout: float, *, start: Start = Start(), tmp_root=None
             _reap(procs, outcomes)
             child_output.hand_back(workdir, outcomes, specs)
             return outcomes
+        except KeyboardInterrupt as stop:
+            if stacks_at_interruption.is_set() and not hasattr(stop, "llmload_stacks"):
+                _stacks_on(stop, procs, outcomes, workdir)
+            raise
         finally:
             _reap(procs, outcomes)
             _end_left_behind(procs, outcomes, started)
             for conn in conns:
                 conn.close()
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _stacks_on(stop: KeyboardInterrupt, procs, outcomes, workdir) -> None:
+    """The stacks of the children still running, on ``stop`` (the run's deadline), as at their own deadline."""
+    running = {i for i, (proc, outcome) in enumerate(zip(procs, outcomes))
+               if outcome.status == "pending" and proc.exitcode is None}
+    if running:
+        child_output.take_stacks(procs, outcomes, running, workdir)
+        stop.llmload_stacks = "\n".join(f"{outcomes[i].label} (pid {outcomes[i].pid}):\n{outcomes[i].stacks}"
+                                         for i in sorted(running))
 
 
 def _end_left_behind(procs, outcomes, since: float) -> None:

@@ -420,6 +420,93 @@ def test_a_signal_to_the_main_job_ends_its_whole_tree(misbehaving, signum):
     assert line.startswith(f"llmload: interrupted by {name} after ") and "pytest stopped and cleaned up" in line, err
 
 
+def test_the_deadline_stops_the_run_as_an_interruption_with_the_rows_so_far_and_the_childs_stacks(misbehaving):
+    """``--deadline S`` (issue 49 point 5): before, the main job had none (a CI timeout killed it, the rows lost); a
+    stop at pytest's run deadline read as a KeyboardInterrupt or Ctrl-C. Now exit 2, the check it stopped in an
+    interrupted row holding its child's stack, and --json saying the deadline stopped the run."""
+    out = misbehaving / "out.json"
+    run = warm_main_job("--loader", "misbehaving:hangs", "-k", "check_pad_token_set_offline", "--deadline", "3",
+                        "--json", str(out), cwd=misbehaving)
+    assert run.returncode == 2, run.stdout + run.stderr
+    document = json.loads(out.read_text())
+    assert document["interrupted"] is True, document
+    assert document["stopped"] == "the run's deadline (--deadline 3) passed while check_pad_token_set_offline ran"
+    (row,) = document["results"]
+    assert (row["check"], row["verdict"], row["cause"]) == ("check_pad_token_set_offline", "error", "interrupted")
+    assert row["sentence"].startswith("the run's deadline (--deadline 3) passed while this check ran; its output: ")
+    assert "its children's stacks when it stopped:" in row["sentence"] and 'misbehaving.py", line ' in row[
+        "sentence"] and "in hangs" in row["sentence"], row["sentence"]
+    assert "llmload: the run's deadline (--deadline 3) passed while check_pad_token_set_offline ran" in run.stderr
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "1e3", "inf", "nan", "²", ""])
+def test_a_deadline_that_is_not_seconds_is_a_usage_error(value, capsys):
+    from pytest_llmload.main_job.cli import run
+
+    def popen(command, **kwargs):
+        pytest.fail(f"a usage error started pytest: {command}")
+
+    with pytest.raises(SystemExit) as exited:
+        run(["--deadline", value], popen=popen)
+    assert exited.value.code == 4
+    assert f"llmload: error: argument --deadline: {value!r} is not a number of seconds above 0; give e.g. " \
+           "--deadline 3600" in capsys.readouterr().err
+
+
+def test_the_deadline_is_pytests_run_deadline_and_a_signal_is_passed_on_as_itself(monkeypatch):
+    """pytest's own run deadline marks its JUnit XML and HTML report; SIGHUP reaches it as SIGHUP (its report files
+    say SIGHUP, not SIGTERM)."""
+    import argparse
+    import io
+    import types
+
+    from pytest_llmload.main_job.process import MainJob, pytest_command
+
+    argv = pytest_command(None, None, Path("progress"), [], deadline=2.5)
+    assert argv[argv.index("--llmload-run-deadline") + 1] == "2.5"
+    sent = []
+    job = MainJob(argparse.Namespace(log=None, json_path=None), Path("."), io.StringIO())
+    job.child = types.SimpleNamespace(pid=-1, poll=lambda: None, wait=lambda timeout=None: 0)
+    monkeypatch.setattr(os, "killpg", lambda pid, signum: sent.append(signum))
+    assert job.stop(signal.SIGHUP)
+    assert sent == [signal.SIGHUP]
+
+
+def test_a_pytest_that_missed_its_own_deadline_is_stopped_by_the_main_job(tmp_path, monkeypatch):
+    """The main job's backstop: a pytest still running its grace after the deadline (stuck before its own deadline
+    was set, or in a finalizer) is stopped, and the run ends as at the deadline: exit 2, --json saying so."""
+    import argparse
+    import io
+
+    from pytest_llmload.main_job import process, table
+
+    monkeypatch.setattr(process, "STOP_GRACE_S", 0.0)
+    args = argparse.Namespace(log=None, json_path=str(tmp_path / "out.json"), runner=None, model=None,
+                              pytest_args=[], deadline=0.1)
+    job = process.MainJob(args, tmp_path, io.StringIO())
+    sent = []
+
+    class Stuck:  # a pytest that ends only when signalled
+        pid = -1
+
+        def poll(self):
+            return -sent[0] if sent else None
+
+        def wait(self, timeout=None):
+            if not sent:
+                raise subprocess.TimeoutExpired("pytest", timeout)
+            return -sent[0]
+
+    monkeypatch.setattr(os, "killpg", lambda pid, signum: sent.append(signum))
+    job.child = Stuck()
+    with pytest.raises(process.Interrupted) as stop:
+        job.follow()
+    assert table.report_interrupted(job, stop.value) == 2 and sent == [signal.SIGTERM]
+    document = json.loads((tmp_path / "out.json").read_text())
+    assert document["interrupted"] and document["stopped"].startswith("the run's deadline (--deadline 0.1) passed "
+                                                                      "after "), document
+
+
 def test_a_hung_loader_costs_one_deadline_not_one_per_check(misbehaving):
     checks = "(pad_token or load_writes) and not cuda"
     # What the main job decides after a hang (the deadline is the isolated child's, killed in the forked pytest as in
@@ -778,7 +865,7 @@ def test_a_signal_keeps_the_rows_so_far_and_writes_them_to_json_marked_interrupt
     import io
     import types
 
-    from pytest_llmload.main_job.process import MainJob
+    from pytest_llmload.main_job.process import Interrupted, MainJob
     from pytest_llmload.main_job.table import report_interrupted
     from pytest_llmload.system import json_lines
 
@@ -795,7 +882,7 @@ def test_a_signal_keeps_the_rows_so_far_and_writes_them_to_json_marked_interrupt
                    {"event": "start", "nodeid": "x[b]", "check": "check_pad_token_set_offline"}):
         json_lines.append(progress, record)
     os.close(progress)
-    assert report_interrupted(job, signal.SIGTERM) == 128 + signal.SIGTERM
+    assert report_interrupted(job, Interrupted(signal.SIGTERM)) == 128 + signal.SIGTERM
     document = json.loads((tmp_path / "out.json").read_text())
     assert document["interrupted"] is True and document["stopped"].startswith(
         "interrupted by SIGTERM after "), document["stopped"]
