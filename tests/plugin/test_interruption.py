@@ -33,12 +33,12 @@ def test_never_started():
 WAIT_S = 60.0  # for a loaded runner; a run that works takes about a second
 
 
-def _run(pytester: pytest.Pytester, *args: str, signum=None, env=None) -> tuple[int, str]:
-    """pytest on :data:`SLEEPER` with ``args`` (and ``env`` added to the environment); ``signum`` sent once the
-    sleeping test has started. Its exit code and output."""
+def _run(pytester: pytest.Pytester, *args: str, signum=None, env=None, tests: str = SLEEPER) -> tuple[int, str]:
+    """pytest on ``tests`` (:data:`SLEEPER`) with ``args`` (and ``env`` added to the environment); ``signum`` sent
+    once the sleeping test has started. Its exit code and output."""
     from fixtures.warm_popen import popen_forked
 
-    pytester.makepyfile(test_sleeper=SLEEPER)
+    pytester.makepyfile(test_sleeper=tests)
     env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(filter(None, [str(pytester.path),
                                                                                    os.environ.get("PYTHONPATH")]))}
     output_path = pytester.path / "output.txt"
@@ -100,6 +100,17 @@ def test_run_deadline_stops_the_run_and_writes_the_reports(pytester: pytest.Pyte
     assert cases == ["test_finished"]
     assert properties["llmload_interrupted"] == ("stopped at the run deadline, 2 s (--llmload-run-deadline) while "
                                                  "test_sleeper.py::test_sleeps ran (it has no row)")
+
+
+def test_run_deadline_takes_the_stacks_of_the_running_tests_children(pytester: pytest.Pytester) -> None:
+    """Before, the deadline's interruption killed a check's children without a word of where they were."""
+    sleeper = SLEEPER.replace("    time.sleep(60)\n", "    run_isolated(sleeps_in_its_child, timeout=60)\n") + (
+        "\nfrom pytest_llmload.runners.isolation import run_isolated\n\n\ndef sleeps_in_its_child():\n"
+        "    time.sleep(60)\n")
+    code, output = _run(pytester, "--llmload-run-deadline=2", tests=sleeper)
+    assert code == pytest.ExitCode.INTERRUPTED, output
+    stacks = output[output.index("llmload: the stacks of its children when it stopped:"):]
+    assert 'test_sleeper.py", line ' in stacks and "in sleeps_in_its_child" in stacks, output
 
 
 def test_a_handler_set_by_others_is_left_and_ours_undone(pytester: pytest.Pytester) -> None:
