@@ -68,7 +68,7 @@ def _junit(pytester: pytest.Pytester) -> tuple[list[str], dict[str, str]]:
 
 @pytest.mark.parametrize("under_main_job", [False, True], ids=["plain pytest", "the main job's pytest"])
 def test_sigterm_writes_junit_with_the_rows_so_far(pytester: pytest.Pytester, under_main_job: bool) -> None:
-    """Under the main job (which passes SIGTERM and SIGHUP on as SIGTERM) its pytest has the main job's handler
+    """Under the main job (which passes SIGTERM and SIGHUP on as they came) its pytest has the main job's handler
     (:func:`pytest_llmload.runners.lifeline.tie_to_main_job`, here with this process as the main job): the same
     file, the same property."""
     from pytest_llmload.config.vocabulary import PARENT_ENV
