@@ -93,10 +93,11 @@ def report(job: "MainJob", code: int) -> tuple[int, bool]:
                 print(f"llmload: {in_main_job_terms(line)}", file=sys.stderr)
         keep = crashed or not (job.collect_errors or code == EXIT_USAGE)  # else the errors above are the whole story
         where = f"full output: {job.log_path}" if keep or args.log else "pytest output removed (--log PATH keeps it)"
-        print(f"llmload: pytest exited {code} before any check ran; {where}", file=sys.stderr)
+        by = job.interrupted_by()  # (the run's deadline during collection, say)
+        said = f"{by} before any check ran" if by else f"pytest exited {code} before any check ran"
+        print(f"llmload: {said}; {where}", file=sys.stderr)
         errors = "; ".join(f"collection error in {error['nodeid'] or 'the session'}" for error in job.collect_errors)
-        write_json(job, stopped=f"pytest exited {code} before any check ran{': ' + errors if errors else ''}; {where}",
-                   interrupted=code == INTERRUPTED)
+        write_json(job, stopped=f"{said}{': ' + errors if errors else ''}; {where}", interrupted=code == INTERRUPTED)
         # pytest's own code where it has one for this (2: collection errors or an interruption; 4: a usage error)
         return (EXIT_FAILED if crashed else code if code in (INTERRUPTED, EXIT_USAGE) else EXIT_USAGE), keep
 

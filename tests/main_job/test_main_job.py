@@ -507,6 +507,28 @@ def test_a_pytest_that_missed_its_own_deadline_is_stopped_by_the_main_job(tmp_pa
                                                                       "after "), document
 
 
+def test_a_deadline_that_passed_before_any_check_says_so(tmp_path, capsys):
+    """pytest stopped at the run's deadline while it collected: --json's ``stopped`` names the deadline, not a bare
+    "pytest exited 2"."""
+    import argparse
+    import io
+
+    from pytest_llmload.main_job import table
+    from pytest_llmload.main_job.process import MainJob
+
+    (tmp_path / "pytest.log").write_text("...")
+    args = argparse.Namespace(log=None, json_path=str(tmp_path / "out.json"), runner=None, model=None,
+                              pytest_args=[], keyword=None, deadline=2.0)
+    job = MainJob(args, tmp_path, io.StringIO())
+    job.interruption = {"event": "interrupted", "by": "deadline", "stopped": "stopped at the run deadline, 2 s "
+                        "(--llmload-run-deadline)", "stacks": None}  # (its progress file's event)
+    assert table.report(job, 2)[0] == 2
+    document = json.loads((tmp_path / "out.json").read_text())
+    assert document["interrupted"] and document["stopped"].startswith(
+        "the run's deadline (--deadline 2) passed before any check ran; "), document
+    assert "llmload: the run's deadline (--deadline 2) passed before any check ran" in capsys.readouterr().err
+
+
 def test_a_hung_loader_costs_one_deadline_not_one_per_check(misbehaving):
     checks = "(pad_token or load_writes) and not cuda"
     # What the main job decides after a hang (the deadline is the isolated child's, killed in the forked pytest as in
