@@ -44,9 +44,9 @@ class Verdict(NamedTuple):
 
 def judged(check: Any, *, raised: Optional[BaseException] = None, skipped: Optional[str] = None,
            xfail: Optional[tuple[bool, str]] = None, failed: Optional[str] = None, failed_in: str = "call") -> dict:
-    """The judged fields of ``check``'s row (:data:`JUDGED_FIELDS`, plain data: an isolated child sends them back as
-    they are), from what happened: it returned (nothing given: ``passed``); it ``raised`` (judged here, also what its
-    children raised, and how they ended); it ``skipped`` (the skip reason: its kind from its words); ``xfail``
+    """The judged fields of ``check``'s row (:data:`JUDGED_FIELDS`, plain data: an isolated child or a rank sends them
+    back as they are), from what happened: it returned (nothing given: ``passed``); it ``raised`` (judged here; its
+    ranks': how they ended, else the rows they judged themselves); it ``skipped`` (the skip reason: its kind from its words); ``xfail``
     (whether it failed, pytest's reason); or it ``failed`` with no exception of its own to judge (a setup that failed,
     ``failed_in``; a failure ``--llmload-strict`` made of a skip or an assumption).
 
