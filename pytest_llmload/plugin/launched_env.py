@@ -123,18 +123,22 @@ def _run_here(launch: Launch, fn, args, kwargs, backend, timeout, env, init_proc
     rank_env.update(env or {})
     prepare = functools.partial(ranks._prepare_rank, launch.rank, launch.world_size, port, backend, rank_env,
                                 init_process_group, timeout)
-    spec = children.ChildSpec(f"rank {launch.rank}", fn, args, kwargs, merge_output=True, prepare=prepare)
+    from pytest_llmload.config.stash_keys import running_checks_judge
+
+    # The rank judges what it raised with its check's judge, as a rank the check forked does (runners.ranks).
+    spec = children.ChildSpec(f"rank {launch.rank}", fn, args, kwargs, merge_output=True, prepare=prepare,
+                              judge=running_checks_judge.get())
     (outcome,) = children.run_children([spec], timeout, start=children.start_for(backend=backend),
                                        prefix="llmload-rank-", once_forked=once_forked)
     return outcome
 
 
-_SENT = ("status", "value", "error", "traceback", "exitcode", "stacks", "output", "pid")
+_SENT = ("status", "value", "error", "traceback", "exitcode", "stacks", "output", "pid", "row")
 # What each key of a run holds: rank 0's port of the run's store (the others post None); every rank's outcome.
 PORT = wire.Shape("a port number (rank 0's) or None", lambda v: v is None or (type(v) is int and 0 < v < 65536), 64)
 _RESULT_FIELDS = {"status": str, "error": str, "traceback": str, "stacks": str, "output": str, "host": str,
                   "exitcode": (int, type(None)), "pid": (int, type(None)), "skip": (str, type(None)),
-                  "finished_at": (float, int, type(None))}
+                  "finished_at": (float, int, type(None)), "row": (dict, type(None))}
 RESULT = wire.Shape(
     f"a rank's outcome (a dict of {', '.join(('value', *_RESULT_FIELDS))}; the value plain data)",
     lambda v: type(v) is dict and v.keys() == {"value", *_RESULT_FIELDS} and all(

@@ -332,3 +332,21 @@ def test_a_store_never_listens_on_every_interface_unless_asked_for():
     wire.listening_socket(2, host="0.0.0.0", every_interface_allowed=True).close()
     assert [wire.every_interface(host) for host in ("0.0.0.0", "::", "", "*", "0", "[::]", "0x0", "::0")] == [True] * 8
     assert not any(wire.every_interface(host) for host in ("127.0.0.1", "::1", "node0", "10.1.2.3"))
+
+
+def test_a_launched_ranks_judged_row_crosses_the_store_and_comes_back_as_it_was():
+    """A rank under torchrun/srun judges what it raised with its check's judge, as a forked rank does, and its row
+    reaches the check's process through the store (its outcome's shape holds it): the process picks the most telling
+    rank's row without judging it again."""
+    from pytest_llmload.plugin.launched_env import RESULT, _outcomes, _portable
+    from pytest_llmload.runners.children import ChildOutcome
+
+    sent = ChildOutcome(1, "rank 1")
+    sent.status, sent.error, sent.exitcode, sent.pid = "raised", "AssertionError: spread", None, 7
+    sent.row = {"verdict": "failed", "failure": "distributed-device-map", "cause": "mechanism",
+                "sentence": "device_map spread the model under DDP", "fix": "device_map={'': local_rank}"}
+    posted = wire.unseal("r/result/1", wire.seal("r/result/1", _portable(sent), b"s", RESULT), b"s", RESULT, 1)
+    (received,) = _outcomes({0: posted}, 1, 1.0)
+    assert received.row == sent.row and received.status == "raised"
+    with pytest.raises(wire.NotPlainData):
+        wire.seal("r/result/1", {**_portable(sent), "row": "failed"}, b"s", RESULT)
