@@ -425,18 +425,20 @@ def test_the_deadline_stops_the_run_as_an_interruption_with_the_rows_so_far_and_
     stop at pytest's run deadline read as a KeyboardInterrupt or Ctrl-C. Now exit 2, the check it stopped in an
     interrupted row holding its child's stack, and --json saying the deadline stopped the run."""
     out = misbehaving / "out.json"
-    run = warm_main_job("--loader", "misbehaving:hangs", "-k", "check_pad_token_set_offline", "--deadline", "3",
+    # (the loader is called about 1.3 s into the run here: 5 s leaves a loaded runner room to reach it; the wait
+    # sleeps, it costs no CPU)
+    run = warm_main_job("--loader", "misbehaving:hangs", "-k", "check_pad_token_set_offline", "--deadline", "5",
                         "--json", str(out), cwd=misbehaving)
     assert run.returncode == 2, run.stdout + run.stderr
     document = json.loads(out.read_text())
     assert document["interrupted"] is True, document
-    assert document["stopped"] == "the run's deadline (--deadline 3) passed while check_pad_token_set_offline ran"
+    assert document["stopped"] == "the run's deadline (--deadline 5) passed while check_pad_token_set_offline ran"
     (row,) = document["results"]
     assert (row["check"], row["verdict"], row["cause"]) == ("check_pad_token_set_offline", "error", "interrupted")
-    assert row["sentence"].startswith("the run's deadline (--deadline 3) passed while this check ran; its output: ")
+    assert row["sentence"].startswith("the run's deadline (--deadline 5) passed while this check ran; its output: ")
     assert "its children's stacks when it stopped:" in row["sentence"] and 'misbehaving.py", line ' in row[
         "sentence"] and "in hangs" in row["sentence"], row["sentence"]
-    assert "llmload: the run's deadline (--deadline 3) passed while check_pad_token_set_offline ran" in run.stderr
+    assert "llmload: the run's deadline (--deadline 5) passed while check_pad_token_set_offline ran" in run.stderr
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "1e3", "inf", "nan", "²", ""])
