@@ -204,7 +204,8 @@ SLOW_TESTS = {
         "test_a_real_commands_known_failure_fails_its_item_at_the_repos_line_with_the_fix"),
     "tests/plugin/test_interruption.py": (
         "test_sigterm_writes_junit_with_the_rows_so_far", "test_sighup_writes_the_html_report_with_a_banner",
-        "test_run_deadline_stops_the_run_and_writes_the_reports"),
+        "test_run_deadline_stops_the_run_and_writes_the_reports",
+        "test_run_deadline_takes_the_stacks_of_the_running_tests_children"),
 }
 
 
