@@ -8,7 +8,7 @@ what each guards against), ``collect_error``, ``console`` (a line the run shows 
 ``start`` and ``result`` (one per test, its row as it is, :class:`~pytest_llmload.reports.row.Row`: a check's as the
 plugin decided it, a test's that runs no check one with no guards; the main job's parent makes the row again,
 :meth:`~pytest_llmload.reports.row.Row.from_dict`), ``interrupted`` (what stopped the run early — its deadline, a
-signal — with the stopped check's children's stacks, :mod:`pytest_llmload.plugin.interruption`). The main job's parent
+signal — with the stopped check's children's stacks). The main job's parent
 learns everything it prints from these events: it imports no check. They hang off hooks that run in the
 controlling process under xdist too.
 """
