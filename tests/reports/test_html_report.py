@@ -279,7 +279,8 @@ def test_a_checks_pictures_come_from_its_row(pytestconfig, tmp_path):
                              "rss_peak": 303 * MiB, "running": False, "seconds": 0.2, "started": 1.0,
                              "detail": "llama for train on cpu"}]}
     row = Row(check="own_thing", verdict="passed", guards="use-cache-off", seconds=0.3, artefacts=artefacts)
-    report = HtmlReport(pytestconfig, tmp_path / "report.html", extras=False, missing_matplotlib=False)
+    # (a config of its own: this test's may be an xdist worker's, where the report collects nothing)
+    report = HtmlReport(SimpleNamespace(), tmp_path / "report.html", extras=False, missing_matplotlib=False)
     nodeid = "test_gate.py::test_loader_check[own_thing]"
     for when in ("setup", "call", "teardown"):
         report.pytest_runtest_logreport(SimpleNamespace(
