@@ -57,6 +57,14 @@ def _runs(job: dict) -> str:
     return "\n".join(step.get("run", "") for step in job["steps"])
 
 
+def test_every_package_folder_ships_in_the_wheel():
+    """setuptools ships only the packages pyproject.toml lists: a folder added to the package and not listed there is
+    missing from every user's install (the `commands` layer of `python -m pytest_llmload run` once was)."""
+    folders = {".".join(init.parent.relative_to(ROOT).parts) for init in (ROOT / "pytest_llmload").rglob("__init__.py")}
+    listed = set(PYPROJECT["tool"]["setuptools"]["packages"])
+    assert folders <= listed, f"add to [tool.setuptools] packages in pyproject.toml: {sorted(folders - listed)}"
+
+
 def test_the_release_workflow_builds_checks_tests_the_wheel_outside_and_publishes_on_a_tag():
     workflow = _workflow()
     assert workflow["on"] == {"push": {"tags": ["v*"]}}
