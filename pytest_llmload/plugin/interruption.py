@@ -22,7 +22,6 @@ from typing import Optional
 import pytest
 
 from pytest_llmload.config.stash_keys import interrupted_key, progress_key
-from pytest_llmload.runners.lifeline import died_as_by_default_if_forked
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 JUNIT_PROPERTY = "llmload_interrupted"
@@ -74,7 +73,9 @@ class Interruption:
         self.saved.clear()
 
     def _interrupt(self, signum, frame) -> None:
-        if died_as_by_default_if_forked(self.owner, signum):  # (a child forked from this process)
+        if os.getpid() != self.owner:  # a child forked from this process: die as by default, its parent reports it
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
             return
         if self.stopping:  # a second signal must not break off the reports the first one lets pytest write
             return

@@ -111,18 +111,10 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def died_as_by_default_if_forked(owner: Optional[int], signum: int) -> bool:
-    """In a process forked from ``owner`` (an isolated check's child, a rank), which inherited ``owner``'s handler of
-    ``signum``: die of it as by default (its parent ends it and reports it). ``False`` in ``owner`` itself."""
-    if os.getpid() == owner:
-        return False
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
-    return True
-
-
 def _interrupt(signum, frame) -> None:
-    if died_as_by_default_if_forked(_Tie.owner, signum):
+    if os.getpid() != _Tie.owner:  # an isolated child or rank forked from the tied process: die as by default
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
         return
     if _Tie.stopping:  # a second signal must not break off the cleanup the first one started
         return
