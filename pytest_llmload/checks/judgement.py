@@ -124,9 +124,8 @@ def _of_children(exc: BaseException, outcomes: list, failure: Any) -> Verdict:
     ending = children_end(outcomes)
     if ending.how == "hung":
         return _hang(failure, ending.in_loader, _first_line(exc))
-    if ending.how == "died":  # (the sentence without the call's name the death message starts with: the row names it)
-        died = next(o for o in outcomes if o.status == "died")
-        return Verdict("error", None, "died", _first_line(exc).removeprefix(f"{died.label}: "))
+    if ending.how == "died":
+        return Verdict("error", None, "died", _first_line(exc))
     rows = [o.row for o in outcomes if o.status == "raised" and o.row is not None]
     for cause in ("mechanism", "contract", "loader", "model", "hang", "check"):  # the most telling first
         row = next((row for row in rows if row["cause"] == cause), None)

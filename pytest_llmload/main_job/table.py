@@ -130,7 +130,7 @@ def report(job: "MainJob", code: int) -> tuple[int, bool]:
                 job.say(line)
     if fast:
         names = ", ".join(row.check for row in fast)
-        job.say(f"NOT RUN {names}: {in_main_job_terms(fast[0].sentence)}")
+        job.say(f"NOT RUN {names}: {in_main_job_terms(fast[0].finding)}")
     predictions = [(row.check, row.prediction) for row in job.results if row.prediction]
     for line in where_the_model_goes(predictions, "--json" if args.json_path else "--json PATH"):
         job.say(line)

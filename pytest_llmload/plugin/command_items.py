@@ -183,7 +183,7 @@ class CommandItem(pytest.Item):
                 kept = bool(result.outputs)
                 raise CommandFailed(result.failure_text())
             if not result.exercised:
-                reasons = "; ".join(row.sentence.removeprefix("not exercised: ") for row in result.rows)
+                reasons = "; ".join(row.finding.removeprefix("not exercised: ") for row in result.rows)
                 raise pytest.skip.Exception(f"{self.command.name} ran ({result.command_row.note or 'finished'}) but "
                                             f"reached no known failure's mechanism: {reasons}", _use_item_location=True)
         finally:

@@ -403,7 +403,7 @@ def _card(row: dict, drawn: _Pictures) -> str:
     esc = html.escape
     kind = _verdict_of(row)[0]
     check_row, nodeid, name = row["row"], row["nodeid"], _name(row)
-    finding = check_row.sentence
+    finding = check_row.finding
     guards = f" &middot; guards {esc(check_row.guards)}" if check_row.guards else ""
     parts = [f'<section class="card {esc(kind)}" id="{_anchor(nodeid)}" data-check="{esc(name)}" '
              f'data-verdict="{esc(kind)}">',

@@ -80,6 +80,12 @@ class Row:
         return "; ".join(self.notes)
 
     @property
+    def finding(self) -> str:
+        """The sentence as a line that names the check says it: an isolated check's death starts with the check's
+        name (:func:`pytest_llmload.runners.isolation.run_isolated`'s label)."""
+        return self.sentence.removeprefix(f"{self.check}: ")
+
+    @property
     def outcome(self) -> str:
         """pytest's word for the row: a skip is a skip whatever its kind (``not exercised``, ``not applicable``)."""
         return "skipped" if self.verdict in ("not exercised", "not applicable") else self.verdict
@@ -123,7 +129,7 @@ def failed_lines(row: Row, ran: str, *, label: str = "", terms=str) -> list[str]
     command``); ``label`` instead of the verdict's (``FAILED (not gated)``); ``terms`` rewrites the text for the
     reader (the main job's words for the plugin's options)."""
     label = label or {"error": "ERROR", "predicted": "PREDICTED"}.get(row.outcome, "FAILED")
-    text = terms(row.sentence).replace("\n", "\n    ")
+    text = terms(row.finding).replace("\n", "\n    ")
     lines = [f"{label} {row.check}: {text}"]
     if row.fix is not None and row.fix not in text:
         lines.append(f"    fix ({row.failure or ran}): {terms(row.fix)}")

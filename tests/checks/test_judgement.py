@@ -67,19 +67,6 @@ def test_a_repo_checks_own_exception_that_does_not_pickle_is_judged_as_itself_in
                         f"loader): HoldsALock: cannot travel at own_unpicklable ({__file__}:{line})"), sentence
 
 
-def own_death(loader, checkpoint, workdir):
-    os._exit(3)
-
-
-def test_a_dead_childs_row_says_how_it_died_without_the_name_its_row_carries(tmp_path):
-    """The parent judges a child that died; the death message pytest shows starts with the call's name, which the
-    row carries as its check: the sentence is what happened, as every reader prints it after the name."""
-    check = Check(own_death, FAILURE, isolated=True, timeout=60)
-    row = row_of(check, raised=raised_by(check, tmp_path))
-    assert (row.verdict, row.cause) == ("error", "died")
-    assert row.sentence.startswith("its child (pid "), row.sentence
-
-
 def test_the_parent_takes_a_childs_row_as_it_is_and_adds_what_the_run_carries():
     exc = AssertionError("what the parent alone would call a finding")
     cause = ChildTraceback("in the isolated child (pid 1): ...")
